@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 
 namespace lm {
@@ -156,14 +157,25 @@ double load(DType dt, const void* p) {
   return 0;
 }
 
+// Float -> integer conversion as a defined operation: truncation toward zero, saturating at the
+// type's range, NaN -> 0. (A plain static_cast of NaN or an out-of-range value is undefined.)
+template <class I>
+I to_int_saturating(double v) {
+  constexpr double lo = static_cast<double>(std::numeric_limits<I>::min());  // -2^31 / -2^63, exact
+  if (std::isnan(v)) return 0;
+  if (v <= lo) return std::numeric_limits<I>::min();
+  if (v >= -lo) return std::numeric_limits<I>::max();
+  return static_cast<I>(v);
+}
+
 void store(DType dt, void* p, double v) {
   switch (dt) {
     case DType::F32: *static_cast<float*>(p) = static_cast<float>(v); break;
     case DType::F64: *static_cast<double*>(p) = v; break;
     case DType::BF16: *static_cast<bf16*>(p) = bf16(static_cast<float>(v)); break;
     case DType::F16: *static_cast<f16*>(p) = f16(static_cast<float>(v)); break;
-    case DType::I32: *static_cast<int32_t*>(p) = static_cast<int32_t>(v); break;
-    case DType::I64: *static_cast<int64_t*>(p) = static_cast<int64_t>(v); break;
+    case DType::I32: *static_cast<int32_t*>(p) = to_int_saturating<int32_t>(v); break;
+    case DType::I64: *static_cast<int64_t*>(p) = to_int_saturating<int64_t>(v); break;
   }
 }
 

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -38,7 +39,10 @@ SafeTensorsFile SafeTensorsFile::open(const std::string& path) {
   auto map = std::make_shared<Mapping>();
   map->size = static_cast<size_t>(st.st_size);
   if (map->size > 0) {
-    map->addr = mmap(nullptr, map->size, PROT_READ, MAP_PRIVATE, fd, 0);
+    // Copy-on-write: get() hands out zero-copy views of this mapping, and a caller that writes into
+    // one (e.g. updates a loaded weight in place) gets a private page instead of a SIGSEGV; the file
+    // never changes. MAP_NORESERVE keeps a checkpoint larger than RAM + swap mappable.
+    map->addr = mmap(nullptr, map->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE, fd, 0);
     if (map->addr == MAP_FAILED) {
       map->addr = nullptr;
       ::close(fd);
@@ -54,6 +58,7 @@ SafeTensorsFile SafeTensorsFile::open(const std::string& path) {
 }
 
 SafeTensorsFile SafeTensorsFile::from_bytes(std::shared_ptr<const std::vector<char>> bytes, const std::string& label) {
+  LM_CHECK(bytes != nullptr, "'{}': no bytes given", label);
   SafeTensorsFile f;
   f.path_ = label;
   f.owner_ = bytes;
@@ -99,14 +104,17 @@ void SafeTensorsFile::parse(const char* base, size_t size) {
     ti.name = name;
     const std::string dt = v["dtype"].get<std::string>();
     LM_CHECK(dtype_from_name(dt, ti.dtype), "'{}': tensor '{}' has unsupported dtype '{}'", p, name, dt);
-    uint64_t numel = 1;
+    // numel_nz (the product with zero dims counted as 1) bounds the strides of the tensor, so an
+    // empty tensor such as [0, 2^39, 2^39] cannot overflow int64 stride arithmetic later.
+    uint64_t numel = 1, numel_nz = 1;
     for (const auto& d : v["shape"]) {
       LM_CHECK(d.is_number_unsigned() || (d.is_number_integer() && d.get<int64_t>() >= 0),
                "'{}': tensor '{}' has a shape entry that is not a non-negative integer", p, name);
       const uint64_t x = d.get<uint64_t>();
-      LM_CHECK(x < (1ull << 40) && (x == 0 || numel <= (1ull << 50) / x), "'{}': tensor '{}' has an absurd shape", p,
-               name);
+      LM_CHECK(x < (1ull << 40) && (x == 0 || numel_nz <= (1ull << 50) / x), "'{}': tensor '{}' has an absurd shape",
+               p, name);
       numel *= x;
+      numel_nz *= std::max<uint64_t>(x, 1);
       ti.shape.push_back(static_cast<int64_t>(x));
     }
     for (const auto& o : v["data_offsets"])
@@ -122,13 +130,15 @@ void SafeTensorsFile::parse(const char* base, size_t size) {
              shape_str(ti.shape), numel * dtype_size(ti.dtype), ti.end - ti.begin);
     infos_.push_back(std::move(ti));
   }
-  // Byte ranges must not overlap (a tensor aliasing another is a corrupt file).
+  // Byte ranges of non-empty tensors must not overlap (a tensor aliasing another is a corrupt file).
+  // Empty tensors occupy no bytes and may sit anywhere, including inside another tensor's range.
   std::vector<const TensorInfo*> order;
-  for (const auto& t : infos_) order.push_back(&t);
+  for (const auto& t : infos_)
+    if (t.end > t.begin) order.push_back(&t);
   std::sort(order.begin(), order.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
   for (size_t i = 1; i < order.size(); ++i)
-    LM_CHECK(order[i]->begin >= order[i - 1]->end || order[i - 1]->begin == order[i - 1]->end,
-             "'{}': tensors '{}' and '{}' overlap in the file", p, order[i - 1]->name, order[i]->name);
+    LM_CHECK(order[i]->begin >= order[i - 1]->end, "'{}': tensors '{}' and '{}' overlap in the file", p,
+             order[i - 1]->name, order[i]->name);
   std::sort(infos_.begin(), infos_.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
   for (size_t i = 0; i < infos_.size(); ++i) index_[infos_[i].name] = i;
 }
@@ -203,9 +213,13 @@ void write_file_atomic(const std::string& path, const std::string& bytes) {
     done += static_cast<size_t>(w);
   }
   ::fchmod(fd, 0644);
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+  const int sync_rc = ::fsync(fd);
+  const int sync_errno = errno;
+  const int close_rc = ::close(fd);  // always closed, even when fsync failed
+  const int close_errno = errno;
+  if (sync_rc != 0 || close_rc != 0) {
     ::unlink(tmp.c_str());
-    fail("flushing '{}' failed: {}", path, std::strerror(errno));
+    fail("flushing '{}' failed: {}", path, std::strerror(sync_rc != 0 ? sync_errno : close_errno));
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     const int e = errno;
@@ -229,8 +243,8 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
     LM_CHECK(!name.empty() && name != "__metadata__", "cannot save a tensor named '{}' to '{}'", name, path);
     LM_CHECK(seen.insert(name).second, "tensor '{}' given twice when saving '{}'", name, path);
     LM_CHECK(t.defined(), "tensor '{}' is undefined when saving '{}'", name, path);
-    LM_CHECK(t.device() == Device::CPU, "tensor '{}' is on {}; copy it to the CPU before saving", name,
-             device_name(t.device()));
+    LM_CHECK(t.device() == Device::CPU, "tensor '{}' is on {}; copy it to the CPU before saving '{}'", name,
+             device_name(t.device()), path);
     nlohmann::ordered_json e;
     e["dtype"] = std::string(dtype_name(t.dtype()));
     e["shape"] = t.shape();
@@ -238,7 +252,12 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
     offset += t.nbytes();
     h[name] = e;
   }
-  std::string header = h.dump();
+  std::string header;
+  try {
+    header = h.dump();
+  } catch (const nlohmann::json::exception& e) {  // e.g. a name or metadata value that is not UTF-8
+    fail("cannot save '{}': a tensor name or metadata entry is not valid UTF-8 ({})", path, e.what());
+  }
   while ((8 + header.size()) % 8) header.push_back(' ');  // keep the data section 8-byte aligned
   std::string out;
   out.reserve(8 + header.size() + offset);

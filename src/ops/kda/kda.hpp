@@ -77,7 +77,7 @@ struct ConvDims {
 };
 template <class F>
 void short_conv_forward(const F* x, const F* w, const F* cache, F* y, const ConvDims& d, bool silu);
-// dx written; dw [Cch, W] accumulated; dcache [num_seqs, Cch, W-1] written if non-null.
+// dx written; dw [Cch, W] accumulated (nullable); dcache [num_seqs, Cch, W-1] written if non-null.
 template <class F>
 void short_conv_backward(const F* x, const F* w, const F* cache, const F* dy, F* dx, F* dw, F* dcache,
                          const ConvDims& d, bool silu);

@@ -132,7 +132,7 @@ void short_conv_backward(const F* x, const F* w, const F* cache, const F* dy, F*
           }
         }
       }
-      for (int64_t c = c0; c < c1; ++c) {
+      for (int64_t c = c0; c < c1 && dw; ++c) {  // dw may be null: a frozen conv weight
         for (int64_t k = 0; k < W; ++k) {
           double acc = 0;  // a reduction over the whole sequence: double even for float
           for (int64_t t = 0; t < L; ++t) acc += dpre[static_cast<size_t>(t * cn + (c - c0))] * in(t - (W - 1) + k, c);

@@ -1,0 +1,215 @@
+#include "model/accounting.hpp"
+
+#include <algorithm>
+#include <fmt/format.h>
+
+namespace lm::model {
+
+namespace {
+constexpr int64_t kKdaChunk = 64;  // SPEC §2.1
+}
+
+ParamCounts count_params(const ModelConfig& c) {
+  ParamCounts r;
+  r.layer_total.assign(static_cast<size_t>(c.num_hidden_layers), 0);
+  r.layer_routed.assign(static_cast<size_t>(c.num_hidden_layers), 0);
+  const int64_t k = c.num_experts_per_token;
+  for_each_param(c, [&](const ParamSpec& p) {
+    const int64_t n = p.numel();
+    // A token runs k experts of each MoE layer; experts are the same size, so experts 0..k-1 stand
+    // for whichever k the router picks.
+    const bool active = p.component != Component::Embedding &&
+                        (p.component != Component::RoutedExpert || p.expert < k);
+    auto& cc = r.by_component[static_cast<size_t>(p.component)];
+    cc.total += n;
+    r.total += n;
+    if (p.trainable) r.trainable += n;
+    if (active) {
+      cc.activated += n;
+      r.activated += n;
+      if (p.matmul) r.activated_matmul += n;
+    }
+    if (p.layer >= 0) {
+      r.layer_total[static_cast<size_t>(p.layer)] += n;
+      if (p.component == Component::RoutedExpert) r.layer_routed[static_cast<size_t>(p.layer)] += n;
+    } else if (p.component == Component::Embedding) {
+      r.embedding += n;
+    } else {
+      r.head += n;
+    }
+  });
+  return r;
+}
+
+FlopsPerToken flops_per_token(const ModelConfig& c, int64_t seq_len, int64_t context) {
+  LM_CHECK(seq_len >= 1 && context >= 0, "flops_per_token: seq_len {} must be >= 1 and context {} >= 0", seq_len,
+           context);
+  const ParamCounts pc = count_params(c);
+  FlopsPerToken f;
+  f.seq_len = seq_len;
+  f.context = context;
+  f.matmul_fwd = 2.0 * static_cast<double>(pc.activated_matmul);
+  const double Hm = static_cast<double>(c.num_attention_heads);
+  const double mla_layers = static_cast<double>(c.num_mla_layers());
+  const double kda_layers = static_cast<double>(c.num_kda_layers());
+  const double keys_mean = (static_cast<double>(seq_len) + 1.0) / 2.0;
+  f.mla_attn_fwd_train =
+      mla_layers * 2.0 * Hm * static_cast<double>(c.mla_qk_head_dim() + c.v_head_dim) * keys_mean;
+  const double K = static_cast<double>(c.kda_head_dim), C = static_cast<double>(kKdaChunk);
+  f.kda_attn_fwd = kda_layers * static_cast<double>(c.kda_num_heads) * (6 * K * K + 3 * C * K + C * C);
+  f.train = 3.0 * (f.matmul_fwd + f.mla_attn_fwd_train + f.kda_attn_fwd);
+  const double absorbed = 2.0 * Hm * static_cast<double>(2 * c.kv_lora_rank + c.qk_rope_head_dim);
+  f.decode = f.matmul_fwd + mla_layers * absorbed * static_cast<double>(context) +
+             kda_layers * static_cast<double>(c.kda_num_heads) * 8.0 * K * K;
+  return f;
+}
+
+DecodeMemory decode_memory(const ModelConfig& c, int64_t context, int cache_bytes, int weight_bytes_per_param) {
+  LM_CHECK(context >= 0, "decode_memory: context {} must not be negative", context);
+  LM_CHECK(cache_bytes > 0 && weight_bytes_per_param > 0, "decode_memory: byte sizes must be positive");
+  DecodeMemory m;
+  m.context = context;
+  m.cache_bytes = cache_bytes;
+  m.mla_bytes_per_token = c.mla_cache_dim() * cache_bytes * c.num_mla_layers();
+  m.mla_bytes_per_seq = m.mla_bytes_per_token * context;
+  const int64_t HK = c.kda_key_dim();
+  m.kda_state_bytes_per_seq = HK * c.kda_head_dim * 4 * c.num_kda_layers();  // H*K*V fp32, V = K
+  m.conv_state_bytes_per_seq = 3 * HK * (c.kda_conv_kernel - 1) * cache_bytes * c.num_kda_layers();
+  m.total_bytes_per_seq = m.mla_bytes_per_seq + m.kda_state_bytes_per_seq + m.conv_state_bytes_per_seq;
+  m.weight_bytes = count_params(c).total * weight_bytes_per_param;
+  return m;
+}
+
+std::string_view optimizer_name(Optimizer o) { return o == Optimizer::AdamW ? "adamw" : "muon"; }
+std::string_view recompute_name(Recompute r) { return r == Recompute::None ? "none" : "full"; }
+
+void ParallelPlan::validate(const ModelConfig& c) const {
+  LM_CHECK(dp >= 1 && ep >= 1 && pp >= 1 && tp >= 1, "parallel plan: dp, ep, pp, tp must be >= 1 (got {}, {}, {}, {})",
+           dp, ep, pp, tp);
+  LM_CHECK(micro_batch >= 1 && seq_len >= 1, "parallel plan: micro-batch {} and sequence length {} must be >= 1",
+           micro_batch, seq_len);
+  LM_CHECK(pp <= c.num_hidden_layers, "parallel plan: pp = {} exceeds the {} layers", pp, c.num_hidden_layers);
+  if (c.num_experts > 0) {
+    LM_CHECK(c.num_experts % ep == 0, "parallel plan: ep = {} does not divide num_experts = {}", ep, c.num_experts);
+    LM_CHECK((dp * tp) % ep == 0, "parallel plan: ep = {} must divide dp x tp = {} (expert groups are carved from the "
+             "data- and tensor-parallel ranks of a stage)", ep, dp * tp);
+  } else {
+    LM_CHECK(ep == 1, "parallel plan: ep = {} but the model has no routed experts", ep);
+  }
+}
+
+namespace {
+
+// bf16 activations saved for backward per token, by layer, in bytes (no recomputation). The SPEC
+// formulas name what is kept; norms keep their input, GLUs their gate/up outputs, attention its
+// projections and the softmax log-sum-exp (flash-style, no T x T matrix), KDA its chunk-start states.
+double activation_bytes_per_token(const ModelConfig& c, int64_t i) {
+  const double d = static_cast<double>(c.hidden_size);
+  double v = 4 * d;  // layer input, mixer-norm output, ffn input, ffn-norm output
+  if (c.has_attn_res()) v += 2 * d;  // the two AttnRes read outputs (the sources are counted per stage)
+  double bytes32 = 0;                // fp32 values
+  if (c.is_kda(i)) {
+    const double HK = static_cast<double>(c.kda_key_dim()), K = static_cast<double>(c.kda_head_dim),
+                 H = static_cast<double>(c.kda_num_heads);
+    v += 3 * HK + 3 * HK + K + HK + H + HK + HK + HK;  // q,k,v proj; conv out; f_a; g; beta; gate; o; gated o
+    bytes32 += H * K * K / static_cast<double>(kKdaChunk);  // state at each chunk start
+  } else {
+    const double Hm = static_cast<double>(c.num_attention_heads), qk = static_cast<double>(c.mla_qk_head_dim()),
+                 vh = static_cast<double>(c.v_head_dim), kvl = static_cast<double>(c.kv_lora_rank);
+    if (c.q_lora_rank) v += 2 * static_cast<double>(*c.q_lora_rank);
+    v += Hm * qk + static_cast<double>(c.mla_cache_dim()) + kvl + Hm * (qk + vh) + Hm * vh;
+    if (c.mla_use_output_gate) v += 2 * Hm * vh;
+    bytes32 += Hm;  // log-sum-exp
+  }
+  if (c.is_moe(i)) {
+    const double w = static_cast<double>(c.expert_width()), I = static_cast<double>(c.moe_intermediate_size),
+                 k = static_cast<double>(c.num_experts_per_token);
+    bytes32 += static_cast<double>(c.num_experts);  // router scores
+    v += k * (w + 3 * I);                            // dispatched inputs, gate/up, activation per chosen expert
+    v += 3 * static_cast<double>(c.shared_intermediate_size());
+    if (c.has_latent_moe()) {
+      v += w + w;        // latent input z and the normed expert sum
+      bytes32 += w;      // fp32 expert sum u
+    }
+  } else {
+    v += 3 * static_cast<double>(c.intermediate_size);
+  }
+  return 2 * v + 4 * bytes32;
+}
+
+}  // namespace
+
+TrainingMemory training_memory(const ModelConfig& c, const ParallelPlan& plan) {
+  plan.validate(c);
+  const ParamCounts pc = count_params(c);
+  TrainingMemory best;
+  const int64_t L = c.num_hidden_layers, P = plan.pp;
+  const double tokens = static_cast<double>(plan.micro_batch) * static_cast<double>(plan.seq_len);
+  const double dense_dp = static_cast<double>(plan.dp);                           // replicas of a dense shard
+  const double expert_dp = static_cast<double>(plan.dp * plan.tp / plan.ep);       // replicas of an expert shard
+  const double state_bytes = plan.optimizer == Optimizer::AdamW ? 8.0 : 4.0;       // m,v  or  momentum
+  int64_t first = 0;
+  for (int64_t s = 0; s < P; ++s) {
+    const int64_t n = L / P + (s < L % P ? 1 : 0);  // contiguous layers; early stages take the remainder
+    double dense = 0, expert = 0, act_layer_sum = 0;
+    for (int64_t i = first; i < first + n; ++i) {
+      expert += static_cast<double>(pc.layer_routed[static_cast<size_t>(i)]);
+      dense += static_cast<double>(pc.layer_total[static_cast<size_t>(i)] - pc.layer_routed[static_cast<size_t>(i)]);
+      act_layer_sum += activation_bytes_per_token(c, i);
+    }
+    if (s == 0) dense += static_cast<double>(pc.embedding);
+    if (s == P - 1) dense += static_cast<double>(pc.head);
+    first += n;
+
+    TrainingMemory m;
+    m.plan = plan;
+    m.stage = static_cast<int>(s);
+    m.stage_layers = n;
+    m.dense_params = dense / static_cast<double>(plan.tp);
+    m.expert_params = expert / static_cast<double>(plan.ep);
+    const double held = m.dense_params + m.expert_params;
+    m.weight_bytes = 2.0 * held;
+    m.grad_bytes = 4.0 * held;
+    const double sharded = plan.zero1 ? m.dense_params / dense_dp + m.expert_params / expert_dp : held;
+    m.master_bytes = 4.0 * sharded;
+    m.optimizer_bytes = state_bytes * sharded;
+    m.activation_bytes_per_token_layer = n > 0 ? act_layer_sum / static_cast<double>(n) : 0;
+    // 1F1B: stage s holds up to (P - s) micro-batches in flight.
+    const double in_flight = static_cast<double>(P - s);
+    const double sources = c.has_attn_res() ? static_cast<double>(c.attn_res_max_sources()) * 2.0 *
+                                                  static_cast<double>(c.hidden_size)
+                                            : 0.0;
+    double act;
+    if (plan.recompute == Recompute::None) {
+      act = in_flight * tokens * (act_layer_sum + sources);
+    } else {
+      // Keep only each layer's input (plus AttnRes sources); rebuild one layer at a time in backward.
+      const double boundary = static_cast<double>(n) * 2.0 * static_cast<double>(c.hidden_size) + sources;
+      act = in_flight * tokens * boundary + tokens * m.activation_bytes_per_token_layer;
+    }
+    m.activation_bytes = act / static_cast<double>(plan.tp);
+    m.total_bytes = m.weight_bytes + m.grad_bytes + m.master_bytes + m.optimizer_bytes + m.activation_bytes;
+    if (s == 0 || m.total_bytes > best.total_bytes) best = m;
+  }
+
+  auto& a = best.assumptions;
+  a.push_back(fmt::format("{} GPU(s) = dp {} x pp {} x tp {}; routed experts split over ep {} (ep groups carved from "
+                          "dp x tp), not tensor-split; dense weights split over tp and pp",
+                          plan.gpus(), plan.dp, plan.pp, plan.tp, plan.ep));
+  a.push_back("layers split contiguously over pipeline stages (earlier stages take the remainder); embedding on the "
+              "first stage, final norm + lm_head on the last; the largest stage is reported");
+  a.push_back(fmt::format("bf16 weights (2 B), fp32 gradients (4 B), fp32 master weights (4 B), {} state {} B/param; "
+                          "{}",
+                          optimizer_name(plan.optimizer), plan.optimizer == Optimizer::AdamW ? "m+v 8" : "momentum 4",
+                          plan.zero1 ? "master + optimizer state sharded over each parameter's data-parallel replicas "
+                                       "(ZeRO-1: dp for dense, dp*tp/ep for experts)"
+                                     : "no optimizer-state sharding"));
+  a.push_back(fmt::format("activations: bf16, micro-batch {} x {} tokens, 1F1B schedule (stage s keeps pp-s "
+                          "micro-batches in flight), divided by tp (sequence parallel), flash-style attention (no "
+                          "T x T), chunked cross-entropy (no [T, vocab] logits), recompute {}",
+                          plan.micro_batch, plan.seq_len, recompute_name(plan.recompute)));
+  a.push_back("not counted: communication buffers, allocator fragmentation, CUDA context, load imbalance of experts");
+  return best;
+}
+
+}  // namespace lm::model

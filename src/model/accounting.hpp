@@ -1,0 +1,101 @@
+#pragma once
+// Parameter, FLOP and memory accounting for a ModelConfig (SPEC §8). Everything is derived from
+// the tensor list of param_names.hpp, so the counts are exactly the tensors a checkpoint holds.
+//
+// Definitions
+//   total      every tensor in the checkpoint (incl. e_score_correction_bias, norms, AttnRes).
+//   activated  what one token touches: everything except the input embedding, with k of the E routed
+//              experts of each MoE layer (shared experts, router, latent projections, lm_head included).
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.hpp"
+#include "model/param_names.hpp"
+
+namespace lm::model {
+
+struct ComponentCount {
+  int64_t total = 0;
+  int64_t activated = 0;
+};
+
+struct ParamCounts {
+  int64_t total = 0;
+  int64_t activated = 0;
+  int64_t activated_matmul = 0;  // activated GEMM weights (lm_head, projections, experts): the 6N of FLOPs
+  int64_t trainable = 0;         // total minus the QB biases
+  std::array<ComponentCount, kNumComponents> by_component{};
+  // For pipeline/expert splits: per decoder layer, all params and the routed-expert part of them.
+  std::vector<int64_t> layer_total, layer_routed;
+  int64_t embedding = 0;  // model.embed_tokens (pipeline stage 0)
+  int64_t head = 0;       // model.norm + output AttnRes read + lm_head (last stage)
+
+  const ComponentCount& operator[](Component c) const { return by_component[static_cast<size_t>(c)]; }
+};
+ParamCounts count_params(const ModelConfig& c);
+
+// FLOPs per token. Matmul FLOPs are 2 per activated GEMM weight forward, 6 for training (fwd + bwd).
+// Attention adds, per MLA layer, 2*Hm*(qk+v) per attended key (forward, non-absorbed; causal training
+// at sequence length S attends (S+1)/2 keys on average), and per KDA layer and head the chunked cost
+// 6K^2 + 3CK + C^2 (C = 64, SPEC §2.1). Training multiplies the forward by 3. Decode at context N
+// uses the absorbed MLA form: 2*Hm*(2*kv_lora_rank + qk_rope) per cached token, and the KDA
+// recurrence 8*K*V per head.
+struct FlopsPerToken {
+  int64_t seq_len = 0, context = 0;
+  double matmul_fwd = 0;        // 2 * activated_matmul
+  double mla_attn_fwd_train = 0;  // at seq_len, causal average
+  double kda_attn_fwd = 0;
+  double train = 0;             // 3 * (matmul_fwd + mla_attn_fwd_train + kda_attn_fwd)
+  double decode = 0;            // one new token at `context` cached tokens (forward only)
+};
+FlopsPerToken flops_per_token(const ModelConfig& c, int64_t seq_len, int64_t context);
+
+// Decode-time state. MLA caches [RMSNorm_kv(c); k_r] = kv_lora_rank + qk_rope_head_dim values per token
+// per MLA layer (576 in K3); KDA keeps S = H*K*V fp32 per layer per sequence plus the last W-1 inputs
+// of the q, k and v short convolutions.
+struct DecodeMemory {
+  int64_t context = 0;
+  int cache_bytes = 2;  // bytes per cached MLA / conv value (bf16)
+  int64_t mla_bytes_per_token = 0;
+  int64_t mla_bytes_per_seq = 0;   // * context
+  int64_t kda_state_bytes_per_seq = 0;
+  int64_t conv_state_bytes_per_seq = 0;
+  int64_t total_bytes_per_seq = 0;
+  int64_t weight_bytes = 0;  // all parameters at `weight_bytes_per_param`
+};
+DecodeMemory decode_memory(const ModelConfig& c, int64_t context, int cache_bytes = 2, int weight_bytes_per_param = 2);
+
+enum class Optimizer { AdamW, Muon };
+enum class Recompute { None, Full };
+
+struct ParallelPlan {
+  int64_t dp = 1, ep = 1, pp = 1, tp = 1;
+  int64_t micro_batch = 1;  // sequences per micro-batch
+  int64_t seq_len = 8192;
+  Optimizer optimizer = Optimizer::AdamW;
+  bool zero1 = true;  // fp32 master weights + optimizer state sharded over each parameter's data-parallel group
+  Recompute recompute = Recompute::None;
+  int64_t gpus() const { return dp * pp * tp; }
+  // Throws lm::Error when the plan does not fit the model (EP must divide num_experts and dp*tp, pp <= L ...).
+  void validate(const ModelConfig& c) const;
+};
+
+struct TrainingMemory {
+  ParallelPlan plan;
+  int stage = 0;             // the pipeline stage with the largest footprint (reported)
+  int64_t stage_layers = 0;  // decoder layers in that stage
+  double dense_params = 0;   // non-routed parameters held by one device of that stage
+  double expert_params = 0;  // routed-expert parameters held by one device of that stage
+  double weight_bytes = 0, grad_bytes = 0, master_bytes = 0, optimizer_bytes = 0, activation_bytes = 0;
+  double activation_bytes_per_token_layer = 0;  // average over the stage's layers, before TP split
+  double total_bytes = 0;
+  std::vector<std::string> assumptions;
+};
+TrainingMemory training_memory(const ModelConfig& c, const ParallelPlan& plan);
+
+std::string_view optimizer_name(Optimizer o);
+std::string_view recompute_name(Recompute r);
+
+}  // namespace lm::model

@@ -1,0 +1,136 @@
+#pragma once
+// The decoder's sublayers (SPEC §2–§5), each with an explicit forward that keeps what its backward
+// needs and a backward that consumes it. fp32 for training, double for the finite-difference tests.
+//
+// Legend: rows = tokens in the batch (B·T or packed), d hidden, H heads, K = V KDA head dim,
+//         Hm MLA heads, Dn/Dr/Dv MLA nope/rope/value head dims, R kv_lora_rank, I FFN width,
+//         E experts, k experts per token, l latent width (routed_expert_hidden_size).
+// Conventions: forward(x, y) writes y [rows, d] from the normed input x [rows, d]; backward(dy, dx)
+// writes dx [rows, d] and accumulates parameter gradients (when the store has them).
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/config.hpp"
+#include "model/params.hpp"
+#include "model/seqs.hpp"
+#include "ops/glu/glu.hpp"
+#include "ops/kda/kda.hpp"
+#include "ops/moe/router.hpp"
+
+namespace lm::model {
+
+template <class F>
+using Buf = std::vector<F>;
+
+// ---- KDA mixer (SPEC §2) -------------------------------------------------------------------------
+template <class F>
+class KdaMixer {
+ public:
+  KdaMixer(const ModelConfig& c, ParamStore<F>& ps, int layer);
+  void forward(const F* x, F* y, const Seqs& s);
+  void backward(const F* dy, F* dx, const Seqs& s);
+  // Decode support (infer/): the pieces of forward for one new token per sequence.
+  const ModelConfig& config() const { return c_; }
+  kda::GateParams gate() const { return gate_; }
+  F scale() const { return static_cast<F>(1.0 / std::sqrt(static_cast<double>(K_))); }
+  Param<F> *Wq, *Wk, *Wv, *Cq, *Ck, *Cv, *A_log, *dt_bias, *Wfa, *Wfb, *Wb, *Wg = nullptr, *Wga = nullptr,
+      *Wgb = nullptr, *onorm, *Wo;
+
+ private:
+  const ModelConfig& c_;
+  int64_t d_, H_, K_, HK_, W_;
+  kda::GateParams gate_;
+  // Saved by forward: x, pre-conv projections, post-conv q/k/v, gate pieces, core output, norm rstd.
+  Buf<F> x_, qp_, kp_, vp_, qc_, kc_, vc_, fa_, f_, braw_, ga_, gate_o_, o_, rstd_, on_;
+};
+
+// ---- gated NoPE MLA (SPEC §3) --------------------------------------------------------------------
+template <class F>
+class GatedMla {
+ public:
+  GatedMla(const ModelConfig& c, ParamStore<F>& ps, int layer);
+  void forward(const F* x, F* y, const Seqs& s);
+  void backward(const F* dy, F* dx, const Seqs& s);
+  const ModelConfig& config() const { return c_; }
+  F scale() const { return static_cast<F>(1.0 / std::sqrt(static_cast<double>(Dn_ + Dr_))); }
+  Param<F> *Wqa = nullptr, *qa_norm = nullptr, *Wqb = nullptr, *Wq = nullptr, *Wkva, *kva_norm, *Wkvb, *Wo,
+           *Wg = nullptr;
+
+ private:
+  const ModelConfig& c_;
+  int64_t d_, Hm_, Dn_, Dr_, Dv_, R_, Q_;  // Q_: q_lora_rank (0 without)
+  Buf<F> x_, qa_, qa_rstd_, qan_, q_, ckr_, c_rstd_, cn_, kv_, k_, v_, o_, lse_, graw_, og_;
+};
+
+// ---- GLU FFN: dense layer, shared experts, and one routed expert (SPEC §4) ------------------------
+// y (+)= W_down GLU(W_gate x, W_up x) over `rows` rows of width `din`.
+template <class F>
+struct GluFfnActs {
+  Buf<F> ab, h;  // [rows, 2I] pre-activation, [rows, I]
+};
+template <class F>
+void glu_ffn_forward(const F* x, int64_t rows, int64_t din, int64_t I, const F* Wg, const F* Wu, const F* Wd,
+                     const ops::GluParams& p, F* y, bool accumulate, GluFfnActs<F>& a);
+// dx (+)= ...; dWg, dWu, dWd accumulated (nullable).
+template <class F>
+void glu_ffn_backward(const F* x, int64_t rows, int64_t din, int64_t I, const F* Wg, const F* Wu, const F* Wd,
+                      const ops::GluParams& p, const F* dy, F* dx, bool accumulate_dx, F* dWg, F* dWu, F* dWd,
+                      GluFfnActs<F>& a);
+
+ops::GluParams glu_params(const ModelConfig& c);
+
+template <class F>
+class DenseFfn {
+ public:
+  DenseFfn(const ModelConfig& c, ParamStore<F>& ps, const std::string& prefix, int64_t width);
+  void forward(const F* x, F* y, const Seqs& s, bool accumulate = false);
+  void backward(const F* dy, F* dx, const Seqs& s, bool accumulate_dx = false);
+  Param<F> *Wg, *Wu, *Wd;
+
+ private:
+  int64_t d_, I_;
+  ops::GluParams p_;
+  Buf<F> x_;
+  GluFfnActs<F> a_;
+};
+
+// ---- Stable LatentMoE (SPEC §5) ----------------------------------------------------------------------
+template <class F>
+class LatentMoe {
+ public:
+  LatentMoe(const ModelConfig& c, ParamStore<F>& ps, int layer);
+  void forward(const F* x, F* y, const Seqs& s);
+  void backward(const F* dy, F* dx, const Seqs& s);
+
+  // Routing of the last forward, for Quantile Balancing and the golden checks.
+  const Buf<int32_t>& topk_idx() const { return topk_idx_; }  // [rows, k], ascending per row
+  const Buf<F>& scores() const { return scores_; }           // [rows, E] unbiased sigmoid scores
+  const Buf<F>& logits() const { return logits_; }           // [rows, E]
+  F* bias() { return bias_->w(); }                           // e_score_correction_bias [E]
+  int64_t num_experts() const { return E_; }
+  int64_t top_k() const { return k_; }
+  // Optional Switch-style auxiliary loss (baseline); 0 disables. The loss value is added by the trainer.
+  double aux_coef = 0;
+  double last_aux_loss = 0;
+
+  Param<F> *Wr, *bias_, *Wdown = nullptr, *lnorm = nullptr, *Wup = nullptr;
+  std::vector<Param<F>*> W1, W3, W2;  // per expert: gate [I, l], up [I, l], down [l, I]
+
+ private:
+  const ModelConfig& c_;
+  int64_t d_, E_, k_, I_, l_;
+  bool latent_;
+  ops::GluParams p_;
+  ops::RouterConfig rc_;
+  DenseFfn<F>* shared_ = nullptr;
+  std::unique_ptr<DenseFfn<F>> shared_owned_;
+  Buf<F> x_, logits_, scores_, topk_w_, z_, zs_, eo_, u_, u_rstd_, un_;
+  Buf<int32_t> topk_idx_;
+  std::vector<int64_t> offsets_, perm_rows_, perm_pos_;
+  std::vector<GluFfnActs<F>> ea_;  // per expert
+};
+
+}  // namespace lm::model

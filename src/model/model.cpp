@@ -1,0 +1,326 @@
+// The decoder stack (SPEC §1, §6) forward and backward, with Block AttnRes or plain residuals.
+//
+// Legend: rows tokens, d hidden, V vocabulary, L layers, bs = attn_res_block_size.
+// AttnRes wiring per layer i (prefix = partial block sum; blocks = closed sources, blocks[0] = embedding):
+//   x = blocks empty ? prefix : Read_attn(blocks ++ [prefix])
+//   if i % bs == 0: blocks.push(prefix); prefix = none
+//   prefix = (prefix ? prefix : 0) + mixer(input_layernorm(x))
+//   y = Read_mlp(blocks ++ [prefix]);  prefix += ffn(post_attention_layernorm(y))
+// end: h = Read_out(blocks ++ [prefix]) -> final norm -> lm_head.
+#include "model/model.hpp"
+
+#include <chrono>
+
+#include "core/error.hpp"
+#include "ops/attnres/attnres.hpp"
+#include "ops/cross_entropy/cross_entropy.hpp"
+#include "ops/embedding/embedding.hpp"
+#include "ops/rmsnorm/rmsnorm.hpp"
+
+namespace lm::model {
+
+const char* Profile::name(int k) {
+  static const char* n[] = {"embedding", "kda", "mla", "dense_ffn", "moe", "attnres", "norm", "lm_head"};
+  return k >= 0 && k < kNum ? n[k] : "?";
+}
+
+namespace {
+struct Timer {
+  double& acc;
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  explicit Timer(double& a) : acc(a) {}
+  ~Timer() { acc += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
+};
+template <class F>
+void add_into(F* y, const F* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+}  // namespace
+
+template <class F>
+Model<F>::Model(const ModelConfig& c) : cfg_(c), ps_(cfg_) {
+  cfg_.validate("model config");
+  const int64_t L = cfg_.num_hidden_layers;
+  mixers_.reserve(L);
+  denses_.resize(L);
+  moes_.resize(L);
+  for (int64_t i = 0; i < L; ++i) {
+    const int li = static_cast<int>(i);
+    if (cfg_.is_kda(i)) mixers_.emplace_back(std::in_place_type<KdaMixer<F>>, cfg_, ps_, li);
+    else mixers_.emplace_back(std::in_place_type<GatedMla<F>>, cfg_, ps_, li);
+    const std::string P = "model.layers." + std::to_string(i);
+    if (cfg_.is_moe(i)) moes_[i] = std::make_unique<LatentMoe<F>>(cfg_, ps_, li);
+    else denses_[i] = std::make_unique<DenseFfn<F>>(cfg_, ps_, P + ".mlp", cfg_.intermediate_size);
+    ln1_.push_back(&ps_.at(P + ".input_layernorm.weight"));
+    ln2_.push_back(&ps_.at(P + ".post_attention_layernorm.weight"));
+    if (cfg_.has_attn_res()) {
+      attn_w_.push_back(&ps_.at(P + ".self_attention_res_proj.weight"));
+      attn_g_.push_back(&ps_.at(P + ".self_attention_res_norm.weight"));
+      mlp_w_.push_back(&ps_.at(P + ".mlp_res_proj.weight"));
+      mlp_g_.push_back(&ps_.at(P + ".mlp_res_norm.weight"));
+    }
+  }
+  embed_ = &ps_.at("model.embed_tokens.weight");
+  lm_head_ = &ps_.at("lm_head.weight");
+  final_norm_ = &ps_.at("model.norm.weight");
+  if (cfg_.has_attn_res()) {
+    out_w_ = &ps_.at("model.output_attn_res_proj.weight");
+    out_g_ = &ps_.at("model.output_attn_res_norm.weight");
+  }
+}
+
+template <class F>
+void Model<F>::read(const std::vector<const F*>& src, const Param<F>* w, const Param<F>* g, int64_t rows, F* h) {
+  Timer t(profile.fwd[Profile::AttnRes]);
+  ops::attnres_forward(src.data(), static_cast<int64_t>(src.size()), rows, cfg_.hidden_size, w->w(), g->w(),
+                       static_cast<F>(cfg_.rms_norm_eps), h);
+}
+
+template <class F>
+void Model<F>::read_backward(const std::vector<const F*>& src, const std::vector<F*>& dsrc, Param<F>* w, Param<F>* g,
+                             int64_t rows, const F* dh) {
+  Timer t(profile.bwd[Profile::AttnRes]);
+  ops::attnres_backward(src.data(), static_cast<int64_t>(src.size()), rows, cfg_.hidden_size, w->w(), g->w(),
+                        static_cast<F>(cfg_.rms_norm_eps), dh, dsrc.data(), w->g(), g->g());
+}
+
+template <class F>
+void Model<F>::forward(const int32_t* ids, const Seqs& s, const ForwardOptions& opt, ForwardResult<F>* out) {
+  forward_impl(ids, s, opt, out);
+}
+
+template <class F>
+void Model<F>::forward_impl(const int32_t* ids, const Seqs& s, const ForwardOptions& opt, ForwardResult<F>* out) {
+  const int64_t rows = s.rows(), d = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
+  const F eps = static_cast<F>(cfg_.rms_norm_eps);
+  LM_CHECK(rows > 0, "forward: empty batch");
+  ids_.assign(ids, ids + rows);
+  Buf<F> emb(rows * d);
+  {
+    Timer t(profile.fwd[Profile::Embedding]);
+    ops::embedding_forward(ids, rows, embed_->w(), V, d, emb.data());
+  }
+  acts_.resize(L);
+  if (out) {
+    out->hidden.assign(opt.hidden ? L : 0, {});
+    out->topk.assign(opt.topk ? L : 0, {});
+  }
+  auto mixer_fwd = [&](int64_t i, const F* xn, F* a) {
+    if (auto* k = kda(i)) {
+      Timer t(profile.fwd[Profile::Kda]);
+      k->forward(xn, a, s);
+    } else {
+      Timer t(profile.fwd[Profile::Mla]);
+      mla(i)->forward(xn, a, s);
+    }
+  };
+  auto ffn_fwd = [&](int64_t i, const F* yn, F* f) {
+    if (moes_[i]) {
+      Timer t(profile.fwd[Profile::Moe]);
+      moes_[i]->forward(yn, f, s);
+      if (out && opt.topk) out->topk[i] = moes_[i]->topk_idx();
+    } else {
+      Timer t(profile.fwd[Profile::DenseFfn]);
+      denses_[i]->forward(yn, f, s);
+    }
+  };
+  auto norm = [&](const Buf<F>& x, const Param<F>* w, Buf<F>& y, Buf<F>& rstd) {
+    Timer t(profile.fwd[Profile::Norm]);
+    y.resize(rows * d), rstd.resize(rows);
+    ops::rmsnorm_forward(x.data(), w->w(), y.data(), rstd.data(), rows, d, eps);
+  };
+  Buf<F> a(rows * d), f(rows * d);
+  if (cfg_.has_attn_res()) {
+    const int64_t bs = *cfg_.attn_res_block_size;
+    blocks_.clear();
+    Buf<F> prefix = std::move(emb);
+    for (int64_t i = 0; i < L; ++i) {
+      LayerActs& A = acts_[i];
+      A.prefix_in = prefix;
+      std::vector<const F*> src;
+      for (const auto& b : blocks_) src.push_back(b.data());
+      if (src.empty()) {
+        A.x_in = prefix;
+      } else {
+        src.push_back(prefix.data());
+        A.x_in.resize(rows * d);
+        read(src, attn_w_[i], attn_g_[i], rows, A.x_in.data());
+      }
+      const bool reset = i % bs == 0;
+      if (reset) blocks_.push_back(prefix);
+      norm(A.x_in, ln1_[i], A.xn, A.rstd1);
+      mixer_fwd(i, A.xn.data(), a.data());
+      if (reset) prefix = a;
+      else add_into(prefix.data(), a.data(), rows * d);
+      A.prefix_mid = prefix;
+      src.clear();
+      for (const auto& b : blocks_) src.push_back(b.data());
+      src.push_back(prefix.data());
+      A.y_in.resize(rows * d);
+      read(src, mlp_w_[i], mlp_g_[i], rows, A.y_in.data());
+      norm(A.y_in, ln2_[i], A.yn, A.rstd2);
+      ffn_fwd(i, A.yn.data(), f.data());
+      add_into(prefix.data(), f.data(), rows * d);
+      if (out && opt.hidden) out->hidden[i] = prefix;
+    }
+    residual_ = std::move(prefix);
+    std::vector<const F*> src;
+    for (const auto& b : blocks_) src.push_back(b.data());
+    src.push_back(residual_.data());
+    h_final_.resize(rows * d);
+    read(src, out_w_, out_g_, rows, h_final_.data());
+  } else {
+    Buf<F> h = std::move(emb);
+    for (int64_t i = 0; i < L; ++i) {
+      LayerActs& A = acts_[i];
+      A.x_in = h;
+      norm(A.x_in, ln1_[i], A.xn, A.rstd1);
+      mixer_fwd(i, A.xn.data(), a.data());
+      add_into(h.data(), a.data(), rows * d);
+      A.y_in = h;
+      norm(A.y_in, ln2_[i], A.yn, A.rstd2);
+      ffn_fwd(i, A.yn.data(), f.data());
+      add_into(h.data(), f.data(), rows * d);
+      if (out && opt.hidden) out->hidden[i] = h;
+    }
+    h_final_ = std::move(h);
+  }
+  norm(h_final_, final_norm_, hn_, rstd_f_);
+  if (out) {
+    out->final_hidden = hn_;
+    if (opt.logits) {
+      Timer t(profile.fwd[Profile::LmHead]);
+      out->logits.resize(rows * V);
+      ops::lm_head_logits(hn_.data(), lm_head_->w(), rows, d, V, out->logits.data());
+    }
+  }
+}
+
+template <class F>
+void Model<F>::backward_impl(const Buf<F>& d_hn, const Seqs& s) {
+  const int64_t rows = s.rows(), d = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
+  const F eps = static_cast<F>(cfg_.rms_norm_eps);
+  auto norm_bwd = [&](const Buf<F>& x, Param<F>* w, const Buf<F>& rstd, const F* dy, F* dx) {
+    Timer t(profile.bwd[Profile::Norm]);
+    ops::rmsnorm_backward(x.data(), w->w(), rstd.data(), dy, dx, w->g(), rows, d, eps);
+  };
+  auto mixer_bwd = [&](int64_t i, const F* da, F* dxn) {
+    if (auto* k = kda(i)) {
+      Timer t(profile.bwd[Profile::Kda]);
+      k->backward(da, dxn, s);
+    } else {
+      Timer t(profile.bwd[Profile::Mla]);
+      mla(i)->backward(da, dxn, s);
+    }
+  };
+  auto ffn_bwd = [&](int64_t i, const F* df, F* dyn) {
+    if (moes_[i]) {
+      Timer t(profile.bwd[Profile::Moe]);
+      moes_[i]->backward(df, dyn, s);
+    } else {
+      Timer t(profile.bwd[Profile::DenseFfn]);
+      denses_[i]->backward(df, dyn, s);
+    }
+  };
+  Buf<F> dh_final(rows * d), dnorm_out(rows * d), dx_in(rows * d);
+  norm_bwd(h_final_, final_norm_, rstd_f_, d_hn.data(), dh_final.data());
+  Buf<F> d_prefix(rows * d, F(0));
+  if (cfg_.has_attn_res()) {
+    const int64_t bs = *cfg_.attn_res_block_size;
+    std::vector<Buf<F>> d_blocks(blocks_.size(), Buf<F>(rows * d, F(0)));
+    auto sources = [&](int64_t nb, const Buf<F>& partial, Buf<F>& d_partial, std::vector<const F*>& src,
+                       std::vector<F*>& dsrc) {
+      src.clear(), dsrc.clear();
+      for (int64_t j = 0; j < nb; ++j) src.push_back(blocks_[j].data()), dsrc.push_back(d_blocks[j].data());
+      src.push_back(partial.data()), dsrc.push_back(d_partial.data());
+    };
+    std::vector<const F*> src;
+    std::vector<F*> dsrc;
+    sources(static_cast<int64_t>(blocks_.size()), residual_, d_prefix, src, dsrc);
+    read_backward(src, dsrc, out_w_, out_g_, rows, dh_final.data());
+    // Closed blocks seen by layer i's reads: before its own push (mixer) and after it (ffn).
+    int64_t nb = static_cast<int64_t>(blocks_.size());
+    for (int64_t i = L - 1; i >= 0; --i) {
+      LayerActs& A = acts_[i];
+      const bool reset = i % bs == 0;
+      const int64_t nb_mlp = nb, nb_attn = reset ? nb - 1 : nb;
+      // prefix_out = prefix_mid + ffn(norm2(Read_mlp(blocks ++ [prefix_mid])))
+      ffn_bwd(i, d_prefix.data(), dnorm_out.data());
+      Buf<F> dy_in(rows * d);
+      norm_bwd(A.y_in, ln2_[i], A.rstd2, dnorm_out.data(), dy_in.data());
+      sources(nb_mlp, A.prefix_mid, d_prefix, src, dsrc);
+      read_backward(src, dsrc, mlp_w_[i], mlp_g_[i], rows, dy_in.data());
+      // prefix_mid = (reset ? 0 : prefix_in) + mixer(norm1(x_in))
+      mixer_bwd(i, d_prefix.data(), dnorm_out.data());
+      norm_bwd(A.x_in, ln1_[i], A.rstd1, dnorm_out.data(), dx_in.data());
+      if (reset) {  // the block pushed at this layer was prefix_in
+        d_prefix = std::move(d_blocks[nb_attn]);
+        d_blocks.pop_back();
+      }
+      if (nb_attn == 0) {
+        add_into(d_prefix.data(), dx_in.data(), rows * d);
+      } else {
+        sources(nb_attn, A.prefix_in, d_prefix, src, dsrc);
+        read_backward(src, dsrc, attn_w_[i], attn_g_[i], rows, dx_in.data());
+      }
+      nb = nb_attn;
+    }
+  } else {
+    d_prefix = dh_final;
+    for (int64_t i = L - 1; i >= 0; --i) {
+      LayerActs& A = acts_[i];
+      ffn_bwd(i, d_prefix.data(), dnorm_out.data());
+      norm_bwd(A.y_in, ln2_[i], A.rstd2, dnorm_out.data(), dx_in.data());
+      add_into(d_prefix.data(), dx_in.data(), rows * d);
+      mixer_bwd(i, d_prefix.data(), dnorm_out.data());
+      norm_bwd(A.x_in, ln1_[i], A.rstd1, dnorm_out.data(), dx_in.data());
+      add_into(d_prefix.data(), dx_in.data(), rows * d);
+    }
+  }
+  if (embed_->g()) {
+    Timer t(profile.bwd[Profile::Embedding]);
+    ops::embedding_backward(ids_.data(), rows, d_prefix.data(), V, d, embed_->g());
+  }
+}
+
+template <class F>
+void Model<F>::backward_from_hidden(const F* d_final_hidden, const Seqs& s) {
+  Buf<F> d(d_final_hidden, d_final_hidden + s.rows() * cfg_.hidden_size);
+  backward_impl(d, s);
+}
+
+template <class F>
+typename Model<F>::LossStats Model<F>::forward_backward(const int32_t* ids, const int32_t* targets, const Seqs& s,
+                                                        int64_t n_valid_total) {
+  const int64_t rows = s.rows(), d = cfg_.hidden_size, V = cfg_.vocab_size;
+  LM_CHECK(ps_.has_grads(), "forward_backward: gradients are not enabled on this model");
+  const int64_t n_here = ops::cross_entropy_count_valid(targets, rows, V);
+  forward_impl(ids, s, ForwardOptions{}, nullptr);
+  const int64_t n_norm = n_valid_total > 0 ? n_valid_total : n_here;
+  Buf<F> d_hn(rows * d, F(0));
+  ops::CeStats st;
+  {
+    Timer t(profile.bwd[Profile::LmHead]);
+    st = ops::cross_entropy_forward_backward(hn_.data(), lm_head_->w(), targets, rows, d, V,
+                                             n_norm > 0 ? F(1) / static_cast<F>(n_norm) : F(0), d_hn.data(),
+                                             lm_head_->g());
+  }
+  backward_impl(d_hn, s);
+  return LossStats{st.loss_sum, st.n_valid};
+}
+
+template <class F>
+typename Model<F>::LossStats Model<F>::loss(const int32_t* ids, const int32_t* targets, const Seqs& s) {
+  const int64_t rows = s.rows(), d = cfg_.hidden_size, V = cfg_.vocab_size;
+  forward_impl(ids, s, ForwardOptions{}, nullptr);
+  Timer t(profile.fwd[Profile::LmHead]);
+  const ops::CeStats st = ops::cross_entropy_forward(hn_.data(), lm_head_->w(), targets, rows, d, V,
+                                                     static_cast<F*>(nullptr));
+  return LossStats{st.loss_sum, st.n_valid};
+}
+
+template class Model<float>;
+template class Model<double>;
+
+}  // namespace lm::model

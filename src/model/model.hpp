@@ -1,0 +1,120 @@
+#pragma once
+// The whole K3 / Kimi Linear decoder (SPEC §1, §6): embedding, L decoder layers (KDA or gated MLA
+// mixer, dense FFN or LatentMoE), plain pre-norm residuals or Block AttnRes, final norm, untied LM
+// head; chunked cross-entropy for training. Explicit forward and backward, no tape.
+//
+// Legend: rows = tokens in the batch, d hidden, V vocabulary, L layers, N AttnRes sources.
+#include <array>
+#include <memory>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "model/config.hpp"
+#include "model/layers.hpp"
+#include "model/params.hpp"
+#include "model/seqs.hpp"
+
+namespace lm::model {
+
+// Wall time per layer kind, accumulated over forward/backward calls (for `longmoe bench model`).
+struct Profile {
+  enum Kind { Embedding, Kda, Mla, DenseFfn, Moe, AttnRes, Norm, LmHead, kNum };
+  std::array<double, kNum> fwd{}, bwd{};
+  static const char* name(int k);
+  void clear() { fwd.fill(0), bwd.fill(0); }
+};
+
+struct ForwardOptions {
+  bool hidden = false;   // keep every layer's output (the AttnRes partial block sum, or the residual h)
+  bool logits = false;   // full logits [rows, V] (tests and verify; use lm_head on a few rows otherwise)
+  bool topk = false;     // keep MoE selections (ascending per row)
+};
+
+template <class F>
+struct ForwardResult {
+  std::vector<Buf<F>> hidden;               // [L][rows, d]
+  Buf<F> final_hidden;                      // [rows, d] after the final norm
+  Buf<F> logits;                            // [rows, V]
+  std::vector<std::vector<int32_t>> topk;   // [L][rows, k] (empty for non-MoE layers)
+};
+
+template <class F>
+class Model {
+ public:
+  explicit Model(const ModelConfig& c);
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelConfig& config() const { return cfg_; }
+  ParamStore<F>& params() { return ps_; }
+  const ParamStore<F>& params() const { return ps_; }
+
+  // Forward over token ids [rows] (the layout given by `s`). Keeps activations for backward.
+  // Throws lm::Error for ids outside the vocabulary.
+  void forward(const int32_t* ids, const Seqs& s, const ForwardOptions& opt, ForwardResult<F>* out);
+
+  // Training step half: forward, mean cross-entropy over targets >= 0 (ignored: < 0), backward into the
+  // parameter gradients (accumulated, scaled by grad_scale / n_valid where n_valid is this call's count
+  // unless `n_valid_total` > 0 is given, e.g. the count over all micro-batches). Returns the summed
+  // token loss and the count. MoE aux losses (when enabled) are added to the gradients, not the sum.
+  struct LossStats {
+    double loss_sum = 0;
+    int64_t n_valid = 0;
+  };
+  LossStats forward_backward(const int32_t* ids, const int32_t* targets, const Seqs& s, int64_t n_valid_total = 0);
+  // Loss only (evaluation): no activations kept beyond what forward needs.
+  LossStats loss(const int32_t* ids, const int32_t* targets, const Seqs& s);
+
+  // Backward from d(final hidden after norm) — used by tests; forward_backward is the usual entry.
+  void backward_from_hidden(const F* d_final_hidden, const Seqs& s);
+
+  // Layer access for decode (infer/) and balancing (train/).
+  int64_t num_layers() const { return cfg_.num_hidden_layers; }
+  KdaMixer<F>* kda(int64_t i) { return std::get_if<KdaMixer<F>>(&mixers_[i]); }
+  GatedMla<F>* mla(int64_t i) { return std::get_if<GatedMla<F>>(&mixers_[i]); }
+  LatentMoe<F>* moe(int64_t i) { return moes_[i].get(); }
+  DenseFfn<F>* dense(int64_t i) { return denses_[i].get(); }
+
+  Profile profile;
+
+ private:
+  struct LayerActs {
+    Buf<F> x_in;         // mixer read: AttnRes output, or the residual stream h (plain)
+    Buf<F> xn, rstd1;    // input_layernorm
+    Buf<F> y_in;         // ffn read
+    Buf<F> yn, rstd2;    // post_attention_layernorm
+    Buf<F> prefix_mid;   // AttnRes: partial block sum after the mixer (before the ffn)
+    Buf<F> prefix_in;    // AttnRes: partial block sum entering the layer
+  };
+  void forward_impl(const int32_t* ids, const Seqs& s, const ForwardOptions& opt, ForwardResult<F>* out);
+  void backward_impl(const Buf<F>& d_hn, const Seqs& s);
+
+  // AttnRes read over `src` (closed blocks + one partial) with the layer's (w, γ).
+  void read(const std::vector<const F*>& src, const Param<F>* w, const Param<F>* g, int64_t rows, F* h);
+  void read_backward(const std::vector<const F*>& src, const std::vector<F*>& dsrc, Param<F>* w, Param<F>* g,
+                     int64_t rows, const F* dh);
+
+  ModelConfig cfg_;
+  ParamStore<F> ps_;
+  std::vector<std::variant<KdaMixer<F>, GatedMla<F>>> mixers_;
+  std::vector<std::unique_ptr<DenseFfn<F>>> denses_;
+  std::vector<std::unique_ptr<LatentMoe<F>>> moes_;
+  Param<F>* embed_;
+  Param<F>* lm_head_;
+  Param<F>* final_norm_;
+  std::vector<Param<F>*> ln1_, ln2_, attn_w_, attn_g_, mlp_w_, mlp_g_;
+  Param<F>* out_w_ = nullptr;
+  Param<F>* out_g_ = nullptr;
+
+  // Activations of the last forward.
+  std::vector<int32_t> ids_;
+  std::vector<LayerActs> acts_;
+  std::vector<Buf<F>> blocks_;   // closed AttnRes block sums (blocks_[0] = embedding)
+  Buf<F> h_final_;               // input of the final norm (after the output read, if any)
+  Buf<F> hn_, rstd_f_;           // after the final norm
+  Buf<F> residual_;              // plain residual stream at the end
+  Buf<F> lse_;
+};
+
+}  // namespace lm::model

@@ -1,0 +1,139 @@
+#include "model/params.hpp"
+
+#include <cmath>
+#include <set>
+
+#include "core/error.hpp"
+#include "core/rng.hpp"
+
+namespace lm::model {
+
+template <class F>
+ParamStore<F>::ParamStore(const ModelConfig& c) {
+  for_each_param(c, [&](const ParamSpec& s) {
+    Param<F> p;
+    p.spec = s;
+    p.value = Tensor::zeros(s.shape, dtype_of<F>);
+    index_[s.name] = params_.size();
+    params_.push_back(std::move(p));
+  });
+}
+
+template <class F>
+Param<F>& ParamStore<F>::at(const std::string& name) {
+  auto it = index_.find(name);
+  LM_CHECK(it != index_.end(), "the model has no parameter named '{}'", name);
+  return params_[it->second];
+}
+
+template <class F>
+const Param<F>& ParamStore<F>::at(const std::string& name) const {
+  auto it = index_.find(name);
+  LM_CHECK(it != index_.end(), "the model has no parameter named '{}'", name);
+  return params_[it->second];
+}
+
+template <class F>
+int64_t ParamStore<F>::numel() const {
+  int64_t n = 0;
+  for (const auto& p : params_) n += p.value.numel();
+  return n;
+}
+
+template <class F>
+void ParamStore<F>::enable_grads() {
+  if (grads_) return;
+  for (auto& p : params_)
+    if (p.spec.trainable) p.grad = Tensor::zeros(p.spec.shape, dtype_of<F>);
+  grads_ = true;
+}
+
+template <class F>
+void ParamStore<F>::zero_grads() {
+  for (auto& p : params_)
+    if (p.grad.defined()) p.grad.zero();
+}
+
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Output projections feed the residual stream; scaling them by 1/sqrt(2L) keeps the stream's
+// variance from growing with depth (GPT-2 style).
+bool is_output_projection(const std::string& n) {
+  for (const char* s : {".o_proj.weight", ".down_proj.weight", ".w2.weight", ".routed_expert_up_proj.weight"})
+    if (ends_with(n, s)) return true;
+  return false;
+}
+
+}  // namespace
+
+template <class F>
+void ParamStore<F>::init(uint64_t seed, double init_scale) {
+  int64_t L = 1;
+  for (const auto& p : params_) L = std::max<int64_t>(L, p.spec.layer + 1);
+  for (size_t ti = 0; ti < params_.size(); ++ti) {
+    Param<F>& p = params_[ti];
+    const std::string& n = p.spec.name;
+    const Rng r = Rng{seed, 0}.fork(ti);
+    F* w = p.w();
+    const int64_t N = p.value.numel();
+    auto normal = [&](double sd) {
+      for (int64_t i = 0; i < N; ++i) w[i] = static_cast<F>(sd * r.normal_f64(static_cast<uint64_t>(i)));
+    };
+    if (ends_with(n, ".A_log")) {
+      for (int64_t i = 0; i < N; ++i) w[i] = static_cast<F>(std::log(1.0 + 15.0 * r.uniform_f64(i)));
+    } else if (ends_with(n, ".dt_bias")) {
+      for (int64_t i = 0; i < N; ++i) {
+        const double dt = std::exp(std::log(1e-3) + (std::log(1e-1) - std::log(1e-3)) * r.uniform_f64(i));
+        w[i] = static_cast<F>(dt + std::log(-std::expm1(-dt)));  // softplus^-1(dt)
+      }
+    } else if (ends_with(n, "_res_proj.weight")) {
+      p.value.zero();  // AttnRes pseudo-queries start at zero: uniform depth attention
+    } else if (ends_with(n, "e_score_correction_bias")) {
+      p.value.zero();
+    } else if (ends_with(n, "conv1d.weight")) {
+      normal(1.0 / std::sqrt(static_cast<double>(p.spec.shape.back())));
+    } else if (n == "model.embed_tokens.weight") {
+      normal(init_scale);
+    } else if (p.spec.shape.size() == 2 && p.spec.matmul) {
+      double sd = init_scale / std::sqrt(static_cast<double>(p.spec.shape[1]));
+      if (is_output_projection(n)) sd /= std::sqrt(2.0 * static_cast<double>(L));
+      normal(sd);
+    } else {
+      p.value.fill(1.0);  // norm gains
+    }
+  }
+}
+
+template <class F>
+void ParamStore<F>::load(const io::Checkpoint& ckpt) {
+  // Validate everything first so a bad checkpoint changes nothing.
+  for (const auto& p : params_) {
+    LM_CHECK(ckpt.contains(p.spec.name), "checkpoint '{}' lacks tensor '{}' (shape {})", ckpt.path(), p.spec.name,
+             shape_str(p.spec.shape));
+    const auto& info = ckpt.info(p.spec.name);
+    LM_CHECK(info.shape == p.spec.shape, "checkpoint '{}': tensor '{}' has shape {}, the config needs {}", ckpt.path(),
+             p.spec.name, shape_str(info.shape), shape_str(p.spec.shape));
+    LM_CHECK(dtype_is_float(info.dtype), "checkpoint '{}': tensor '{}' has dtype {}, expected a float type",
+             ckpt.path(), p.spec.name, dtype_name(info.dtype));
+  }
+  for (const auto& name : ckpt.names())
+    LM_CHECK(index_.count(name), "checkpoint '{}' has tensor '{}', which this model configuration does not use",
+             ckpt.path(), name);
+  for (auto& p : params_) p.value.copy_from(ckpt.get(p.spec.name));
+}
+
+template <class F>
+io::NamedTensors ParamStore<F>::named(DType dt) const {
+  io::NamedTensors r;
+  for (const auto& p : params_) r.emplace_back(p.spec.name, p.value.to(dt));
+  return r;
+}
+
+template class ParamStore<float>;
+template class ParamStore<double>;
+
+}  // namespace lm::model

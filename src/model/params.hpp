@@ -1,0 +1,62 @@
+#pragma once
+// The model's parameters: one tensor per HF name (model/param_names), its gradient, and loading /
+// saving / initialisation. Layers hold raw pointers into these tensors.
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/tensor.hpp"
+#include "io/checkpoint.hpp"
+#include "model/config.hpp"
+#include "model/param_names.hpp"
+
+namespace lm::model {
+
+template <class F>
+struct Param {
+  ParamSpec spec;
+  Tensor value;  // dtype F, contiguous, shape spec.shape
+  Tensor grad;   // same; allocated only when gradients are enabled (trainable params)
+  F* w() const { return value.data<F>(); }
+  F* g() const { return grad.defined() ? grad.data<F>() : nullptr; }
+};
+
+template <class F>
+class ParamStore {
+ public:
+  explicit ParamStore(const ModelConfig& c);  // allocates every tensor, zero-filled
+
+  // Initialisation for from-scratch training (SPEC): linear weights N(0, 1/sqrt(fan_in)) scaled by
+  // `init_scale`, output projections further by 1/sqrt(2L), norms 1, AttnRes pseudo-queries 0,
+  // A_log = log U(1, 16), dt_bias = softplus^-1(exp U(log 1e-3, log 1e-1)), conv N(0, 1/sqrt(W)),
+  // router bias 0, embedding N(0, 1). Deterministic in `seed` (Philox, one stream per tensor).
+  void init(uint64_t seed, double init_scale = 1.0);
+
+  // Loads every parameter from a checkpoint with HF names. Errors (naming the file and tensor) on a
+  // missing tensor, an unknown tensor, a shape mismatch or a non-float dtype; nothing is modified
+  // unless everything checks out.
+  void load(const io::Checkpoint& ckpt);
+  // (name, tensor) pairs in spec order, converted to `dt`, for io::save_checkpoint.
+  io::NamedTensors named(DType dt = DType::F32) const;
+
+  void enable_grads();
+  void zero_grads();
+  bool has_grads() const { return grads_; }
+
+  Param<F>& at(const std::string& name);
+  const Param<F>& at(const std::string& name) const;
+  bool contains(const std::string& name) const { return index_.count(name) != 0; }
+  F* w(const std::string& name) { return at(name).w(); }
+  F* g(const std::string& name) { return at(name).g(); }
+
+  std::vector<Param<F>>& all() { return params_; }
+  const std::vector<Param<F>>& all() const { return params_; }
+  int64_t numel() const;
+
+ private:
+  std::vector<Param<F>> params_;
+  std::map<std::string, size_t> index_;
+  bool grads_ = false;
+};
+
+}  // namespace lm::model

@@ -1,0 +1,249 @@
+// Parameter naming against the golden checkpoints, and the published parameter / memory figures.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+#include <set>
+
+#include "io/safetensors.hpp"
+#include "model/accounting.hpp"
+#include "model/config.hpp"
+#include "model/param_names.hpp"
+#include "testing.hpp"
+
+namespace {
+
+using namespace lm::model;
+namespace fs = std::filesystem;
+
+std::string configs_dir() {
+  const std::string g = lm::testing::golden_dir();
+  if (g.empty()) return "";
+  const std::string d = (fs::path(g).parent_path() / "configs").string();
+  return fs::exists(d) ? d : "";
+}
+
+#define REQUIRE_CONFIGS(dir) \
+  const std::string dir = configs_dir(); \
+  if (dir.empty()) GTEST_SKIP() << "shared/configs not found"
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr double kMiB = 1024.0 * 1024.0;
+
+// ---- tensor names and shapes ------------------------------------------------------------------
+
+void check_golden_names(const std::string& case_dir) {
+  const ModelConfig c = ModelConfig::load(case_dir);
+  const auto st = lm::io::SafeTensorsFile::open(case_dir + "/model.safetensors");
+  std::map<std::string, lm::Shape> expected;
+  for (const auto& t : st.tensors()) expected[t.name] = t.shape;
+  std::map<std::string, lm::Shape> generated;
+  for (const auto& p : param_specs(c)) {
+    EXPECT_TRUE(generated.emplace(p.name, p.shape).second) << "duplicate name " << p.name;
+  }
+  for (const auto& [n, s] : expected) {
+    auto it = generated.find(n);
+    if (it == generated.end()) {
+      ADD_FAILURE() << "checkpoint tensor not generated: " << n;
+    } else {
+      EXPECT_EQ(lm::shape_str(it->second), lm::shape_str(s)) << n;
+    }
+  }
+  for (const auto& [n, s] : generated) EXPECT_TRUE(expected.count(n)) << "generated tensor not in checkpoint: " << n;
+  EXPECT_EQ(expected.size(), generated.size());
+}
+
+TEST(ParamNames, MatchGoldenK3Tiny) {
+  LM_REQUIRE_GOLDEN(g);
+  check_golden_names(g + "/model/k3-tiny");
+}
+
+TEST(ParamNames, MatchGoldenKimiLinearTiny) {
+  LM_REQUIRE_GOLDEN(g);
+  check_golden_names(g + "/model/kimi-linear-tiny");
+}
+
+TEST(ParamNames, ComponentsAndFlags) {
+  LM_REQUIRE_GOLDEN(g);
+  const ModelConfig c = ModelConfig::load(g + "/model/k3-tiny");
+  std::map<std::string, ParamSpec> by_name;
+  for (const auto& p : param_specs(c)) by_name[p.name] = p;
+  auto comp = [&](const std::string& n) { return by_name.at(n).component; };
+  EXPECT_EQ(comp("model.embed_tokens.weight"), Component::Embedding);
+  EXPECT_EQ(comp("lm_head.weight"), Component::LmHead);
+  EXPECT_EQ(comp("model.layers.0.self_attn.A_log"), Component::Kda);
+  EXPECT_EQ(comp("model.layers.3.self_attn.kv_b_proj.weight"), Component::Mla);
+  EXPECT_EQ(comp("model.layers.0.mlp.up_proj.weight"), Component::DenseFfn);
+  EXPECT_EQ(comp("model.layers.1.block_sparse_moe.gate.weight"), Component::Router);
+  EXPECT_EQ(comp("model.layers.1.block_sparse_moe.experts.15.w2.weight"), Component::RoutedExpert);
+  EXPECT_EQ(by_name.at("model.layers.1.block_sparse_moe.experts.15.w2.weight").expert, 15);
+  EXPECT_EQ(comp("model.layers.1.block_sparse_moe.shared_experts.down_proj.weight"), Component::SharedExpert);
+  EXPECT_EQ(comp("model.layers.1.block_sparse_moe.routed_expert_norm.weight"), Component::LatentProj);
+  EXPECT_EQ(comp("model.layers.1.input_layernorm.weight"), Component::Norm);
+  EXPECT_EQ(comp("model.norm.weight"), Component::Norm);
+  EXPECT_EQ(comp("model.output_attn_res_proj.weight"), Component::AttnRes);
+  EXPECT_EQ(comp("model.layers.5.mlp_res_norm.weight"), Component::AttnRes);
+  EXPECT_FALSE(by_name.at("model.layers.1.block_sparse_moe.gate.e_score_correction_bias").trainable);
+  EXPECT_TRUE(by_name.at("model.layers.1.block_sparse_moe.gate.weight").trainable);
+  EXPECT_EQ(by_name.at("model.layers.6.self_attn.q_proj.weight").layer, 6);
+  EXPECT_EQ(by_name.at("lm_head.weight").layer, -1);
+  EXPECT_EQ(component_name(Component::RoutedExpert), "routed_expert");
+}
+
+// ---- published figures (SPEC §8) ------------------------------------------------------------
+
+TEST(Accounting, K3Params) {
+  REQUIRE_CONFIGS(dir);
+  const ModelConfig c = ModelConfig::load(dir + "/kimi-k3.json");
+  const ParamCounts pc = count_params(c);
+  EXPECT_NEAR(static_cast<double>(pc.total) / 1e9, 2779.5, 0.05);       // published 2.78T
+  EXPECT_NEAR(static_cast<double>(pc.activated) / 1e9, 104.19, 0.005);  // published 104.2B
+  // Pieces, by hand from SPEC: 92 MoE layers x 896 experts x 3 x 3584 x 3072.
+  EXPECT_EQ(pc[Component::RoutedExpert].total, int64_t{92} * 896 * 3 * 3584 * 3072);
+  EXPECT_EQ(pc[Component::RoutedExpert].activated, int64_t{92} * 16 * 3 * 3584 * 3072);
+  EXPECT_EQ(pc[Component::Embedding].total, int64_t{163840} * 7168);
+  EXPECT_EQ(pc[Component::Embedding].activated, 0);
+  EXPECT_EQ(pc[Component::LmHead].activated, int64_t{163840} * 7168);
+  EXPECT_EQ(pc[Component::SharedExpert].total, int64_t{92} * 3 * 7168 * 6144);
+  EXPECT_EQ(pc[Component::DenseFfn].total, int64_t{3} * 7168 * 33792);
+  EXPECT_EQ(pc[Component::LatentProj].total, int64_t{92} * (2 * 7168 * 3584 + 3584));
+  EXPECT_EQ(pc.total - pc.trainable, int64_t{92} * 896);  // the QB biases
+  int64_t sum = 0, act = 0;
+  for (const auto& cc : pc.by_component) sum += cc.total, act += cc.activated;
+  EXPECT_EQ(sum, pc.total);
+  EXPECT_EQ(act, pc.activated);
+}
+
+TEST(Accounting, KimiLinearParams) {
+  REQUIRE_CONFIGS(dir);
+  const ModelConfig c = ModelConfig::load(dir + "/kimi-linear-48b-a3b.json");
+  const ParamCounts pc = count_params(c);
+  EXPECT_NEAR(static_cast<double>(pc.total) / 49.12e9, 1.0, 1e-3);
+  EXPECT_NEAR(static_cast<double>(pc.activated) / 1e9, 3.1, 0.05);
+  EXPECT_EQ(pc[Component::LatentProj].total, 0);
+  EXPECT_EQ(pc[Component::AttnRes].total, 0);
+}
+
+TEST(Accounting, CountsEqualTheTensorList) {
+  REQUIRE_CONFIGS(dir);
+  for (const char* f : {"/kimi-k3.json", "/kimi-linear-48b-a3b.json"}) {
+    const ModelConfig c = ModelConfig::load(dir + f);
+    int64_t n = 0, layers = 0;
+    for_each_param(c, [&](const ParamSpec& p) { n += p.numel(); });
+    const ParamCounts pc = count_params(c);
+    EXPECT_EQ(n, pc.total) << f;
+    for (int64_t t : pc.layer_total) layers += t;
+    EXPECT_EQ(layers + pc.embedding + pc.head, pc.total) << f;
+  }
+}
+
+TEST(Accounting, GoldenCountsEqualCheckpoint) {
+  LM_REQUIRE_GOLDEN(g);
+  for (const char* m : {"/model/k3-tiny", "/model/kimi-linear-tiny"}) {
+    const ModelConfig c = ModelConfig::load(g + m);
+    const auto st = lm::io::SafeTensorsFile::open(g + m + "/model.safetensors");
+    int64_t n = 0;
+    for (const auto& t : st.tensors()) n += lm::shape_numel(t.shape);
+    EXPECT_EQ(count_params(c).total, n) << m;
+  }
+}
+
+TEST(Accounting, K3DecodeMemoryAt1M) {
+  REQUIRE_CONFIGS(dir);
+  const ModelConfig c = ModelConfig::load(dir + "/kimi-k3.json");
+  const DecodeMemory m = decode_memory(c, 1 << 20);
+  EXPECT_EQ(m.mla_bytes_per_token, 576 * 2 * 24);
+  EXPECT_NEAR(static_cast<double>(m.mla_bytes_per_seq) / kGiB, 27.0, 0.05);
+  EXPECT_EQ(m.kda_state_bytes_per_seq, int64_t{96} * 128 * 128 * 4 * 69);
+  EXPECT_NEAR(static_cast<double>(m.kda_state_bytes_per_seq) / kMiB, 414.0, 0.5);
+  EXPECT_EQ(m.conv_state_bytes_per_seq, int64_t{3} * 96 * 128 * 3 * 2 * 69);
+  EXPECT_EQ(m.total_bytes_per_seq, m.mla_bytes_per_seq + m.kda_state_bytes_per_seq + m.conv_state_bytes_per_seq);
+  EXPECT_EQ(m.weight_bytes, 2 * count_params(c).total);
+}
+
+TEST(Accounting, Flops) {
+  REQUIRE_CONFIGS(dir);
+  const ModelConfig c = ModelConfig::load(dir + "/kimi-k3.json");
+  const ParamCounts pc = count_params(c);
+  const FlopsPerToken f = flops_per_token(c, 8192, 1 << 20);
+  EXPECT_DOUBLE_EQ(f.matmul_fwd, 2.0 * static_cast<double>(pc.activated_matmul));
+  // Matmul weights are the activated parameters minus vectors (norms, convs, A_log, dt_bias, biases).
+  EXPECT_LT(pc.activated_matmul, pc.activated);
+  EXPECT_GT(static_cast<double>(pc.activated_matmul), 0.999 * static_cast<double>(pc.activated));
+  EXPECT_DOUBLE_EQ(f.mla_attn_fwd_train, 24.0 * 2 * 96 * (192 + 128) * (8192 + 1) / 2.0);
+  EXPECT_DOUBLE_EQ(f.kda_attn_fwd, 69.0 * 96 * (6.0 * 128 * 128 + 3.0 * 64 * 128 + 64.0 * 64));
+  EXPECT_DOUBLE_EQ(f.train, 3 * (f.matmul_fwd + f.mla_attn_fwd_train + f.kda_attn_fwd));
+  EXPECT_GT(f.decode, f.matmul_fwd);
+  // Longer training sequences cost more attention per token; KDA does not depend on length.
+  const FlopsPerToken g = flops_per_token(c, 65536, 1 << 20);
+  EXPECT_GT(g.mla_attn_fwd_train, f.mla_attn_fwd_train);
+  EXPECT_EQ(g.kda_attn_fwd, f.kda_attn_fwd);
+}
+
+TEST(Accounting, TrainingMemorySingleDevice) {
+  REQUIRE_CONFIGS(dir);
+  const ModelConfig c = ModelConfig::load(dir + "/kimi-linear-48b-a3b.json");
+  const ParamCounts pc = count_params(c);
+  ParallelPlan p;  // 1 device
+  const TrainingMemory m = training_memory(c, p);
+  const double n = static_cast<double>(pc.total);
+  EXPECT_DOUBLE_EQ(m.dense_params + m.expert_params, n);
+  EXPECT_DOUBLE_EQ(m.weight_bytes, 2 * n);
+  EXPECT_DOUBLE_EQ(m.grad_bytes, 4 * n);
+  EXPECT_DOUBLE_EQ(m.master_bytes, 4 * n);
+  EXPECT_DOUBLE_EQ(m.optimizer_bytes, 8 * n);
+  EXPECT_GT(m.activation_bytes, 0);
+  EXPECT_FALSE(m.assumptions.empty());
+  p.optimizer = Optimizer::Muon;
+  EXPECT_DOUBLE_EQ(training_memory(c, p).optimizer_bytes, 4 * n);
+}
+
+TEST(Accounting, TrainingMemorySplits) {
+  REQUIRE_CONFIGS(dir);
+  const ModelConfig c = ModelConfig::load(dir + "/kimi-k3.json");
+  const ParamCounts pc = count_params(c);
+  ParallelPlan p;
+  p.dp = 64;
+  p.ep = 64;
+  p.pp = 16;
+  p.tp = 1;
+  p.seq_len = 8192;
+  const TrainingMemory m = training_memory(c, p);
+  // 93 layers over 16 stages: stages take 6 or 5 layers.
+  EXPECT_TRUE(m.stage_layers == 6 || m.stage_layers == 5);
+  const double per_stage_experts = 6.0 * static_cast<double>(pc.layer_routed[5]);
+  EXPECT_LE(m.expert_params, per_stage_experts / 64 + 1);
+  // ZeRO-1 shards master + state: expert replicas = dp*tp/ep = 1, dense replicas = dp = 64.
+  EXPECT_NEAR(m.master_bytes, 4 * (m.dense_params / 64 + m.expert_params), 1.0);
+  ParallelPlan q = p;
+  q.zero1 = false;
+  EXPECT_GT(training_memory(c, q).optimizer_bytes, m.optimizer_bytes);
+  ParallelPlan r = p;
+  r.recompute = Recompute::Full;
+  EXPECT_LT(training_memory(c, r).activation_bytes, m.activation_bytes);
+  // More expert parallelism, less expert memory per device.
+  ParallelPlan e = p;
+  e.ep = 32;
+  EXPECT_GT(training_memory(c, e).expert_params, m.expert_params);
+  // The whole K3 fits nowhere on one device, but this plan is well under 141 GB of weights+state.
+  EXPECT_LT(m.weight_bytes + m.grad_bytes + m.master_bytes + m.optimizer_bytes, 141e9);
+}
+
+TEST(Accounting, PlanValidation) {
+  REQUIRE_CONFIGS(dir);
+  const ModelConfig c = ModelConfig::load(dir + "/kimi-k3.json");
+  ParallelPlan p;
+  p.dp = 8;
+  p.ep = 3;  // 896 % 3 != 0
+  EXPECT_THROW((void)training_memory(c, p), lm::Error);
+  p.ep = 16;  // does not divide dp*tp = 8
+  EXPECT_THROW((void)training_memory(c, p), lm::Error);
+  p.ep = 8;
+  p.pp = 94;  // more stages than layers
+  EXPECT_THROW((void)training_memory(c, p), lm::Error);
+  p.pp = 1;
+  p.micro_batch = 0;
+  EXPECT_THROW((void)training_memory(c, p), lm::Error);
+}
+
+}  // namespace
