@@ -1,5 +1,9 @@
 // longmoe: train, generate, chat, serve, eval, bench, params, verify. One verb per file.
+#include <malloc.h>
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 
 #include "apps/longmoe/commands.hpp"
@@ -13,7 +17,29 @@ std::vector<Command>& registry() {
 }
 }  // namespace lm::app
 
+namespace {
+
+// Debian's OpenBLAS picks its kernels at load time and files recent AVX-512 CPUs (AMD Zen 4/5) under
+// "Haswell" (AVX2): its SkylakeX kernels run sgemm about twice as fast there. The choice is made
+// before main() runs, so the only way to change it is the environment of a fresh process image.
+void reexec_with_avx512_blas(char** argv) {
+  if (std::getenv("OPENBLAS_CORETYPE") || std::getenv("LONGMOE_NO_REEXEC")) return;
+  __builtin_cpu_init();
+  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")))
+    return;
+  setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
+  execv("/proc/self/exe", argv);  // returns only on failure: then carry on as we are
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  reexec_with_avx512_blas(argv);
+  // Activations are allocated per step; keep freed blocks in the heap instead of returning them to
+  // the kernel, so later steps reuse warm pages instead of faulting fresh zeroed ones in.
+  mallopt(M_MMAP_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
   CLI::App app{"longmoe: a native engine for K3-class hybrid MoE models (KDA + gated MLA + LatentMoE)"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Expand all help");

@@ -4,6 +4,7 @@
 #include <set>
 
 #include "core/error.hpp"
+#include "core/parallel.hpp"
 #include "core/rng.hpp"
 
 namespace lm::model {
@@ -80,8 +81,8 @@ void ParamStore<F>::init(uint64_t seed, double init_scale) {
     const Rng r = Rng{seed, 0}.fork(ti);
     F* w = p.w();
     const int64_t N = p.value.numel();
-    auto normal = [&](double sd) {
-      for (int64_t i = 0; i < N; ++i) w[i] = static_cast<F>(sd * r.normal_f64(static_cast<uint64_t>(i)));
+    auto normal = [&](double sd) {  // counter-based draws: the same values for any thread count
+      parallel_for(N, [&](int64_t i) { w[i] = static_cast<F>(sd * r.normal_f64(static_cast<uint64_t>(i))); }, 4096);
     };
     if (ends_with(n, ".A_log")) {
       for (int64_t i = 0; i < N; ++i) w[i] = static_cast<F>(std::log(1.0 + 15.0 * r.uniform_f64(i)));
