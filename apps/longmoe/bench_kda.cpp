@@ -84,16 +84,19 @@ int run(const Args& a) {
     FusedGrads<float> fg{d.dq.data(), d.dk.data(), d.dv.data(), d.dg.data(), d.dbeta.data(), d.dA.data(),
                          d.ddt.data(), d.dh0.data()};
 
+    // Training keeps forward's chunk-start states for backward; so does this benchmark.
+    std::vector<float> states(chunk_state_count(dims) * a.K * a.V);
     double t_fwd[2] = {0, 0}, t_all[2] = {0, 0};
     const DiagPath paths[2] = {DiagPath::Bounded, DiagPath::Exact};
     for (int p = 0; p < 2; ++p) {
       auto fwd = [&] {
-        if (a.fused) fused_forward(fi, dims, d.o.data(), d.ht.data(), CorePath::Chunked, paths[p]);
-        else chunk_forward(ci, dims, d.o.data(), d.ht.data(), paths[p], gate);
+        if (a.fused) fused_forward(fi, dims, d.o.data(), d.ht.data(), CorePath::Chunked, paths[p], states.data());
+        else chunk_forward(ci, dims, d.o.data(), d.ht.data(), paths[p], gate, states.data());
       };
       auto bwd = [&] {
-        if (a.fused) fused_backward(fi, dims, d.dO.data(), d.dht.data(), fg, CorePath::Chunked, paths[p]);
-        else chunk_backward(ci, dims, d.dO.data(), d.dht.data(), cg, paths[p], gate);
+        const float* st = states.data();
+        if (a.fused) fused_backward(fi, dims, d.dO.data(), d.dht.data(), fg, CorePath::Chunked, paths[p], st);
+        else chunk_backward(ci, dims, d.dO.data(), d.dht.data(), cg, paths[p], gate, st);
       };
       t_fwd[p] = lm::app::time_median(fwd, a.reps);
       if (!a.no_backward) t_all[p] = lm::app::time_median([&] { fwd(); bwd(); }, a.reps);

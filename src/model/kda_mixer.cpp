@@ -64,8 +64,10 @@ void KdaMixer<F>::forward(const F* x, F* y, const Seqs& s) {
   kda::FusedInputs<F> in;
   in.q = qc_.data(), in.k = kc_.data(), in.v = vc_.data(), in.g_raw = f_.data(), in.beta_raw = braw_.data();
   in.A_log = A_log->w(), in.dt_bias = dt_bias->w(), in.h0 = nullptr, in.scale = scale(), in.gate = gate_;
-  kda::fused_forward(in, s.kda_dims(H, K, K), o_.data(), static_cast<F*>(nullptr), kda::CorePath::Chunked,
-                     kda::DiagPath::Auto);
+  const kda::Dims kd = s.kda_dims(H, K, K);
+  states_.resize(kda::chunk_state_count(kd) * K * K);
+  kda::fused_forward(in, kd, o_.data(), static_cast<F*>(nullptr), kda::CorePath::Chunked, kda::DiagPath::Auto,
+                     states_.data());
   ops::rmsnorm_gated_forward(o_.data(), gate_o_.data(), onorm->w(), on_.data(), rstd_.data(), rows * H, K,
                              static_cast<F>(c_.rms_norm_eps));
   linear_forward(on_.data(), Wo->w(), y, rows, HK, d);
@@ -94,7 +96,7 @@ void KdaMixer<F>::backward(const F* dy, F* dx, const Seqs& s) {
   in.A_log = A_log->w(), in.dt_bias = dt_bias->w(), in.h0 = nullptr, in.scale = scale(), in.gate = gate_;
   kda::FusedGrads<F> gr{dqc.data(), dkc.data(), dvc.data(), df.data(), dbraw.data(), dA.data(), ddt.data(), nullptr};
   kda::fused_backward(in, s.kda_dims(H, K, K), d_o.data(), static_cast<const F*>(nullptr), gr,
-                      kda::CorePath::Chunked, kda::DiagPath::Auto);
+                      kda::CorePath::Chunked, kda::DiagPath::Auto, static_cast<const F*>(states_.data()));
   if (A_log->g())
     for (int64_t h = 0; h < H; ++h) A_log->g()[h] += dA[h];
   if (dt_bias->g())

@@ -45,6 +45,7 @@ class KdaMixer {
   kda::GateParams gate_;
   // Saved by forward: x, pre-conv projections, post-conv q/k/v, gate pieces, core output, norm rstd.
   Buf<F> x_, qp_, kp_, vp_, qc_, kc_, vc_, fa_, f_, braw_, ga_, gate_o_, o_, rstd_, on_;
+  Buf<F> states_;  // KDA chunk-start states from forward, reused by backward
 };
 
 // ---- gated NoPE MLA (SPEC §3) --------------------------------------------------------------------

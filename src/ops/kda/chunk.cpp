@@ -65,27 +65,43 @@ LM_ALWAYS_INLINE F fexp(F x) {
   else return std::exp(x);
 }
 
-// Scratch for one chunk of one (sequence, head); reused across chunks.
+// Scratch for one chunk of one (sequence, head); reused across chunks. Buffers that feed the same
+// GEMM sit side by side so that one call does the work of two:
+//   X  [2C, V+K]: rows 0..c = [U | W], rows c..2c = [ - | Q⊙Γ ]   (M [βV | βK⊙Γ] and [W; Q⊙Γ] S0)
+//   BB [C, V+K]:  [βV | βK⊙Γ]
+//   Y  [2C, V]:   [W S0 ; Q⊙Γ S0]
 template <class F>
 struct Work {
-  int64_t K, V;
-  std::vector<F> q, k, v, G, beta;  // [C,K] [C,K] [C,V] [C,K] [C]
-  std::vector<F> Gam, Qg, Kg, Dec, Kd;  // Γ, Q⊙Γ, K⊙Γ, e^{G_last - G}, K⊙Dec   [C,K]
-  std::vector<F> Gl, Gaml;              // G_last, Γ_last [K]
-  std::vector<F> Aqk, Pkk, M;           // [C,C], ld = C
-  std::vector<F> B1, B2, U, W, E;       // β V [C,V], β K⊙Γ [C,K], U [C,V], W [C,K], E [C,V]
-  std::vector<F> Xa, Xb, Xo, ea, eb;    // tile factors: [2·16,K], [C,K], [2·16,C], e^{G-a} [16,K], e^{a-G} [C,K]
-  Work(int64_t K_, int64_t V_) : K(K_), V(V_) {
-    for (auto* b : {&q, &k, &G, &Gam, &Qg, &Kg, &Dec, &Kd, &B2, &W, &Xb, &eb}) b->assign(kC * K, F(0));
-    for (auto* b : {&v, &B1, &U, &E}) b->assign(kC * V, F(0));
+  int64_t K, V, ldx;                 // ldx = V + K
+  std::vector<F> q, k, v, G, beta;   // [C,K] [C,K] [C,V] [C,K] [C]
+  std::vector<F> Gam, Kg, Dec, Kd;   // Γ, K⊙Γ, e^{G_last - G}, K⊙Dec   [C,K]
+  std::vector<F> Gl, Gaml;           // G_last, Γ_last [K]
+  std::vector<F> Aqk, Pkk, M;        // [C,C], ld = C
+  std::vector<F> X, BB, Y, E;        // see above; E [C,V]
+  std::vector<F> Xa, Xb, Xo, ea, eb;  // tile factors: [2·16,K], [C,K], [2·16,C], e^{G-a} [16,K], e^{a-G} [C,K]
+  std::vector<F> pe;                  // exact path: one pair's e^{G_i - G_j} [K]
+  int64_t c = 0;                      // rows of the chunk now loaded
+  Work(int64_t K_, int64_t V_) : K(K_), V(V_), ldx(K_ + V_) {
+    for (auto* b : {&q, &k, &G, &Gam, &Kg, &Dec, &Kd, &Xb, &eb}) b->assign(kC * K, F(0));
+    for (auto* b : {&v, &E}) b->assign(kC * V, F(0));
     for (auto* b : {&Aqk, &Pkk, &M}) b->assign(kC * kC, F(0));
+    X.assign(2 * kC * ldx, F(0));
+    BB.assign(kC * ldx, F(0));
+    Y.assign(2 * kC * V, F(0));
     beta.assign(kC, F(0));
     Gl.assign(K, F(0));
     Gaml.assign(K, F(0));
     Xa.assign(2 * kTile * K, F(0));
     Xo.assign(2 * kTile * kC, F(0));
     ea.assign(kTile * K, F(0));
+    pe.assign(K, F(0));
   }
+  // Views into the merged buffers (row stride ldx).
+  F* U() { return X.data(); }
+  F* W() { return X.data() + V; }
+  F* Qg() { return X.data() + c * ldx + V; }
+  F* B1() { return BB.data(); }
+  F* B2() { return BB.data() + V; }
 };
 
 // Pointers to one (sequence, head) in the [rows, H, *] layouts.
@@ -114,9 +130,10 @@ void load_chunk(Work<F>& w, const SeqHead<F>& s, int64_t t0, int64_t c) {
   }
   std::copy_n(&w.G[(c - 1) * K], K, w.Gl.data());
   for (int64_t d = 0; d < K; ++d) w.Gaml[d] = fexp(w.Gl[d]);
+  w.c = c;
   for (int64_t i = 0; i < c; ++i) {
     const F *G = &w.G[i * K], *q = &w.q[i * K], *k = &w.k[i * K], *Gl = w.Gl.data();
-    F *Gam = &w.Gam[i * K], *Qg = &w.Qg[i * K], *Kg = &w.Kg[i * K], *Dec = &w.Dec[i * K], *Kd = &w.Kd[i * K];
+    F *Gam = &w.Gam[i * K], *Qg = w.Qg() + i * w.ldx, *Kg = &w.Kg[i * K], *Dec = &w.Dec[i * K], *Kd = &w.Kd[i * K];
 #pragma omp simd
     for (int64_t d = 0; d < K; ++d) {
       Gam[d] = fexp(G[d]);
@@ -189,12 +206,14 @@ void intra_chunk_A(Work<F>& w, int64_t c, bool bounded, F lb, F scale) {
         const F *Gi = &w.G[i * K], *qi = &w.q[i * K], *ki = &w.k[i * K];
         for (int64_t j = i0; j <= i; ++j) {
           const F *Gj = &w.G[j * K], *kj = &w.k[j * K];
+          F* pe = w.pe.data();
+#pragma omp simd
+          for (int64_t d = 0; d < K; ++d) pe[d] = fexp(Gi[d] - Gj[d]) * kj[d];
           F sq = 0, sk = 0;
 #pragma omp simd reduction(+ : sq, sk)
           for (int64_t d = 0; d < K; ++d) {
-            const F e = fexp(Gi[d] - Gj[d]) * kj[d];
-            sq += qi[d] * e;
-            sk += ki[d] * e;
+            sq += qi[d] * pe[d];
+            sk += ki[d] * pe[d];
           }
           w.Aqk[i * kC + j] = scale * sq;
           if (j < i) w.Pkk[i * kC + j] = sk;
@@ -226,19 +245,25 @@ void invert_unit_lower(Work<F>& w, int64_t c) {
   }
 }
 
-// U, W, E for the chunk given S0 [K,V].
+// U, W (one GEMM: M [βV | βK⊙Γ]), then [W S0 ; Q⊙Γ S0] (one GEMM) and E = U - W S0.
 template <class F>
 void solve_chunk(Work<F>& w, int64_t c, const F* S0) {
-  const int64_t K = w.K, V = w.V;
+  const int64_t K = w.K, V = w.V, ld = w.ldx;
   for (int64_t i = 0; i < c; ++i) {
     const F b = w.beta[i];
-    for (int64_t e = 0; e < V; ++e) w.B1[i * V + e] = b * w.v[i * V + e];
-    for (int64_t d = 0; d < K; ++d) w.B2[i * K + d] = b * w.Kg[i * K + d];
+    F *b1 = w.B1() + i * ld, *b2 = w.B2() + i * ld;
+    const F *vi = &w.v[i * V], *kg = &w.Kg[i * K];
+    for (int64_t e = 0; e < V; ++e) b1[e] = b * vi[e];
+    for (int64_t d = 0; d < K; ++d) b2[d] = b * kg[d];
   }
-  ops::gemm(false, false, c, V, c, F(1), w.M.data(), kC, w.B1.data(), V, F(0), w.U.data(), V);
-  ops::gemm(false, false, c, K, c, F(1), w.M.data(), kC, w.B2.data(), K, F(0), w.W.data(), K);
-  std::copy_n(w.U.data(), c * V, w.E.data());
-  ops::gemm(false, false, c, V, K, F(-1), w.W.data(), K, S0, V, F(1), w.E.data(), V);
+  ops::gemm(false, false, c, ld, c, F(1), w.M.data(), kC, w.BB.data(), ld, F(0), w.X.data(), ld);
+  ops::gemm(false, false, 2 * c, V, K, F(1), w.W(), ld, S0, V, F(0), w.Y.data(), V);
+  for (int64_t i = 0; i < c; ++i) {
+    const F *u = w.U() + i * ld, *ws = &w.Y[i * V];
+    F* e = &w.E[i * V];
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) e[j] = u[j] - ws[j];
+  }
 }
 
 // S <- Diag(Γ_last) S + Kdᵀ E
@@ -258,15 +283,26 @@ SeqHead<F> seq_head(const CoreInputs<F>& in, const Dims& d, int64_t n, int64_t h
   return SeqHead<F>{in.q, in.k, in.v, in.g, in.beta, d.seq_begin(n), d.seq_len(n), d.H, h};
 }
 
+// First chunk-state slot of sequence n (slots are [(base + chunk) * H + h]).
+int64_t chunk_base(const Dims& d, int64_t n) {
+  if (!d.cu_seqlens) return n * ((d.T + kC - 1) / kC);
+  int64_t b = 0;
+  for (int64_t m = 0; m < n; ++m) b += (d.seq_len(m) + kC - 1) / kC;
+  return b;
+}
+
 template <class F>
-void forward_one(const CoreInputs<F>& in, const Dims& d, int64_t n, int64_t h, F* o, F* ht, bool bounded, F lb) {
+void forward_one(const CoreInputs<F>& in, const Dims& d, int64_t n, int64_t h, F* o, F* ht, bool bounded, F lb,
+                 F* states) {
   const int64_t K = d.K, V = d.V;
   Work<F> w(K, V);
   std::vector<F> S(K * V, F(0));
   if (in.h0) std::copy_n(in.h0 + (n * d.H + h) * K * V, K * V, S.data());
   const SeqHead<F> s = seq_head(in, d, n, h);
+  const int64_t base = states ? chunk_base(d, n) : 0;
   for (int64_t t0 = 0; t0 < s.len; t0 += kC) {
     const int64_t c = std::min(kC, s.len - t0);
+    if (states) std::copy_n(S.data(), K * V, states + ((base + t0 / kC) * d.H + h) * K * V);
     load_chunk(w, s, t0, c);
     intra_chunk_A(w, c, bounded, lb, in.scale);
     invert_unit_lower(w, c);
@@ -274,7 +310,12 @@ void forward_one(const CoreInputs<F>& in, const Dims& d, int64_t n, int64_t h, F
     // O = scale (Q⊙Γ) S0 + A_qk E, written straight into o's [rows, H, V] layout.
     F* out = o + s.qk_off(t0) * V;
     const int64_t ldo = d.H * V;
-    ops::gemm(false, false, c, V, K, in.scale, w.Qg.data(), K, S.data(), V, F(0), out, ldo);
+    for (int64_t i = 0; i < c; ++i) {
+      const F* qs = &w.Y[(c + i) * V];
+      F* oi = out + i * ldo;
+#pragma omp simd
+      for (int64_t j = 0; j < V; ++j) oi[j] = in.scale * qs[j];
+    }
     ops::gemm(false, false, c, V, c, F(1), w.Aqk.data(), kC, w.E.data(), V, F(1), out, ldo);
     advance_state(w, c, S.data());
   }
@@ -317,14 +358,18 @@ void tile_backward_gemm(Work<F>& w, int64_t i0, int64_t i1, int64_t cols, const 
 
 template <class F>
 void backward_one(const CoreInputs<F>& in, const Dims& d, int64_t n, int64_t h, const F* do_, const F* dht,
-                  const CoreGrads<F>& gr, bool bounded, F lb) {
+                  const CoreGrads<F>& gr, bool bounded, F lb, const F* states) {
   const int64_t K = d.K, V = d.V, H = d.H;
   const SeqHead<F> s = seq_head(in, d, n, h);
   const int64_t nchunks = (s.len + kC - 1) / kC;
   Work<F> w(K, V);
-  // Pass 1: the state at the start of every chunk (recomputed instead of kept from forward).
+  // Pass 1: the state at the start of every chunk, from forward's copy or recomputed.
   std::vector<F> S0s(static_cast<size_t>(std::max<int64_t>(nchunks, 1)) * K * V, F(0));
-  {
+  if (states) {
+    const int64_t base = chunk_base(d, n);
+    for (int64_t ci = 0; ci < nchunks; ++ci)
+      std::copy_n(states + ((base + ci) * H + h) * K * V, K * V, &S0s[ci * K * V]);
+  } else {
     std::vector<F> S(K * V, F(0));
     if (in.h0) std::copy_n(in.h0 + (n * H + h) * K * V, K * V, S.data());
     for (int64_t ci = 0; ci < nchunks; ++ci) {
@@ -341,8 +386,12 @@ void backward_one(const CoreInputs<F>& in, const Dims& d, int64_t n, int64_t h, 
   // Pass 2: chunks in reverse with dS = dL/dS at the chunk's end.
   std::vector<F> dS(K * V, F(0)), dS0(K * V);
   if (dht) std::copy_n(dht + (n * H + h) * K * V, K * V, dS.data());
-  std::vector<F> dO(kC * V), dE(kC * V), dAqk(kC * kC), dM(kC * kC), tmp(kC * kC), dB1(kC * V);
-  std::vector<F> dQg(kC * K), dKd(kC * K), dW(kC * K), dB2(kC * K), dq(kC * K), dk(kC * K), dG(kC * K);
+  // dEW [C, V+K] = [dE | dW] and dBB = Mᵀ dEW = [d(βV) | d(βK⊙Γ)], side by side like X and BB.
+  const int64_t ld = w.ldx;
+  std::vector<F> dO(kC * V), dEW(kC * ld), dBB(kC * ld), dAqk(kC * kC), dM(kC * kC), tmp(kC * kC);
+  std::vector<F> dQg(kC * K), dKd(kC * K), dq(kC * K), dk(kC * K), dG(kC * K);
+  F *dE = dEW.data(), *dW = dEW.data() + V;
+  const F *dB1 = dBB.data(), *dB2 = dBB.data() + V;
   std::vector<F> dPkk(kC * kC), dXo(2 * kTile * kC), dXa(2 * kTile * K), dXb(kC * K), dGl(K), a(K);
   const F scale = in.scale;
   for (int64_t ci = nchunks - 1; ci >= 0; --ci) {
@@ -355,13 +404,13 @@ void backward_one(const CoreInputs<F>& in, const Dims& d, int64_t n, int64_t h, 
     for (int64_t i = 0; i < c; ++i) std::copy_n(do_ + s.qk_off(t0 + i) * V, V, &dO[i * V]);
 
     // dE = A_qkᵀ dO + Kd dS ;  dA_qk = tril(dO Eᵀ)
-    ops::gemm(true, false, c, V, c, F(1), w.Aqk.data(), kC, dO.data(), V, F(0), dE.data(), V);
-    ops::gemm(false, false, c, V, K, F(1), w.Kd.data(), K, dS.data(), V, F(1), dE.data(), V);
+    ops::gemm(true, false, c, V, c, F(1), w.Aqk.data(), kC, dO.data(), V, F(0), dE, ld);
+    ops::gemm(false, false, c, V, K, F(1), w.Kd.data(), K, dS.data(), V, F(1), dE, ld);
     ops::gemm(false, true, c, c, V, F(1), dO.data(), V, w.E.data(), V, F(0), dAqk.data(), kC);
     // dQg = scale dO S0ᵀ ;  dKd = E dSᵀ ;  dW = -dE S0ᵀ
     ops::gemm(false, true, c, K, V, scale, dO.data(), V, S0, V, F(0), dQg.data(), K);
     ops::gemm(false, true, c, K, V, F(1), w.E.data(), V, dS.data(), V, F(0), dKd.data(), K);
-    ops::gemm(false, true, c, K, V, F(-1), dE.data(), V, S0, V, F(0), dW.data(), K);
+    ops::gemm(false, true, c, K, V, F(-1), dE, ld, S0, V, F(0), dW, ld);
     // dS0 = scale Qgᵀ dO + Diag(Γ_last) dS - Wᵀ dE
     for (int64_t dd = 0; dd < K; ++dd) {
       F acc = 0;
@@ -371,13 +420,11 @@ void backward_one(const CoreInputs<F>& in, const Dims& d, int64_t n, int64_t h, 
       }
       dGl[dd] = acc * w.Gaml[dd];  // d/dG_last of Diag(Γ_last) S0
     }
-    ops::gemm(true, false, K, V, c, scale, w.Qg.data(), K, dO.data(), V, F(1), dS0.data(), V);
-    ops::gemm(true, false, K, V, c, F(-1), w.W.data(), K, dE.data(), V, F(1), dS0.data(), V);
-    // U = M B1, W = M B2 (dU = dE):  dM = dE B1ᵀ + dW B2ᵀ,  dB1 = Mᵀ dE,  dB2 = Mᵀ dW
-    ops::gemm(false, true, c, c, V, F(1), dE.data(), V, w.B1.data(), V, F(0), dM.data(), kC);
-    ops::gemm(false, true, c, c, K, F(1), dW.data(), K, w.B2.data(), K, F(1), dM.data(), kC);
-    ops::gemm(true, false, c, V, c, F(1), w.M.data(), kC, dE.data(), V, F(0), dB1.data(), V);
-    ops::gemm(true, false, c, K, c, F(1), w.M.data(), kC, dW.data(), K, F(0), dB2.data(), K);
+    ops::gemm(true, false, K, V, c, scale, w.Qg(), ld, dO.data(), V, F(1), dS0.data(), V);
+    ops::gemm(true, false, K, V, c, F(-1), w.W(), ld, dE, ld, F(1), dS0.data(), V);
+    // [U | W] = M [B1 | B2] (dU = dE):  dM = [dE | dW] [B1 | B2]ᵀ,  [dB1 | dB2] = Mᵀ [dE | dW]
+    ops::gemm(false, true, c, c, ld, F(1), dEW.data(), ld, w.BB.data(), ld, F(0), dM.data(), kC);
+    ops::gemm(true, false, c, ld, c, F(1), w.M.data(), kC, dEW.data(), ld, F(0), dBB.data(), ld);
     // M = L^-1:  dL = -Mᵀ dM Mᵀ, of which the strictly lower part is dA_kk.
     ops::gemm(true, false, c, c, c, F(1), w.M.data(), kC, dM.data(), kC, F(0), tmp.data(), kC);
     ops::gemm(false, true, c, c, c, F(-1), tmp.data(), kC, w.M.data(), kC, F(0), dM.data(), kC);
@@ -390,8 +437,8 @@ void backward_one(const CoreInputs<F>& in, const Dims& d, int64_t n, int64_t h, 
     for (int64_t i = 0; i < c; ++i) {
       const F b = w.beta[i];
       F db = 0;
-      for (int64_t e = 0; e < V; ++e) db += w.v[i * V + e] * dB1[i * V + e];
-      for (int64_t dd = 0; dd < K; ++dd) db += w.Kg[i * K + dd] * dB2[i * K + dd];
+      for (int64_t e = 0; e < V; ++e) db += w.v[i * V + e] * dB1[i * ld + e];
+      for (int64_t dd = 0; dd < K; ++dd) db += w.Kg[i * K + dd] * dB2[i * ld + dd];
       for (int64_t j = 0; j < i; ++j) {
         const F dA = dM[i * kC + j];  // dA_kk[i, j]
         db += dA * w.Pkk[i * kC + j];
@@ -400,10 +447,10 @@ void backward_one(const CoreInputs<F>& in, const Dims& d, int64_t n, int64_t h, 
       for (int64_t j = 0; j < kC; ++j) dAqk[i * kC + j] = j <= i ? scale * dAqk[i * kC + j] : F(0);  // dP_qk
       dbeta_out[s.qk_off(t0 + i)] = db;
       F* dv = gr.dv + s.qk_off(t0 + i) * V;
-      for (int64_t e = 0; e < V; ++e) dv[e] = b * dB1[i * V + e];
+      for (int64_t e = 0; e < V; ++e) dv[e] = b * dB1[i * ld + e];
       // Γ-weighted factors: Qg = q⊙Γ, Kg = k⊙Γ (dKg = β dB2), Kd = k⊙e^{G_last-G}.
-      const F *Gam = &w.Gam[i * K], *Dec = &w.Dec[i * K], *Qg = &w.Qg[i * K], *Kg = &w.Kg[i * K], *Kd = &w.Kd[i * K];
-      const F *gQg = &dQg[i * K], *gB2 = &dB2[i * K], *gKd = &dKd[i * K];
+      const F *Gam = &w.Gam[i * K], *Dec = &w.Dec[i * K], *Qg = w.Qg() + i * ld, *Kg = &w.Kg[i * K], *Kd = &w.Kd[i * K];
+      const F *gQg = &dQg[i * K], *gB2 = dB2 + i * ld, *gKd = &dKd[i * K];
       F *dqi = &dq[i * K], *dki = &dk[i * K], *dGi = &dG[i * K], *dGlp = dGl.data();
 #pragma omp simd
       for (int64_t dd = 0; dd < K; ++dd) {
@@ -463,32 +510,40 @@ void backward_one(const CoreInputs<F>& in, const Dims& d, int64_t n, int64_t h, 
 
 }  // namespace
 
+int64_t chunk_state_count(const Dims& d) {
+  check_dims(d);
+  return chunk_base(d, d.num_seqs()) * d.H;
+}
+
 template <class F>
-void chunk_forward(const CoreInputs<F>& in, const Dims& d, F* o, F* ht, DiagPath path, GateParams gate) {
+void chunk_forward(const CoreInputs<F>& in, const Dims& d, F* o, F* ht, DiagPath path, GateParams gate,
+                   F* chunk_states) {
   check_dims(d);
   const bool bounded = resolve_diag_path(path, gate) == DiagPath::Bounded;
   const F lb = static_cast<F>(gate.lower_bound);
   const int64_t N = d.num_seqs();
-  parallel_for_dynamic(N * d.H, [&](int64_t i) { forward_one(in, d, i / d.H, i % d.H, o, ht, bounded, lb); });
+  parallel_for_dynamic(N * d.H, [&](int64_t i) { forward_one(in, d, i / d.H, i % d.H, o, ht, bounded, lb, chunk_states); });
 }
 
 template <class F>
 void chunk_backward(const CoreInputs<F>& in, const Dims& d, const F* do_, const F* dht, const CoreGrads<F>& gr,
-                    DiagPath path, GateParams gate) {
+                    DiagPath path, GateParams gate, const F* chunk_states) {
   check_dims(d);
   LM_CHECK(gr.dq && gr.dk && gr.dv && gr.dg && gr.dbeta, "chunk_backward: dq, dk, dv, dg and dbeta are required");
   const bool bounded = resolve_diag_path(path, gate) == DiagPath::Bounded;
   const F lb = static_cast<F>(gate.lower_bound);
   const int64_t N = d.num_seqs();
   parallel_for_dynamic(N * d.H,
-                       [&](int64_t i) { backward_one(in, d, i / d.H, i % d.H, do_, dht, gr, bounded, lb); });
+                       [&](int64_t i) { backward_one(in, d, i / d.H, i % d.H, do_, dht, gr, bounded, lb, chunk_states); });
 }
 
-template void chunk_forward<float>(const CoreInputs<float>&, const Dims&, float*, float*, DiagPath, GateParams);
-template void chunk_forward<double>(const CoreInputs<double>&, const Dims&, double*, double*, DiagPath, GateParams);
+template void chunk_forward<float>(const CoreInputs<float>&, const Dims&, float*, float*, DiagPath, GateParams,
+                                   float*);
+template void chunk_forward<double>(const CoreInputs<double>&, const Dims&, double*, double*, DiagPath, GateParams,
+                                    double*);
 template void chunk_backward<float>(const CoreInputs<float>&, const Dims&, const float*, const float*,
-                                    const CoreGrads<float>&, DiagPath, GateParams);
+                                    const CoreGrads<float>&, DiagPath, GateParams, const float*);
 template void chunk_backward<double>(const CoreInputs<double>&, const Dims&, const double*, const double*,
-                                     const CoreGrads<double>&, DiagPath, GateParams);
+                                     const CoreGrads<double>&, DiagPath, GateParams, const double*);
 
 }  // namespace lm::kda

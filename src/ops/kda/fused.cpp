@@ -49,17 +49,18 @@ CoreInputs<F> core_inputs(const FusedInputs<F>& in, const Prepared<F>& p) {
 }  // namespace
 
 template <class F>
-void fused_forward(const FusedInputs<F>& in, const Dims& d, F* o, F* ht, CorePath core, DiagPath diag) {
+void fused_forward(const FusedInputs<F>& in, const Dims& d, F* o, F* ht, CorePath core, DiagPath diag,
+                   F* chunk_states) {
   check_dims(d);
   const Prepared<F> p = prepare(in, d);
   const CoreInputs<F> c = core_inputs(in, p);
   if (core == CorePath::Reference) reference_forward(c, d, o, ht);
-  else chunk_forward(c, d, o, ht, diag, in.gate);
+  else chunk_forward(c, d, o, ht, diag, in.gate, chunk_states);
 }
 
 template <class F>
 void fused_backward(const FusedInputs<F>& in, const Dims& d, const F* do_, const F* dht, const FusedGrads<F>& gr,
-                    CorePath core, DiagPath diag) {
+                    CorePath core, DiagPath diag, const F* chunk_states) {
   check_dims(d);
   LM_CHECK(gr.dq && gr.dk && gr.dv && gr.dg_raw && gr.dbeta_raw && gr.dA_log && gr.ddt_bias,
            "fused_backward: every gradient except dh0 must be given");
@@ -69,7 +70,7 @@ void fused_backward(const FusedInputs<F>& in, const Dims& d, const F* do_, const
   std::vector<F> dqn(nqk), dkn(nqk), dg(nqk), db(rows * d.H);
   CoreGrads<F> cg{dqn.data(), dkn.data(), gr.dv, dg.data(), db.data(), gr.dh0};
   if (core == CorePath::Reference) reference_backward(c, d, do_, dht, cg);
-  else chunk_backward(c, d, do_, dht, cg, diag, in.gate);
+  else chunk_backward(c, d, do_, dht, cg, diag, in.gate, chunk_states);
   l2norm_backward(in.q, dqn.data(), gr.dq, rows * d.H, d.K);
   l2norm_backward(in.k, dkn.data(), gr.dk, rows * d.H, d.K);
   sigmoid_backward(in.beta_raw, db.data(), gr.dbeta_raw, rows * d.H);
@@ -78,11 +79,13 @@ void fused_backward(const FusedInputs<F>& in, const Dims& d, const F* do_, const
   gate_backward(in.g_raw, in.A_log, in.dt_bias, dg.data(), gr.dg_raw, gr.dA_log, gr.ddt_bias, rows, d.H, d.K, in.gate);
 }
 
-template void fused_forward<float>(const FusedInputs<float>&, const Dims&, float*, float*, CorePath, DiagPath);
-template void fused_forward<double>(const FusedInputs<double>&, const Dims&, double*, double*, CorePath, DiagPath);
+template void fused_forward<float>(const FusedInputs<float>&, const Dims&, float*, float*, CorePath, DiagPath,
+                                   float*);
+template void fused_forward<double>(const FusedInputs<double>&, const Dims&, double*, double*, CorePath, DiagPath,
+                                    double*);
 template void fused_backward<float>(const FusedInputs<float>&, const Dims&, const float*, const float*,
-                                    const FusedGrads<float>&, CorePath, DiagPath);
+                                    const FusedGrads<float>&, CorePath, DiagPath, const float*);
 template void fused_backward<double>(const FusedInputs<double>&, const Dims&, const double*, const double*,
-                                     const FusedGrads<double>&, CorePath, DiagPath);
+                                     const FusedGrads<double>&, CorePath, DiagPath, const double*);
 
 }  // namespace lm::kda

@@ -119,11 +119,15 @@ template <class F>
 void reference_backward(const CoreInputs<F>& in, const Dims& d, const F* do_, const F* dht, const CoreGrads<F>& gr);
 
 // Chunked algorithm (C = 64, 16-token sub-tiles). `gate` tells which diagonal paths are safe.
+// chunk_states (optional) [chunk_state_count(d), K, V]: the state at the start of every chunk, which
+// forward can save and backward then reuses instead of recomputing (training keeps it per layer).
+int64_t chunk_state_count(const Dims& d);  // H · Σ_n ceil(len_n / 64)
 template <class F>
-void chunk_forward(const CoreInputs<F>& in, const Dims& d, F* o, F* ht, DiagPath path, GateParams gate);
+void chunk_forward(const CoreInputs<F>& in, const Dims& d, F* o, F* ht, DiagPath path, GateParams gate,
+                   F* chunk_states = nullptr);
 template <class F>
 void chunk_backward(const CoreInputs<F>& in, const Dims& d, const F* do_, const F* dht, const CoreGrads<F>& gr,
-                    DiagPath path, GateParams gate);
+                    DiagPath path, GateParams gate, const F* chunk_states = nullptr);
 
 // Resolves Auto and rejects Bounded where the bound does not keep the anchored factors finite.
 DiagPath resolve_diag_path(DiagPath requested, GateParams gate);
@@ -150,10 +154,12 @@ struct FusedGrads {
   F *dA_log = nullptr, *ddt_bias = nullptr, *dh0 = nullptr;
 };
 enum class CorePath { Reference, Chunked };
+// chunk_states as for chunk_forward/chunk_backward (Chunked core only; ignored by the reference).
 template <class F>
-void fused_forward(const FusedInputs<F>& in, const Dims& d, F* o, F* ht, CorePath core, DiagPath diag);
+void fused_forward(const FusedInputs<F>& in, const Dims& d, F* o, F* ht, CorePath core, DiagPath diag,
+                   F* chunk_states = nullptr);
 template <class F>
 void fused_backward(const FusedInputs<F>& in, const Dims& d, const F* do_, const F* dht, const FusedGrads<F>& gr,
-                    CorePath core, DiagPath diag);
+                    CorePath core, DiagPath diag, const F* chunk_states = nullptr);
 
 }  // namespace lm::kda

@@ -312,3 +312,23 @@ TEST(KdaChunk, ExactStaysFiniteWithHugeDecay) {
   for (auto* v : {&gr.dq, &gr.dk, &gr.dv, &gr.dg, &gr.dbeta, &gr.dh0})
     for (float x : *v) ASSERT_TRUE(std::isfinite(x));
 }
+
+// Backward from the chunk-start states saved by forward equals backward that recomputes them.
+TEST(KdaChunk, SavedChunkStatesGiveTheSameBackward) {
+  const std::vector<int64_t> cu{0, 10, 10, 150, 215};
+  for (GateForm form : {GateForm::LowerBound, GateForm::Softplus}) {
+    const auto c = make_case<double>(1, 215, 2, 16, 8, form, 41, cu);
+    const int64_t n_states = chunk_state_count(c.d);
+    EXPECT_EQ(n_states, 2 * (1 + 0 + 3 + 2));
+    std::vector<double> states(n_states * 16 * 8, -1.0), o(c.v.size()), ht(c.h0.size());
+    chunk_forward(c.in(), c.d, o.data(), ht.data(), DiagPath::Auto, c.gate, states.data());
+    Grads<double> a(c), b(c);
+    chunk_backward(c.in(), c.d, c.dO.data(), c.dht.data(), a.ptrs(), DiagPath::Auto, c.gate);
+    chunk_backward(c.in(), c.d, c.dO.data(), c.dht.data(), b.ptrs(), DiagPath::Auto, c.gate,
+                   static_cast<const double*>(states.data()));
+    EXPECT_EQ(a.dq, b.dq);
+    EXPECT_EQ(a.dg, b.dg);
+    EXPECT_EQ(a.dh0, b.dh0);
+    EXPECT_EQ(a.dbeta, b.dbeta);
+  }
+}

@@ -1,0 +1,24 @@
+#pragma once
+// Internal: launchers of the KDA kernels (one .cu each), called by api.cu.
+#include <cuda_runtime.h>
+
+#include "ops/kda/cuda/common.cuh"
+
+namespace lm::kda::cuda::detail {
+
+// K1, per (chunk, head): gate, cumsum, L2 norms, A_qk, A_kk, M = (I + A_kk)^-1, W, U, Qg, Kd, Γ_last
+// (and M, P_kk for the backward when `bwd`).
+void launch_prep(const OpParams& p, int KP, bool bounded, bool gate_f32, bool bwd, cudaStream_t s);
+// K2, per (sequence, head, value group of 16*NW columns): the chunk recurrence. mode 0: O and ht;
+// mode 1: the state at every chunk start (S0) and E, for the backward.
+void launch_recur_fwd(const OpParams& p, int KP, int NW, int N, int mode, cudaStream_t s);
+// Reverse recurrence of dS (SPEC §2.2): dS at every chunk end, dE, dh0.
+void launch_recur_bwd(const OpParams& p, int KP, int NW, int N, cudaStream_t s);
+// Per (chunk, head): every gradient of the chunk from S0, dS, E, dE; partial dA_log / ddt_bias sums.
+void launch_chunk_bwd(const OpParams& p, int KP, bool bounded, bool gate_f32, cudaStream_t s);
+// dA_log, ddt_bias from the per-chunk partial sums.
+void launch_reduce(const OpParams& p, int KP, cudaStream_t s);
+// Single-token decode.
+void launch_decode(float* state, const OpParams& p, int64_t S, int KP, bool gate_f32, cudaStream_t s);
+
+}  // namespace lm::kda::cuda::detail

@@ -1,0 +1,452 @@
+// K1 of the chunked KDA forward (SPEC §2.1), one block per (chunk, head), 8 warps.
+//
+// Legend: B batch, T tokens, H heads, K key dim, V value dim, C chunk 64, KP = K, V padded to 64|128,
+//         rows i, j of the chunk, 16-row tiles ti, tj, d a key channel.
+// Computes from the raw inputs: g = gate(g_raw), G = cumsum(g), Γ = exp(G), unit q, k, β = σ(beta_raw);
+//   A_qk[i,j] = scale Σ_d q_id k_jd e^{G_id - G_jd} (j <= i), A_kk[i,j] = β_i Σ_d k_id k_jd e^{G_id - G_jd} (j < i),
+//   M = (I + A_kk)^-1, W = M Diag(β) (K⊙Γ), U = M Diag(β) V, Qg = scale Q⊙Γ, Kd = K⊙e^{G_last - G}, Γ_last.
+// Tiles of A are bf16 MMAs over the anchored factors e^{G_i - a} · e^{a - G_j} (a per row tile): the
+// bounded path anchors at G_first + 7.5·lb, so every factor is within e^{±7.5|lb|} and the diagonal tiles
+// are MMAs too; the exact path anchors past tiles at G_first (factors <= 1) and computes the diagonal
+// tiles pair by pair in fp32. The bounded path's diagonal tiles and M (in W, U) are split into bf16 hi + lo
+// parts (three and two MMAs), since those roundings dominate o's error; the forward stores A_qk, U and Kd
+// in fp16 (the backward's recomputation keeps bf16 throughout, with P_kk and M for the chunk gradients).
+// M: forward substitution in each 16x16 diagonal block, then the blocks below by column (right to left),
+// as tf32 MMAs.
+#include "ops/kda/cuda/launch.hpp"
+
+namespace lm::kda::cuda::detail {
+namespace {
+
+template <int KP>
+struct PrepSmem {
+  static constexpr int LDB = KP + 8;  // bf16 tiles: rows 16 bytes apart mod 128, so ldmatrix is conflict-free
+  static constexpr int LDG = KP + 8;  // f32 G: float2 fragment reads conflict-free
+  static constexpr int LDM = 72;      // f32 A_kk / M
+  static constexpr int LDX = 20;      // f32 16x16 scratch of the tf32 products
+  static constexpr size_t bytes =
+      size_t(3) * 64 * LDB * 2 + size_t(64) * LDG * 4 + size_t(64) * LDM * 4 + 2048 * 4 + 3 * 64 * 4 + 256 * 4;
+};
+
+__device__ __forceinline__ float2 f2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ float4 f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 bf4(const bf16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const float2 a = unpack_bf16(u.x), b = unpack_bf16(u.y);
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+// C (16x16, two n8 tiles) += A (16x16 f32, row-major) * B (16x16 f32, row-major) in tf32.
+__device__ __forceinline__ void mm16_tf32(float (&C)[2][4], const float* A, int lda, const float* B, int ldb,
+                                          int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    const uint32_t a[4] = {tf32(A[g * lda + 8 * ks + t]), tf32(A[(g + 8) * lda + 8 * ks + t]),
+                           tf32(A[g * lda + 8 * ks + t + 4]), tf32(A[(g + 8) * lda + 8 * ks + t + 4])};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+      mma_tf32(C[nt], a, tf32(B[(8 * ks + t) * ldb + 8 * nt + g]), tf32(B[(8 * ks + t + 4) * ldb + 8 * nt + g]));
+  }
+}
+
+template <int KP, bool BOUNDED, typename GT, bool BWD>
+__global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
+  constexpr bool F16 = !BWD;
+  using SM = PrepSmem<KP>;
+  constexpr int LDB = SM::LDB, LDG = SM::LDG, LDM = SM::LDM, LDX = SM::LDX;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* sQ = reinterpret_cast<bf16*>(smem);  // raw q [64][LDB]
+  bf16* sK = sQ + 64 * LDB;                   // raw k, later K⊙Γ (unit k)
+  bf16* sV = sK + 64 * LDB;                   // v
+  float* sG = reinterpret_cast<float*>(sV + 64 * LDB);  // G [64][LDG]
+  float* sM = sG + 64 * LDG;                             // A_kk, then M in place [64][LDM]
+  float* sScr = sM + 64 * LDM;                           // [2048]: exact diagonal tiles / tf32 scratch
+  float* sRq = sScr + 2048;                              // 1/|q_i|
+  float* sRk = sRq + 64;                                 // 1/|k_i|
+  float* sB = sRk + 64;                                  // β_i
+  float* sTot = sB + 64;                                 // [256] cumsum part totals
+
+  const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const ChunkInfo ci = p.chunks[c];
+  const int len = ci.len;
+  const int64_t row0 = ci.row0;
+  const int H = p.H, K = p.K, V = p.V;
+  const int64_t HK = int64_t(H) * K, HV = int64_t(H) * V;
+  const int64_t ch = int64_t(c) * H + h;  // (chunk, head) index of the workspace
+
+  load_tile<64, KP, LDB, 256>(sQ, p.q + row0 * HK + int64_t(h) * K, HK, len, K, tid);
+  load_tile<64, KP, LDB, 256>(sK, p.k + row0 * HK + int64_t(h) * K, HK, len, K, tid);
+  load_tile<64, KP, LDB, 256>(sV, p.v + row0 * HV + int64_t(h) * V, HV, len, V, tid);
+  // the raw gate input goes where G will be (a dense [64][KP] tile of GT), asynchronously with q, k, v
+  load_raw<KP, int(sizeof(GT)), 256>(sG, static_cast<const GT*>(p.g_raw) + row0 * HK + int64_t(h) * K, HK, len, K, tid);
+  cp_commit();
+  for (int i = tid; i < 64 * LDM; i += 256) sM[i] = 0.f;
+  for (int i = tid; i < 2048; i += 256) sScr[i] = 0.f;
+
+  // Gate and cumulative sum down the chunk: thread (d, part) owns RPT consecutive rows of channel d.
+  constexpr int PARTS = 256 / KP, RPT = 64 / PARTS;
+  const int dch = tid % KP, part = tid / KP;
+  float gv[RPT];
+  {
+    const float a = expf(p.A_log[h]);
+    const bool dok = dch < K;
+    const float bias = dok ? p.dt_bias[int64_t(h) * K + dch] : 0.f;
+    if (tid < 64) {
+      const GT* braw = static_cast<const GT*>(p.beta_raw);
+      sB[tid] = tid < len ? sigmoidf_(to_f(braw[(row0 + tid) * H + h])) : 0.f;
+    }
+    cp_wait<0>();
+    __syncthreads();  // q, k, v and the raw gate input have landed
+    const GT* sg = reinterpret_cast<const GT*>(sG);
+    float run = 0.f;
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+      const int i = part * RPT + r;
+      float gg = 0.f;  // padded rows and channels: no decay, so G_63 = G_last of the chunk
+      if (dok && i < len) gg = gate_fwd(to_f(sg[i * KP + dch]) + bias, a, p.lb, p.softplus != 0);
+      run += gg;
+      gv[r] = run;
+    }
+    sTot[part * KP + dch] = run;
+  }
+  __syncthreads();  // every raw value is read before G overwrites it
+  {
+    float off = 0.f;
+    for (int pp = 0; pp < part; ++pp) off += sTot[pp * KP + dch];
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) sG[(part * RPT + r) * LDG + dch] = gv[r] + off;
+  }
+  for (int rr = 0; rr < 8; ++rr) {
+    const int i = warp * 8 + rr;
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int d0 = lane * 2; d0 < KP; d0 += 64) {
+      const float2 x = ld_bf16x2(sQ + i * LDB + d0), y = ld_bf16x2(sK + i * LDB + d0);
+      sq += x.x * x.x + x.y * x.y;
+      sk += y.x * y.x + y.y * y.y;
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+      sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      sk += __shfl_xor_sync(0xffffffffu, sk, o);
+    }
+    if (lane == 0) {
+      sRq[i] = 1.f / sqrtf(sq + 1e-6f);
+      sRk[i] = 1.f / sqrtf(sk + 1e-6f);
+    }
+  }
+  __syncthreads();
+  if (tid < KP) p.ws.Gl[ch * KP + tid] = expf(sG[63 * LDG + tid]);
+
+  uint16_t* Aqk = reinterpret_cast<uint16_t*>(p.ws.Aqk) + ch * 4096;  // fp16 (forward) or bf16 bits
+  bf16* Pkk = BWD ? p.ws.Pkk + ch * 4096 : nullptr;
+  // ---- A tiles as MMAs: unit (ti, tj) of A_qk and P_kk over the anchored factors ----
+  {
+    constexpr int NU = BOUNDED ? 10 : 6;
+    const float off = BOUNDED ? 7.5f * p.lb : 0.f;
+#pragma unroll 1
+    for (int u = warp; u < NU; u += 8) {
+      int ti, tj;
+      if (BOUNDED) {
+        ti = (u >= 1) + (u >= 3) + (u >= 6);
+        tj = u - ti * (ti + 1) / 2;
+      } else {
+        ti = 1 + (u >= 1) + (u >= 3);
+        tj = u - (ti - 1) * ti / 2;
+      }
+      const int r0 = 16 * ti + g, r1 = r0 + 8;
+      const float* Ga = sG + 16 * ti * LDG;  // anchor row
+      const float rq0 = sRq[r0], rq1 = sRq[r1], rk0 = sRk[r0], rk1 = sRk[r1];
+      float aq[2][4] = {}, ak[2][4] = {};
+      const bool split = BOUNDED && ti == tj;  // warp-uniform
+      auto arow = [&](int r, int dd, float2 an, float rq, float rk, uint32_t& oq, uint32_t& ok, uint32_t& lq,
+                      uint32_t& lk) {
+        const float2 G = f2(sG + r * LDG + dd);
+        const float e0 = __expf(G.x - an.x), e1 = __expf(G.y - an.y);
+        const float2 x = ld_bf16x2(sQ + r * LDB + dd), y = ld_bf16x2(sK + r * LDB + dd);
+        split_bf16(x.x * rq * e0, x.y * rq * e1, oq, lq);
+        split_bf16(y.x * rk * e0, y.y * rk * e1, ok, lk);
+      };
+      auto bcol = [&](int cc, int dd, float2 an, uint32_t& lo) -> uint32_t {
+        const float2 G = f2(sG + cc * LDG + dd);
+        const float2 y = ld_bf16x2(sK + cc * LDB + dd);
+        const float rc = sRk[cc];
+        uint32_t hi;
+        split_bf16(y.x * rc * __expf(an.x - G.x), y.y * rc * __expf(an.y - G.y), hi, lo);
+        return hi;
+      };
+#pragma unroll 2
+      for (int kk = 0; kk < KP / 16; ++kk) {
+        const int d0 = 16 * kk + 2 * t, d1 = d0 + 8;
+        float2 an0 = f2(Ga + d0), an1 = f2(Ga + d1);
+        an0.x += off, an0.y += off, an1.x += off, an1.y += off;
+        uint32_t fq[4], fk[4], lq[4], lk[4];
+        arow(r0, d0, an0, rq0, rk0, fq[0], fk[0], lq[0], lk[0]);
+        arow(r1, d0, an0, rq1, rk1, fq[1], fk[1], lq[1], lk[1]);
+        arow(r0, d1, an1, rq0, rk0, fq[2], fk[2], lq[2], lk[2]);
+        arow(r1, d1, an1, rq1, rk1, fq[3], fk[3], lq[3], lk[3]);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int cc = 16 * tj + 8 * nt + g;
+          uint32_t l0, l1;
+          const uint32_t b0 = bcol(cc, d0, an0, l0), b1 = bcol(cc, d1, an1, l1);
+          mma_bf16(aq[nt], fq, b0, b1);
+          mma_bf16(ak[nt], fk, b0, b1);
+          if (split) {
+            mma_bf16(aq[nt], fq, l0, l1);
+            mma_bf16(ak[nt], fk, l0, l1);
+            mma_bf16(aq[nt], lq, b0, b1);
+            mma_bf16(ak[nt], lk, b0, b1);
+          }
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = hh ? r1 : r0, col = 16 * tj + 8 * nt + 2 * t;
+          const float q0 = col <= row ? p.scale * aq[nt][2 * hh] : 0.f;
+          const float q1 = col + 1 <= row ? p.scale * aq[nt][2 * hh + 1] : 0.f;
+          const float k0 = col < row ? ak[nt][2 * hh] : 0.f, k1 = col + 1 < row ? ak[nt][2 * hh + 1] : 0.f;
+          *reinterpret_cast<uint32_t*>(Aqk + row * 64 + col) = pack2<F16>(q0, q1);
+          if (BWD) st_bf16x2(Pkk + row * 64 + col, k0, k1);
+          const float b = sB[row];
+          *reinterpret_cast<float2*>(sM + row * LDM + col) = make_float2(b * k0, b * k1);
+        }
+    }
+  }
+  // Tiles above the diagonal are zero (K2 multiplies all of A_qk).
+  for (int idx = tid; idx < 2048; idx += 256) {
+    const int r = idx >> 5, cc = (idx & 31) * 2;
+    if ((cc >> 4) > (r >> 4)) {
+      *reinterpret_cast<uint32_t*>(Aqk + r * 64 + cc) = 0u;
+      if (BWD) st_bf16x2(Pkk + r * 64 + cc, 0.f, 0.f);
+    }
+  }
+  if (!BOUNDED) {
+    // Diagonal tiles pair by pair: warp (tile dt, channel half hf); lane (row pair pp, channel quarter qd).
+    // A lane walks 17 pairs: row pp with columns 0..pp, then row 15-pp with columns 0..15-pp.
+    const int dt = warp & 3, hf = warp >> 2, pp = lane & 7, qd = lane >> 3;
+    constexpr int CPL = KP / 8;
+    const int dbase = hf * (KP / 2) + qd * CPL;
+    const int rA = 16 * dt + pp, rB = 16 * dt + 15 - pp;
+    const float rqA = sRq[rA], rkA = sRk[rA], rqB = sRq[rB], rkB = sRk[rB];
+    float xq[17], xk[17];
+#pragma unroll
+    for (int j = 0; j < 17; ++j) xq[j] = xk[j] = 0.f;
+    for (int dd = 0; dd < CPL; dd += 4) {
+      const int d = dbase + dd;
+      const float4 GA = f4(sG + rA * LDG + d), GB = f4(sG + rB * LDG + d);
+      float4 qA = bf4(sQ + rA * LDB + d), kA = bf4(sK + rA * LDB + d);
+      float4 qB = bf4(sQ + rB * LDB + d), kB = bf4(sK + rB * LDB + d);
+      qA.x *= rqA, qA.y *= rqA, qA.z *= rqA, qA.w *= rqA;
+      kA.x *= rkA, kA.y *= rkA, kA.z *= rkA, kA.w *= rkA;
+      qB.x *= rqB, qB.y *= rqB, qB.z *= rqB, qB.w *= rqB;
+      kB.x *= rkB, kB.y *= rkB, kB.z *= rkB, kB.w *= rkB;
+#pragma unroll
+      for (int j = 0; j < 17; ++j) {
+        const bool first = j <= pp;
+        const int col = 16 * dt + (first ? j : j - pp - 1);
+        const float4 Gr = first ? GA : GB, qr = first ? qA : qB, kr = first ? kA : kB;
+        const float4 Gc = f4(sG + col * LDG + d);
+        float4 kc = bf4(sK + col * LDB + d);
+        const float rc = sRk[col];
+        const float e0 = __expf(Gr.x - Gc.x) * kc.x * rc, e1 = __expf(Gr.y - Gc.y) * kc.y * rc;
+        const float e2 = __expf(Gr.z - Gc.z) * kc.z * rc, e3 = __expf(Gr.w - Gc.w) * kc.w * rc;
+        xq[j] += qr.x * e0 + qr.y * e1 + qr.z * e2 + qr.w * e3;
+        xk[j] += kr.x * e0 + kr.y * e1 + kr.z * e2 + kr.w * e3;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 17; ++j) {
+      xq[j] += __shfl_xor_sync(0xffffffffu, xq[j], 8);
+      xq[j] += __shfl_xor_sync(0xffffffffu, xq[j], 16);
+      xk[j] += __shfl_xor_sync(0xffffffffu, xk[j], 8);
+      xk[j] += __shfl_xor_sync(0xffffffffu, xk[j], 16);
+    }
+    if (qd == 0) {
+#pragma unroll
+      for (int j = 0; j < 17; ++j) {
+        const bool first = j <= pp;
+        const int r = first ? pp : 15 - pp, cc = first ? j : j - pp - 1;
+        atomicAdd(sScr + dt * 256 + r * 16 + cc, xq[j]);
+        atomicAdd(sScr + 1024 + dt * 256 + r * 16 + cc, xk[j]);
+      }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < 1024; idx += 256) {
+      const int dtt = idx >> 8, r = (idx >> 4) & 15, cc = idx & 15;
+      const int row = 16 * dtt + r, col = 16 * dtt + cc;
+      Aqk[row * 64 + col] = bits16<F16>(cc <= r ? p.scale * sScr[idx] : 0.f);
+      const float pk = cc < r ? sScr[1024 + idx] : 0.f;
+      sM[row * LDM + col] = sB[row] * pk;
+      if (BWD) Pkk[row * 64 + col] = __float2bfloat16_rn(pk);
+    }
+  }
+  __syncthreads();
+
+  // ---- inverse of the diagonal 16x16 blocks (forward substitution, lane = column) ----
+  if (warp < 4) {
+    float* L = sM + 16 * warp * LDM + 16 * warp;
+    const int cc = lane & 15;
+    float m[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      float acc = r == cc ? 1.f : 0.f;
+#pragma unroll
+      for (int q = 0; q < r; ++q) acc -= L[r * LDM + q] * m[q];
+      m[r] = r < cc ? 0.f : acc;
+    }
+    __syncwarp();
+    if (lane < 16)
+#pragma unroll
+      for (int r = 0; r < 16; ++r) L[r * LDM + cc] = m[r];
+  }
+  // ---- Qg = scale q⊙Γ, Kd = k⊙e^{G_last - G} to the workspace; sK becomes K⊙Γ ----
+  {
+    bf16* Qg = p.ws.Qg + ch * 64 * KP;
+    bf16* Kd = p.ws.Kd + ch * 64 * KP;
+    for (int idx = tid; idx < 64 * (KP / 8); idx += 256) {
+      const int i = idx / (KP / 8), d = (idx % (KP / 8)) * 8;
+      const uint4 qr = *reinterpret_cast<const uint4*>(sQ + i * LDB + d);
+      const uint4 kr = *reinterpret_cast<const uint4*>(sK + i * LDB + d);
+      const uint32_t qw[4] = {qr.x, qr.y, qr.z, qr.w}, kw[4] = {kr.x, kr.y, kr.z, kr.w};
+      const float rq = sRq[i] * p.scale, rk = sRk[i];
+      uint32_t oq[4], od[4], og[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 G = f2(sG + i * LDG + d + 2 * j), Gl = f2(sG + 63 * LDG + d + 2 * j);
+        const float2 x = unpack_bf16(qw[j]), y = unpack_bf16(kw[j]);
+        const float g0 = __expf(G.x), g1 = __expf(G.y);
+        oq[j] = pack_bf16(x.x * rq * g0, x.y * rq * g1);
+        od[j] = pack2<F16>(y.x * rk * __expf(Gl.x - G.x), y.y * rk * __expf(Gl.y - G.y));
+        og[j] = pack_bf16(y.x * rk * g0, y.y * rk * g1);
+      }
+      *reinterpret_cast<uint4*>(Qg + i * KP + d) = make_uint4(oq[0], oq[1], oq[2], oq[3]);
+      *reinterpret_cast<uint4*>(Kd + i * KP + d) = make_uint4(od[0], od[1], od[2], od[3]);
+      *reinterpret_cast<uint4*>(sK + i * LDB + d) = make_uint4(og[0], og[1], og[2], og[3]);
+    }
+  }
+  __syncthreads();
+
+  // ---- blocks below the diagonal, column j from right to left: M_ij = -(Σ_{k=j+1..i} M_ik L_kj) M_jj ----
+  for (int j = 2; j >= 0; --j) {
+    const bool active = warp < 3 - j;
+    const int i = j + 1 + warp;
+    float res[2][4] = {};
+    if (active) {
+      float X[2][4] = {};
+#pragma unroll 1
+      for (int kb = j + 1; kb <= i; ++kb)
+        mm16_tf32(X, sM + 16 * i * LDM + 16 * kb, LDM, sM + 16 * kb * LDM + 16 * j, LDM, lane);
+      float* sx = sScr + warp * 16 * LDX;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        sx[g * LDX + 8 * nt + 2 * t] = X[nt][0];
+        sx[g * LDX + 8 * nt + 2 * t + 1] = X[nt][1];
+        sx[(g + 8) * LDX + 8 * nt + 2 * t] = X[nt][2];
+        sx[(g + 8) * LDX + 8 * nt + 2 * t + 1] = X[nt][3];
+      }
+      __syncwarp();
+      mm16_tf32(res, sx, LDX, sM + 16 * j * LDM + 16 * j, LDM, lane);
+    }
+    __syncthreads();  // every read of column j's L blocks is done
+    if (active) {
+      float* Mb = sM + 16 * i * LDM + 16 * j;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        Mb[g * LDM + 8 * nt + 2 * t] = -res[nt][0];
+        Mb[g * LDM + 8 * nt + 2 * t + 1] = -res[nt][1];
+        Mb[(g + 8) * LDM + 8 * nt + 2 * t] = -res[nt][2];
+        Mb[(g + 8) * LDM + 8 * nt + 2 * t + 1] = -res[nt][3];
+      }
+    }
+    __syncthreads();
+  }
+
+  if (BWD) {
+    bf16* Mo = p.ws.M + ch * 4096;
+    for (int idx = tid; idx < 2048; idx += 256) {
+      const int r = idx >> 5, cc = (idx & 31) * 2;
+      st_bf16x2(Mo + r * 64 + cc, sM[r * LDM + cc], sM[r * LDM + cc + 1]);
+    }
+  }
+  // ---- W = (M Diag(β)) (K⊙Γ), U = (M Diag(β)) V: warp (row tile rt, which); M Diag(β) as bf16 hi + lo ----
+  {
+    const int rt = warp & 3, which = warp >> 2;
+    const bf16* src = which ? sV : sK;
+    uint16_t* dst = reinterpret_cast<uint16_t*>(which ? p.ws.U : p.ws.W) + ch * 64 * KP;
+    const bool f16out = F16 && which;  // U (fp16 in the forward); W stays bf16
+    float acc[KP / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < KP / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    const float* M0 = sM + (16 * rt + g) * LDM;
+    const float* M1 = M0 + 8 * LDM;
+#pragma unroll 1
+    for (int ks = 0; ks <= rt; ++ks) {  // M is lower triangular
+      const int cA = 16 * ks + 2 * t;
+      const float b0 = sB[cA], b1 = sB[cA + 1], b8 = sB[cA + 8], b9 = sB[cA + 9];
+      uint32_t a[4], al[4];
+      split_bf16(M0[cA] * b0, M0[cA + 1] * b1, a[0], al[0]);
+      split_bf16(M1[cA] * b0, M1[cA + 1] * b1, a[1], al[1]);
+      split_bf16(M0[cA + 8] * b8, M0[cA + 9] * b9, a[2], al[2]);
+      split_bf16(M1[cA + 8] * b8, M1[cA + 9] * b9, a[3], al[3]);
+#pragma unroll
+      for (int np = 0; np < KP / 16; ++np) {
+        uint32_t b[4];
+        ldsm4t(b, src + 16 * ks * LDB + 16 * np + bt_off(lane, LDB));
+        mma_bf16(acc[2 * np], a, b[0], b[1]);
+        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+        mma_bf16(acc[2 * np], al, b[0], b[1]);
+        mma_bf16(acc[2 * np + 1], al, b[2], b[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < KP / 8; ++nt) {
+      const int col = 8 * nt + 2 * t;
+      uint32_t* d0 = reinterpret_cast<uint32_t*>(dst + (16 * rt + g) * KP + col);
+      uint32_t* d1 = reinterpret_cast<uint32_t*>(dst + (16 * rt + g + 8) * KP + col);
+      *d0 = f16out ? pack_f16(acc[nt][0], acc[nt][1]) : pack_bf16(acc[nt][0], acc[nt][1]);
+      *d1 = f16out ? pack_f16(acc[nt][2], acc[nt][3]) : pack_bf16(acc[nt][2], acc[nt][3]);
+    }
+  }
+}
+
+template <int KP, bool BND, typename GT, bool BWD>
+void launch_b(const OpParams& p, cudaStream_t s) {
+  const size_t smem = PrepSmem<KP>::bytes;
+  static bool attr = false;
+  if (!attr) {
+    cudaFuncSetAttribute(prep_kernel<KP, BND, GT, BWD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    attr = true;
+  }
+  prep_kernel<KP, BND, GT, BWD><<<dim3(p.NC, p.H), 256, smem, s>>>(p);
+}
+template <int KP, bool BND, typename GT>
+void launch_t(const OpParams& p, bool bwd, cudaStream_t s) {
+  if (bwd) launch_b<KP, BND, GT, true>(p, s);
+  else launch_b<KP, BND, GT, false>(p, s);
+}
+
+template <int KP, bool BND>
+void launch_g(const OpParams& p, bool gate_f32, bool bwd, cudaStream_t s) {
+  if (gate_f32) launch_t<KP, BND, float>(p, bwd, s);
+  else launch_t<KP, BND, bf16>(p, bwd, s);
+}
+
+}  // namespace
+
+void launch_prep(const OpParams& p, int KP, bool bounded, bool gate_f32, bool bwd, cudaStream_t s) {
+  if (p.NC == 0) return;
+  if (KP == 64) {
+    if (bounded) launch_g<64, true>(p, gate_f32, bwd, s);
+    else launch_g<64, false>(p, gate_f32, bwd, s);
+  } else {
+    if (bounded) launch_g<128, true>(p, gate_f32, bwd, s);
+    else launch_g<128, false>(p, gate_f32, bwd, s);
+  }
+}
+
+}  // namespace lm::kda::cuda::detail
