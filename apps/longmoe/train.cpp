@@ -1,0 +1,57 @@
+// `longmoe train --config RUN.json [--resume] [overrides]`: the trainer (src/train/trainer.hpp).
+#include <cstdio>
+#include <memory>
+
+#include "apps/longmoe/commands.hpp"
+#include "core/error.hpp"
+#include "train/trainer.hpp"
+
+namespace {
+
+struct Args {
+  std::string config, out, model, balance, estimator;
+  bool resume = false, quiet = false;
+  int64_t max_steps = -1;
+  int64_t seed = -1;
+};
+
+int run(const Args& a) {
+  lm::train::RunConfig cfg = lm::train::RunConfig::load(a.config);
+  if (!a.out.empty()) cfg.out = a.out;
+  if (!a.model.empty()) cfg.model = a.model;
+  if (a.max_steps >= 0) cfg.max_steps = a.max_steps;
+  if (a.seed >= 0) cfg.seed = static_cast<uint64_t>(a.seed);
+  if (!a.balance.empty() || !a.estimator.empty()) {
+    lm::io::json j = cfg.to_json();
+    if (!a.balance.empty()) j["balance"]["kind"] = a.balance;
+    if (!a.estimator.empty()) j["balance"]["estimator"] = a.estimator;
+    cfg = lm::train::RunConfig::from_json(j, a.config + " (with command-line overrides)");
+  }
+  lm::train::TrainOptions opt;
+  opt.resume = a.resume;
+  opt.quiet = a.quiet;
+  const auto r = lm::train::train(cfg, opt);
+  std::printf("final: held-out ppl %.2f (unigram ppl %.2f), train loss %.4f, %.0f tokens/s, checkpoint %s\n",
+              r.heldout_ppl, r.unigram_ppl, r.final_train_loss, r.tokens_per_s, r.checkpoint.c_str());
+  return 0;
+}
+
+lm::app::Register reg({"train", "Train a model: tokenizer, data, curriculum stages, checkpoints", [](CLI::App& sub) {
+                         auto a = std::make_shared<Args>();
+                         sub.add_option("--config", a->config, "Run config (JSON; see configs/train-*.json)")
+                             ->required()
+                             ->check(CLI::ExistingFile);
+                         sub.add_flag("--resume", a->resume, "Continue the run in --out from its latest checkpoint");
+                         sub.add_option("--out", a->out, "Run folder (overrides the config's 'out')");
+                         sub.add_option("--model", a->model, "Model config.json (overrides the config's 'model')");
+                         sub.add_option("--balance", a->balance, "MoE balancing: qb, sign, aux or none")
+                             ->check(CLI::IsMember({"qb", "sign", "aux", "none"}));
+                         sub.add_option("--qb-estimator", a->estimator, "Quantile Balancing estimator")
+                             ->check(CLI::IsMember({"exact", "hist"}));
+                         sub.add_option("--max-steps", a->max_steps, "Stop after this many optimiser steps");
+                         sub.add_option("--seed", a->seed, "Seed for initialisation, split and shuffling");
+                         sub.add_flag("--quiet", a->quiet, "No progress output");
+                         return [a] { return run(*a); };
+                       }});
+
+}  // namespace

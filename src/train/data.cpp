@@ -1,0 +1,285 @@
+#include "train/data.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "core/error.hpp"
+#include "core/parallel.hpp"
+#include "core/rng.hpp"
+
+namespace lm::train {
+
+namespace {
+
+// Philox stream ids ("SPLIT", "SHUFF") so the split and the epoch orders never share draws.
+constexpr uint64_t kSplitStream = 0x53504C4954ull, kShuffleStream = 0x5348554646ull;
+
+// Fisher-Yates with draw i deciding position i: the same permutation on every machine.
+std::vector<int64_t> permutation(int64_t n, const Rng& r) {
+  std::vector<int64_t> p(static_cast<size_t>(n));
+  std::iota(p.begin(), p.end(), int64_t{0});
+  for (int64_t i = n - 1; i > 0; --i) {
+    const Philox4 b = r.bits(static_cast<uint64_t>(i));
+    const uint64_t x = (static_cast<uint64_t>(b.v[0]) << 32) | b.v[1];
+    const auto j = static_cast<int64_t>(x % static_cast<uint64_t>(i + 1));  // bias < n / 2^64
+    std::swap(p[static_cast<size_t>(i)], p[static_cast<size_t>(j)]);
+  }
+  return p;
+}
+
+uint64_t fnv1a(uint64_t h, const void* data, size_t bytes) {
+  const auto* s = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < bytes; ++i) h = (h ^ s[i]) * 0x100000001B3ull;
+  return h;
+}
+
+// Fills rows [0, B*T) of `b` from the stream: document `d` (-1: the stream has ended) from its token
+// `p` on, then whatever next_doc() yields (-1 when there is no more). Rows past the end get `pad`.
+// On return (d, p) is the next unread token, normalised to p < len(d).
+template <class NextDoc>
+void fill_rows(Batch& b, const TokenizedDocs& D, int64_t& d, int64_t& p, NextDoc&& next_doc, int32_t pad) {
+  const int64_t B = b.seqs, T = b.seq_len, R = B * T;
+  b.ids.resize(static_cast<size_t>(R));
+  b.targets.resize(static_cast<size_t>(R));
+  std::vector<int64_t> starts;  // rows where a document (or the padding) begins, increasing
+  int64_t r = 0;
+  while (r < R && d >= 0) {
+    const int64_t base = D.offsets[static_cast<size_t>(d)], len = D.offsets[static_cast<size_t>(d) + 1] - base;
+    const int64_t take = std::min(len - p, R - r);
+    if (p == 0) starts.push_back(r);
+    const int32_t* src = D.ids.data() + base;
+    for (int64_t i = 0; i < take; ++i) {
+      const int64_t q = p + i;
+      b.ids[static_cast<size_t>(r + i)] = src[q];
+      b.targets[static_cast<size_t>(r + i)] = q + 1 < len ? src[q + 1] : kIgnore;
+    }
+    r += take, p += take;
+    if (p == len) d = next_doc(), p = 0;
+  }
+  if (r < R) {
+    starts.push_back(r);
+    std::fill(b.ids.begin() + r, b.ids.end(), pad);
+    std::fill(b.targets.begin() + r, b.targets.end(), kIgnore);
+  }
+  b.cu_seqlens.clear();
+  b.cu_seqlens.reserve(static_cast<size_t>(B) + starts.size() + 1);
+  size_t j = 0;
+  for (int64_t s = 0; s < B; ++s) {
+    b.cu_seqlens.push_back(s * T);
+    for (; j < starts.size() && starts[j] < (s + 1) * T; ++j)
+      if (starts[j] != s * T) b.cu_seqlens.push_back(starts[j]);
+  }
+  b.cu_seqlens.push_back(R);
+}
+
+}  // namespace
+
+std::span<const int32_t> TokenizedDocs::doc(int64_t d) const {
+  LM_CHECK(d >= 0 && d < num_docs(), "document {} out of range [0, {})", d, num_docs());
+  const auto b = static_cast<size_t>(offsets[static_cast<size_t>(d)]);
+  const auto e = static_cast<size_t>(offsets[static_cast<size_t>(d) + 1]);
+  return {ids.data() + b, e - b};
+}
+
+uint64_t TokenizedDocs::fingerprint() const {
+  uint64_t h = 0xCBF29CE484222325ull;
+  h = fnv1a(h, ids.data(), ids.size() * sizeof(int32_t));
+  return fnv1a(h, offsets.data(), offsets.size() * sizeof(int64_t));
+}
+
+TokenizedDocs tokenize_documents(const io::Tokenizer& tok, const std::vector<std::string>& docs, bool bos) {
+  const auto n = static_cast<int64_t>(docs.size());
+  const int32_t sep = tok.special("<|doc|>");
+  const int64_t extra = bos ? 2 : 1;
+  std::vector<std::vector<int32_t>> enc(docs.size());
+  parallel_for_dynamic(n, [&](int64_t i) { enc[static_cast<size_t>(i)] = tok.encode(docs[static_cast<size_t>(i)]); });
+  TokenizedDocs out;
+  out.offsets.assign(docs.size() + 1, 0);
+  for (size_t i = 0; i < docs.size(); ++i)
+    out.offsets[i + 1] = out.offsets[i] + static_cast<int64_t>(enc[i].size()) + extra;
+  out.ids.resize(static_cast<size_t>(out.offsets.back()));
+  parallel_for(n, [&](int64_t i) {
+    const auto k = static_cast<size_t>(i);
+    auto at = out.ids.begin() + out.offsets[k];
+    if (bos) *at++ = tok.bos();
+    std::copy(enc[k].begin(), enc[k].end(), at);
+    out.ids[static_cast<size_t>(out.offsets[k + 1] - 1)] = sep;
+  });
+  return out;
+}
+
+TokenizedDocs select_documents(const TokenizedDocs& all, const std::vector<int64_t>& which) {
+  TokenizedDocs out;
+  out.offsets.reserve(which.size() + 1);
+  for (const int64_t d : which) {
+    const auto s = all.doc(d);
+    out.ids.insert(out.ids.end(), s.begin(), s.end());
+    out.offsets.push_back(static_cast<int64_t>(out.ids.size()));
+  }
+  return out;
+}
+
+DataSplit split_documents(const TokenizedDocs& all, double heldout_fraction, uint64_t seed) {
+  LM_CHECK(heldout_fraction >= 0.0 && heldout_fraction < 1.0, "held-out fraction {} must lie in [0, 1)",
+           heldout_fraction);
+  const int64_t n = all.num_docs();
+  int64_t k = std::llround(heldout_fraction * static_cast<double>(n));
+  if (heldout_fraction > 0 && n >= 2) k = std::clamp<int64_t>(k, 1, n - 1);
+  k = std::clamp<int64_t>(k, 0, n);
+  const std::vector<int64_t> perm = permutation(n, Rng{seed, kSplitStream});
+  DataSplit s;
+  s.heldout_docs.assign(perm.begin(), perm.begin() + k);
+  s.train_docs.assign(perm.begin() + k, perm.end());
+  std::sort(s.heldout_docs.begin(), s.heldout_docs.end());
+  std::sort(s.train_docs.begin(), s.train_docs.end());
+  s.train = select_documents(all, s.train_docs);
+  s.heldout = select_documents(all, s.heldout_docs);
+  return s;
+}
+
+int64_t Batch::predicted() const {
+  return static_cast<int64_t>(std::count_if(targets.begin(), targets.end(), [](int32_t t) { return t != kIgnore; }));
+}
+
+void to_json(io::json& j, const Position& p) { j = io::json{{"epoch", p.epoch}, {"offset", p.offset}}; }
+
+void from_json(const io::json& j, Position& p) {
+  LM_CHECK(j.is_object(), "data position: expected an object {{\"epoch\", \"offset\"}}, got {}", j.type_name());
+  for (const char* key : {"epoch", "offset"})
+    LM_CHECK(j.contains(key) && j[key].is_number_unsigned(),
+             "data position: field '{}' is missing or not a non-negative integer", key);
+  p.epoch = j["epoch"].get<uint64_t>();
+  p.offset = j["offset"].get<uint64_t>();
+}
+
+Loader::Loader(std::shared_ptr<const TokenizedDocs> docs, int64_t seq_len, uint64_t seed, Position start)
+    : docs_(std::move(docs)), seq_len_(seq_len), seed_(seed) {
+  LM_CHECK(docs_ && docs_->num_docs() > 0, "data loader: the training split holds no documents");
+  set_seq_len(seq_len);
+  seek(start);
+}
+
+void Loader::set_seq_len(int64_t seq_len) {
+  LM_CHECK(seq_len > 0, "data loader: seq_len {} must be positive", seq_len);
+  seq_len_ = seq_len;
+}
+
+void Loader::seek(Position p) {
+  LM_CHECK(p.offset < static_cast<uint64_t>(epoch_tokens()),
+           "data position offset {} is outside an epoch of {} tokens (was the position saved for other data?)",
+           p.offset, epoch_tokens());
+  pos_ = p;
+}
+
+double Loader::epochs_done() const {
+  return static_cast<double>(pos_.epoch) + static_cast<double>(pos_.offset) / static_cast<double>(epoch_tokens());
+}
+
+uint64_t Loader::fingerprint() const {
+  const uint64_t h = docs_->fingerprint();
+  return fnv1a(h, &seed_, sizeof(seed_));
+}
+
+std::vector<int64_t> Loader::epoch_order(uint64_t epoch) const {
+  return permutation(docs_->num_docs(), Rng{seed_, kShuffleStream}.fork(epoch));
+}
+
+const Loader::Plan& Loader::plan(uint64_t epoch) {
+  auto it = plans_.find(epoch);
+  if (it != plans_.end()) return it->second;
+  while (!plans_.empty() && plans_.begin()->first + 1 < epoch) plans_.erase(plans_.begin());  // keep e-1 and e
+  Plan pl;
+  pl.order = epoch_order(epoch);
+  pl.cum.assign(pl.order.size() + 1, 0);
+  for (size_t k = 0; k < pl.order.size(); ++k) {
+    const auto d = static_cast<size_t>(pl.order[k]);
+    pl.cum[k + 1] = pl.cum[k] + (docs_->offsets[d + 1] - docs_->offsets[d]);
+  }
+  return plans_.emplace(epoch, std::move(pl)).first->second;
+}
+
+Batch Loader::next(int64_t B) {
+  LM_CHECK(B > 0, "data loader: batch of {} sequences", B);
+  Batch b;
+  b.seqs = B, b.seq_len = seq_len_;
+  uint64_t e = pos_.epoch;
+  const Plan* pl = &plan(e);
+  const auto n = static_cast<int64_t>(pl->order.size());
+  auto k = static_cast<int64_t>(std::upper_bound(pl->cum.begin(), pl->cum.end(), static_cast<int64_t>(pos_.offset)) -
+                                pl->cum.begin()) - 1;
+  int64_t d = pl->order[static_cast<size_t>(k)];
+  int64_t p = static_cast<int64_t>(pos_.offset) - pl->cum[static_cast<size_t>(k)];
+  fill_rows(b, *docs_, d, p, [&] {
+    if (++k == n) k = 0, pl = &plan(++e);
+    return pl->order[static_cast<size_t>(k)];
+  }, 0);
+  pos_ = Position{e, static_cast<uint64_t>(pl->cum[static_cast<size_t>(k)] + p)};
+  return b;
+}
+
+std::vector<Batch> eval_batches(const TokenizedDocs& heldout, int64_t seq_len, int64_t B, int32_t pad_id,
+                                int64_t max_batches) {
+  LM_CHECK(seq_len > 0 && B > 0, "held-out batches: seq_len {} and batch {} must be positive", seq_len, B);
+  std::vector<Batch> out;
+  const int64_t n = heldout.num_docs();
+  int64_t d = n > 0 ? 0 : -1, p = 0;
+  while (d >= 0 && (max_batches <= 0 || static_cast<int64_t>(out.size()) < max_batches)) {
+    Batch b;
+    b.seqs = B, b.seq_len = seq_len;
+    fill_rows(b, heldout, d, p, [&] { return d + 1 < n ? d + 1 : int64_t{-1}; }, pad_id);
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+Unigram Unigram::fit(const TokenizedDocs& train, int32_t vocab_size) {
+  LM_CHECK(vocab_size > 0, "unigram baseline: vocab_size {} must be positive", vocab_size);
+  std::vector<int64_t> count(static_cast<size_t>(vocab_size), 0);
+  int64_t n = 0;
+  for (int64_t d = 0; d < train.num_docs(); ++d) {
+    const auto s = train.doc(d);
+    for (size_t i = 1; i < s.size(); ++i, ++n) {
+      LM_CHECK(s[i] >= 0 && s[i] < vocab_size, "unigram baseline: token id {} outside the vocabulary [0, {})", s[i],
+               vocab_size);
+      ++count[static_cast<size_t>(s[i])];
+    }
+  }
+  Unigram u;
+  u.log_prob.resize(count.size());
+  const double denom = std::log(static_cast<double>(n) + vocab_size);
+  for (size_t v = 0; v < count.size(); ++v) u.log_prob[v] = std::log(static_cast<double>(count[v]) + 1.0) - denom;
+  return u;
+}
+
+double Unigram::cross_entropy(const std::vector<Batch>& batches) const {
+  double nll = 0;
+  int64_t n = 0;
+  for (const auto& b : batches)
+    for (const int32_t t : b.targets) {
+      if (t == kIgnore) continue;
+      LM_CHECK(t >= 0 && static_cast<size_t>(t) < log_prob.size(), "unigram baseline: target {} outside [0, {})", t,
+               log_prob.size());
+      nll -= log_prob[static_cast<size_t>(t)], ++n;
+    }
+  LM_CHECK(n > 0, "unigram baseline: no targets to evaluate");
+  return nll / static_cast<double>(n);
+}
+
+double Unigram::cross_entropy(const TokenizedDocs& heldout) const {
+  double nll = 0;
+  int64_t n = 0;
+  for (int64_t d = 0; d < heldout.num_docs(); ++d) {
+    const auto s = heldout.doc(d);
+    for (size_t i = 1; i < s.size(); ++i) {
+      LM_CHECK(s[i] >= 0 && static_cast<size_t>(s[i]) < log_prob.size(), "unigram baseline: token {} outside [0, {})",
+               s[i], log_prob.size());
+      nll -= log_prob[static_cast<size_t>(s[i])], ++n;
+    }
+  }
+  LM_CHECK(n > 0, "unigram baseline: the held-out split has no targets");
+  return nll / static_cast<double>(n);
+}
+
+}  // namespace lm::train

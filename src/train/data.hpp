@@ -1,0 +1,129 @@
+#pragma once
+// Training data: documents -> token stream -> packed batches with document boundaries.
+// Legend: N documents, L tokens of a split, T seq_len, B sequences per batch.
+//
+// Tokens. A document is <s> (bos), its text's tokens, then one <|doc|> separator: the model learns
+// to start a text from <s> alone (as generation and chat prompts begin) and to end it with <|doc|>.
+// Boundaries come from the document offsets, never from token values, so a literal "<|doc|>" inside
+// a text does not cut it.
+//
+// Stream. Epoch e of a split is its documents in a seeded permutation P_e (Philox, from seed and e)
+// put end to end: S_e = doc[P_e(0)] doc[P_e(1)] ... (L tokens every epoch). The Loader reads
+// S_0 S_1 S_2 ... as one endless stream cut into consecutive batches of B*T tokens; a batch that
+// reaches the end of an epoch continues in the next, so within every epoch each token is used exactly
+// once, nothing is padded and nothing dropped. Position {epoch, offset} (offset in [0, L)) is all the
+// state there is: it does not depend on T or B, so a resumed run (same data, seed, T, B) reproduces
+// the batches exactly, and a curriculum stage can re-pack the same stream at a new T.
+//
+// Batch: B sequences of T tokens as one packed run of B*T rows (row r = sequence r / T, slot r % T):
+//   ids[r]       the stream token at the batch's start + r
+//   targets[r]   the next token of the same document, or kIgnore (-100) when row r holds the
+//                document's last token (its <|doc|>): nothing is predicted across a document boundary.
+//                A sequence's last row still predicts its document's next token (the first row of the
+//                next sequence): a sequence cut costs context, not targets.
+//   cu_seqlens   {0, ..., B*T}, strictly increasing: a boundary at every sequence start (multiples of
+//                T) and at every document start inside a sequence, for model::Seqs::packed, so KDA
+//                state and attention never cross a document or a sequence.
+// Hence every token except a document's first (its <s>) is a target exactly once per epoch, the
+// separator included.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "io/json.hpp"
+#include "io/tokenizer.hpp"
+
+namespace lm::train {
+
+inline constexpr int32_t kIgnore = -100;
+
+struct TokenizedDocs {
+  std::vector<int32_t> ids;          // [L] all documents back to back: <s> text <|doc|> each
+  std::vector<int64_t> offsets{0};   // [N + 1] document d is ids[offsets[d], offsets[d + 1])
+  int64_t num_docs() const { return static_cast<int64_t>(offsets.size()) - 1; }
+  int64_t tokens() const { return static_cast<int64_t>(ids.size()); }
+  std::span<const int32_t> doc(int64_t d) const;
+  uint64_t fingerprint() const;  // FNV-1a over ids and offsets: tells a resumed run it reads the same data
+};
+
+// Encodes each document (in parallel; the result does not depend on the thread count) as
+// [<s>] text <|doc|>; bos = false leaves out the <s>.
+TokenizedDocs tokenize_documents(const io::Tokenizer& tok, const std::vector<std::string>& docs, bool bos = true);
+// The documents `which` (indices into `all`), in that order.
+TokenizedDocs select_documents(const TokenizedDocs& all, const std::vector<int64_t>& which);
+
+// Held-out split by whole documents: a seeded permutation of the N documents; its first
+// round(fraction * N) (at least 1 and at most N - 1 when fraction > 0 and N >= 2) are held out.
+// Both splits keep the original document order. fraction must lie in [0, 1).
+struct DataSplit {
+  TokenizedDocs train, heldout;
+  std::vector<int64_t> train_docs, heldout_docs;  // original document indices, ascending
+};
+DataSplit split_documents(const TokenizedDocs& all, double heldout_fraction, uint64_t seed);
+
+struct Batch {
+  std::vector<int32_t> ids, targets;  // [B*T]
+  std::vector<int64_t> cu_seqlens;    // [segments + 1]
+  int64_t seqs = 0, seq_len = 0;      // B, T
+  int64_t tokens() const { return static_cast<int64_t>(ids.size()); }
+  int64_t predicted() const;  // targets that are not kIgnore (what a mean loss divides by)
+};
+
+struct Position {
+  uint64_t epoch = 0, offset = 0;  // offset: tokens of epoch `epoch` already consumed, < L
+  bool operator==(const Position&) const = default;
+};
+void to_json(io::json& j, const Position& p);    // {"epoch": e, "offset": o}
+void from_json(const io::json& j, Position& p);  // lm::Error naming a missing or mistyped field
+
+class Loader {
+ public:
+  // `docs` is the training split (at least one document). Starts at `start`.
+  Loader(std::shared_ptr<const TokenizedDocs> docs, int64_t seq_len, uint64_t seed, Position start = {});
+
+  Batch next(int64_t B);  // B sequences of seq_len() tokens; advances the position by B * seq_len()
+  Position position() const { return pos_; }
+  void seek(Position p);              // throws if p.offset is not inside the epoch
+  void set_seq_len(int64_t seq_len);  // re-pack from the current position on
+  int64_t seq_len() const { return seq_len_; }
+  int64_t epoch_tokens() const { return docs_->tokens(); }
+  double epochs_done() const;                    // epoch + offset / L
+  uint64_t fingerprint() const;                  // data fingerprint mixed with the seed
+  std::vector<int64_t> epoch_order(uint64_t epoch) const;  // P_e
+
+ private:
+  struct Plan {
+    std::vector<int64_t> order;  // [N] P_e
+    std::vector<int64_t> cum;    // [N + 1] stream offset of each position of P_e
+  };
+  const Plan& plan(uint64_t epoch);
+
+  std::shared_ptr<const TokenizedDocs> docs_;
+  int64_t seq_len_;
+  uint64_t seed_;
+  Position pos_;
+  std::map<uint64_t, Plan> plans_;  // the current epoch's and the next's
+};
+
+// The held-out split in document order (no shuffle) as consecutive batches of B sequences of T
+// tokens, same conventions as the Loader. The last batch is filled up to B*T rows with `pad_id`
+// (target kIgnore, a segment of its own). max_batches 0: the whole split.
+std::vector<Batch> eval_batches(const TokenizedDocs& heldout, int64_t seq_len, int64_t B, int32_t pad_id,
+                                int64_t max_batches = 0);
+
+// Unigram baseline: p(v) = (count_v + 1) / (n + V) (add-one smoothing), counts over the n tokens of
+// the training split that are targets (all but each document's first, its <s>). Cross-entropy in
+// nats per predicted token; exp() of it is the "unigram ppl" to print beside the model's.
+struct Unigram {
+  std::vector<double> log_prob;  // [V]
+  static Unigram fit(const TokenizedDocs& train, int32_t vocab_size);
+  double cross_entropy(const std::vector<Batch>& batches) const;  // mean over targets != kIgnore
+  // Over the same targets the held-out batches of the whole split hold: every token but each
+  // document's first (its <s>).
+  double cross_entropy(const TokenizedDocs& heldout) const;
+};
+
+}  // namespace lm::train

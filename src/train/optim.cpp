@@ -1,0 +1,477 @@
+// AdamW + Muon (optim.hpp has the update rules, the group rules and the determinism argument).
+#include "train/optim.hpp"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <mutex>
+#include <set>
+
+#include "core/error.hpp"
+#include "core/parallel.hpp"
+#include "ops/gemm/gemm.hpp"
+
+namespace lm::train {
+
+namespace {
+
+using model::Component;
+using model::Param;
+using model::ParamStore;
+
+constexpr int64_t kChunk = 32768;  // elements per reduction / update piece (fixed: determinism)
+
+bool ends_with(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// A fixed partition of a set of float arrays into pieces of at most kChunk elements.
+struct Piece {
+  int32_t param;
+  int64_t begin, end;
+};
+
+std::vector<Piece> make_pieces(const std::vector<int64_t>& sizes, const std::vector<int32_t>& ids) {
+  std::vector<Piece> r;
+  for (size_t i = 0; i < sizes.size(); ++i)
+    for (int64_t b = 0; b < sizes[i]; b += kChunk) r.push_back({ids[i], b, std::min(sizes[i], b + kChunk)});
+  return r;
+}
+
+// Sum of squares in double with 8 fixed lanes (vectorisable, and the same order on every run).
+double sum_squares(const float* x, int64_t n) {
+  double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int k = 0; k < 8; ++k) lane[k] += static_cast<double>(x[i + k]) * static_cast<double>(x[i + k]);
+  for (; i < n; ++i) lane[i & 7] += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+struct NormResult {
+  double norm = 0;
+  int first_bad = -1;  // index into ps.all() of the first parameter with a non-finite element
+};
+
+// Squared norms per piece (parallel), summed in piece order (serial): deterministic.
+NormResult array_norm(const ParamStore<float>& ps, bool grads) {
+  std::vector<int64_t> sizes;
+  std::vector<int32_t> ids;
+  const auto& all = ps.all();
+  for (size_t i = 0; i < all.size(); ++i) {
+    const Tensor& t = grads ? all[i].grad : all[i].value;
+    if (!t.defined()) continue;
+    sizes.push_back(t.numel());
+    ids.push_back(static_cast<int32_t>(i));
+  }
+  const std::vector<Piece> pieces = make_pieces(sizes, ids);
+  std::vector<double> part(pieces.size());
+  parallel_for(static_cast<int64_t>(pieces.size()), [&](int64_t k) {
+    const Piece& pc = pieces[static_cast<size_t>(k)];
+    const Tensor& t = grads ? all[static_cast<size_t>(pc.param)].grad : all[static_cast<size_t>(pc.param)].value;
+    part[static_cast<size_t>(k)] = sum_squares(t.data<float>() + pc.begin, pc.end - pc.begin);
+  });
+  NormResult r;
+  double s = 0;
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    // A NaN or Inf element makes its piece's sum non-finite (float² cannot overflow a double).
+    if (!std::isfinite(part[k]) && r.first_bad < 0) r.first_bad = pieces[k].param;
+    s += part[k];
+  }
+  r.norm = std::sqrt(s);
+  return r;
+}
+
+[[noreturn]] void fail_nonfinite(const Param<float>& p, int64_t step) {
+  fail("non-finite gradient (NaN or Inf) in '{}' ({}{}){}; the update was not applied", p.spec.name,
+       model::component_name(p.spec.component),
+       p.spec.layer >= 0 ? fmt::format(", layer {}", p.spec.layer) : std::string(),
+       step >= 0 ? fmt::format(" at optimiser step {}", step) : std::string());
+}
+
+// Runs f(i) for i in [0, n) on the OpenMP threads, each call's GEMMs on OpenBLAS's single-threaded
+// path (also when n == 1), so results do not depend on the thread count.
+// Debian's OpenBLAS 0.3.21 (OpenMP flavour) does not fall back to one thread inside a parallel
+// region: each call takes its threaded path and the calls queue on its shared thread buffers
+// (measured 10-25x slower than the same work single-threaded; setting the workers' own nthreads ICV
+// does not help). Its global thread count is set to 1 for the region and restored afterwards;
+// openblas_set_num_threads also sets the caller's OpenMP thread count, which is restored too.
+template <class F>
+void for_each_task(int64_t n, F&& f) {
+  if (n <= 0) return;
+  const int threads = num_threads();
+  if (threads == 1 || omp_in_parallel()) {  // one thread: BLAS is single-threaded already
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  const int blas_prev = openblas_get_num_threads();
+  openblas_set_num_threads(1);
+  std::exception_ptr err;
+  std::mutex mu;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t i = 0; i < n; ++i) {
+    try {
+      f(i);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!err) err = std::current_exception();
+    }
+  }
+  openblas_set_num_threads(blas_prev);
+  omp_set_num_threads(threads);
+  if (err) std::rethrow_exception(err);
+}
+
+// Rows per attention head for the projections Muon orthogonalises per head, else 0.
+int64_t head_count(const model::ParamSpec& p, const model::ModelConfig& mc) {
+  if (p.component == Component::Mla) {
+    for (const char* s : {".q_proj.weight", ".q_b_proj.weight", ".kv_b_proj.weight"})
+      if (ends_with(p.name, s)) return mc.num_attention_heads;  // q: [nope|rope] per head; kv_b: [k_nope|v]
+  } else if (p.component == Component::Kda) {
+    for (const char* s : {".q_proj.weight", ".k_proj.weight"})
+      if (ends_with(p.name, s)) return mc.kda_num_heads;
+  }
+  return 0;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// config
+
+const char* group_name(Group g) {
+  switch (g) {
+    case Group::None: return "none";
+    case Group::AdamW: return "adamw";
+    case Group::Muon: return "muon";
+  }
+  return "?";
+}
+
+OptimConfig OptimConfig::from_json(const io::json& j, const std::string& ctx) {
+  LM_CHECK(j.is_object(), "{}: expected a JSON object, got {}", ctx, j.type_name());
+  static const std::set<std::string> known = {
+      "kind", "lr", "lr_adamw", "lr_muon", "beta1", "beta2", "eps", "weight_decay", "decay_embeddings", "clip",
+      "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_rms", "muon_per_head"};
+  for (const auto& [k, v] : j.items()) {
+    (void)v;
+    LM_CHECK(known.count(k), "{}: unknown field '{}' (known: kind, lr, lr_adamw, lr_muon, beta1, beta2, eps, "
+             "weight_decay, decay_embeddings, clip, muon_momentum, muon_nesterov, muon_ns_steps, muon_rms, "
+             "muon_per_head)", ctx, k);
+  }
+  OptimConfig c;
+  c.kind = io::get_or<std::string>(j, "kind", c.kind, ctx);
+  if (auto lr = io::get_optional<double>(j, "lr", ctx)) c.lr_adamw = c.lr_muon = *lr;
+  c.lr_adamw = io::get_or(j, "lr_adamw", c.lr_adamw, ctx);
+  c.lr_muon = io::get_or(j, "lr_muon", c.lr_muon, ctx);
+  c.beta1 = io::get_or(j, "beta1", c.beta1, ctx);
+  c.beta2 = io::get_or(j, "beta2", c.beta2, ctx);
+  c.eps = io::get_or(j, "eps", c.eps, ctx);
+  c.weight_decay = io::get_or(j, "weight_decay", c.weight_decay, ctx);
+  c.decay_embeddings = io::get_or(j, "decay_embeddings", c.decay_embeddings, ctx);
+  c.clip = io::get_or(j, "clip", c.clip, ctx);
+  c.muon_momentum = io::get_or(j, "muon_momentum", c.muon_momentum, ctx);
+  c.muon_nesterov = io::get_or(j, "muon_nesterov", c.muon_nesterov, ctx);
+  c.muon_ns_steps = io::get_or(j, "muon_ns_steps", c.muon_ns_steps, ctx);
+  c.muon_rms = io::get_or(j, "muon_rms", c.muon_rms, ctx);
+  c.muon_per_head = io::get_or(j, "muon_per_head", c.muon_per_head, ctx);
+  c.validate(ctx);
+  return c;
+}
+
+io::json OptimConfig::to_json() const {
+  return io::json{{"kind", kind},
+                  {"lr_adamw", lr_adamw},
+                  {"lr_muon", lr_muon},
+                  {"beta1", beta1},
+                  {"beta2", beta2},
+                  {"eps", eps},
+                  {"weight_decay", weight_decay},
+                  {"decay_embeddings", decay_embeddings},
+                  {"clip", clip},
+                  {"muon_momentum", muon_momentum},
+                  {"muon_nesterov", muon_nesterov},
+                  {"muon_ns_steps", muon_ns_steps},
+                  {"muon_rms", muon_rms},
+                  {"muon_per_head", muon_per_head}};
+}
+
+void OptimConfig::validate(const std::string& ctx) const {
+  LM_CHECK(kind == "muon" || kind == "adamw", "{}: kind must be \"muon\" or \"adamw\", got \"{}\"", ctx, kind);
+  LM_CHECK(std::isfinite(lr_adamw) && lr_adamw >= 0, "{}: lr_adamw must be a finite number >= 0, got {}", ctx,
+           lr_adamw);
+  LM_CHECK(std::isfinite(lr_muon) && lr_muon >= 0, "{}: lr_muon must be a finite number >= 0, got {}", ctx, lr_muon);
+  LM_CHECK(beta1 >= 0 && beta1 < 1, "{}: beta1 must be in [0, 1), got {}", ctx, beta1);
+  LM_CHECK(beta2 >= 0 && beta2 < 1, "{}: beta2 must be in [0, 1), got {}", ctx, beta2);
+  LM_CHECK(eps > 0 && std::isfinite(eps), "{}: eps must be > 0, got {}", ctx, eps);
+  LM_CHECK(weight_decay >= 0 && std::isfinite(weight_decay), "{}: weight_decay must be >= 0, got {}", ctx,
+           weight_decay);
+  LM_CHECK(!std::isnan(clip), "{}: clip must be a number (<= 0 disables clipping)", ctx);
+  LM_CHECK(muon_momentum >= 0 && muon_momentum < 1, "{}: muon_momentum must be in [0, 1), got {}", ctx,
+           muon_momentum);
+  LM_CHECK(muon_ns_steps >= 1 && muon_ns_steps <= 100, "{}: muon_ns_steps must be in [1, 100], got {}", ctx,
+           muon_ns_steps);
+  LM_CHECK(muon_rms > 0 && std::isfinite(muon_rms), "{}: muon_rms must be > 0, got {}", ctx, muon_rms);
+}
+
+ParamRule param_rule(const model::ParamSpec& p, const model::ModelConfig& mc, const OptimConfig& oc) {
+  ParamRule r;
+  if (!p.trainable) return r;
+  r.decay = p.shape.size() >= 2 && p.component != Component::AttnRes &&
+            (p.component != Component::Embedding || oc.decay_embeddings);
+  const bool matrix = p.matmul && p.shape.size() == 2 && p.layer >= 0 && p.component != Component::Embedding &&
+                      p.component != Component::LmHead && p.component != Component::Router;
+  if (oc.kind == "muon" && matrix) {
+    r.group = Group::Muon;
+    if (oc.muon_per_head) {
+      const int64_t h = head_count(p, mc);
+      if (h > 1) {
+        LM_CHECK(p.shape[0] % h == 0, "'{}' has {} rows, not a multiple of its {} attention heads", p.name,
+                 p.shape[0], h);
+        r.blocks = h;
+      }
+    }
+  } else {
+    r.group = Group::AdamW;
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Newton–Schulz
+
+void newton_schulz(float* x, int64_t r, int64_t c, int steps) {
+  LM_CHECK(r > 0 && c > 0 && steps >= 0, "newton_schulz: bad shape {}x{} or steps {}", r, c, steps);
+  constexpr float a = 3.4445f, b = -4.7750f, cc = 2.0315f;
+  const bool tr = r > c;  // work on the wide orientation so the Gram matrix XXᵀ is the small one
+  const int64_t m = tr ? c : r, n = tr ? r : c;
+  std::vector<float> X(static_cast<size_t>(m * n)), Y(X.size()), A(static_cast<size_t>(m * m)), B(A.size());
+  if (tr) {
+    for (int64_t i = 0; i < r; ++i)
+      for (int64_t j = 0; j < c; ++j) X[static_cast<size_t>(j * n + i)] = x[i * c + j];
+  } else {
+    std::copy(x, x + m * n, X.begin());
+  }
+  const float inv = static_cast<float>(1.0 / (std::sqrt(sum_squares(X.data(), m * n)) + 1e-7));
+  for (float& v : X) v *= inv;
+  for (int s = 0; s < steps; ++s) {
+    ops::gemm(false, true, m, m, n, 1.0f, X.data(), n, X.data(), n, 0.0f, A.data(), m);  // A = X Xᵀ
+    B = A;
+    ops::gemm(false, false, m, m, m, cc, A.data(), m, A.data(), m, b, B.data(), m);  // B = bA + cA²
+    Y = X;
+    ops::gemm(false, false, m, n, m, 1.0f, B.data(), m, X.data(), n, a, Y.data(), n);  // Y = aX + BX
+    std::swap(X, Y);
+  }
+  if (tr) {
+    for (int64_t i = 0; i < r; ++i)
+      for (int64_t j = 0; j < c; ++j) x[i * c + j] = X[static_cast<size_t>(j * n + i)];
+  } else {
+    std::copy(X.begin(), X.end(), x);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// gradient norm, clipping, finiteness
+
+double grad_norm(const ParamStore<float>& ps) { return array_norm(ps, true).norm; }
+
+std::optional<std::string> nonfinite_grad(const ParamStore<float>& ps) {
+  const NormResult r = array_norm(ps, true);
+  if (r.first_bad < 0) return std::nullopt;
+  return ps.all()[static_cast<size_t>(r.first_bad)].spec.name;
+}
+
+std::optional<std::string> nonfinite_value(const ParamStore<float>& ps) {
+  const NormResult r = array_norm(ps, false);
+  if (r.first_bad < 0) return std::nullopt;
+  return ps.all()[static_cast<size_t>(r.first_bad)].spec.name;
+}
+
+double clip_grad_norm(ParamStore<float>& ps, double max_norm) {
+  const NormResult r = array_norm(ps, true);
+  if (r.first_bad >= 0) fail_nonfinite(ps.all()[static_cast<size_t>(r.first_bad)], -1);
+  if (max_norm > 0 && r.norm > max_norm) {
+    const float coef = static_cast<float>(max_norm / (r.norm + 1e-6));
+    for (auto& p : ps.all()) {
+      if (!p.grad.defined()) continue;
+      float* g = p.g();
+      parallel_for(p.grad.numel(), [&](int64_t i) { g[i] *= coef; }, kChunk);
+    }
+  }
+  return r.norm;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Optimizer
+
+Optimizer::Optimizer(ParamStore<float>& ps, const model::ModelConfig& mc, const OptimConfig& oc)
+    : ps_(ps), oc_(oc) {
+  oc_.validate();
+  auto& all = ps_.all();
+  slots_.reserve(all.size());
+  for (size_t i = 0; i < all.size(); ++i) {
+    Param<float>& p = all[i];
+    LM_CHECK(p.value.shape() == p.spec.shape && p.value.is_contiguous(),
+             "optimizer: parameter '{}' is not a contiguous {} tensor", p.spec.name, shape_str(p.spec.shape));
+    Slot s;
+    s.p = &p;
+    s.rule = param_rule(p.spec, mc, oc_);
+    const auto id = static_cast<int32_t>(i);
+    if (s.rule.group == Group::AdamW) {
+      s.m = Tensor::zeros(p.spec.shape);
+      s.v = Tensor::zeros(p.spec.shape);
+      for (int64_t b = 0; b < p.spec.numel(); b += kChunk)
+        adam_chunks_.push_back({id, b, std::min(p.spec.numel(), b + kChunk)});
+    } else if (s.rule.group == Group::Muon) {
+      s.m = Tensor::zeros(p.spec.shape);
+      const int64_t rows = p.spec.shape[0] / s.rule.blocks;
+      for (int64_t h = 0; h < s.rule.blocks; ++h) muon_blocks_.push_back({id, h * rows, rows});
+    }
+    index_[p.spec.name] = i;
+    slots_.push_back(std::move(s));
+  }
+  // Largest blocks first so the dynamic schedule ends with small ones (does not affect results).
+  auto cost = [&](const Block& b) {
+    const int64_t c = slots_[static_cast<size_t>(b.slot)].p->spec.shape[1];
+    return b.rows * c * std::min(b.rows, c);
+  };
+  std::stable_sort(muon_blocks_.begin(), muon_blocks_.end(),
+                   [&](const Block& x, const Block& y) { return cost(x) > cost(y); });
+}
+
+const ParamRule& Optimizer::rule(const std::string& param) const {
+  auto it = index_.find(param);
+  LM_CHECK(it != index_.end(), "optimizer: the model has no parameter named '{}'", param);
+  return slots_[it->second].rule;
+}
+
+std::vector<std::string> Optimizer::group_params(Group g) const {
+  std::vector<std::string> r;
+  for (const auto& s : slots_)
+    if (s.rule.group == g) r.push_back(s.p->spec.name);
+  return r;
+}
+
+StepInfo Optimizer::step(double lr_factor) {
+  LM_CHECK(ps_.has_grads(), "optimizer: gradients are not enabled on the parameter store");
+  LM_CHECK(std::isfinite(lr_factor) && lr_factor >= 0, "optimizer: learning-rate factor must be >= 0, got {}",
+           lr_factor);
+  const NormResult nr = array_norm(ps_, true);
+  if (nr.first_bad >= 0) fail_nonfinite(ps_.all()[static_cast<size_t>(nr.first_bad)], t_ + 1);
+  StepInfo info;
+  info.grad_norm = nr.norm;
+  if (oc_.clip > 0 && nr.norm > oc_.clip) info.clip_coef = oc_.clip / (nr.norm + 1e-6);
+  info.lr_adamw = oc_.lr_adamw * lr_factor;
+  info.lr_muon = oc_.lr_muon * lr_factor;
+  ++t_;
+  const float coef = static_cast<float>(info.clip_coef);
+
+  // ---- AdamW: elementwise over fixed chunks ----
+  {
+    const double lr = info.lr_adamw;
+    const float b1 = static_cast<float>(oc_.beta1), b2 = static_cast<float>(oc_.beta2);
+    const float omb1 = static_cast<float>(1.0 - oc_.beta1), omb2 = static_cast<float>(1.0 - oc_.beta2);
+    const double bc1 = 1.0 - std::pow(oc_.beta1, static_cast<double>(t_));
+    const double bc2 = 1.0 - std::pow(oc_.beta2, static_cast<double>(t_));
+    const float step_size = static_cast<float>(lr / bc1);
+    const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+    const float eps = static_cast<float>(oc_.eps);
+    const float keep_decay = static_cast<float>(1.0 - lr * oc_.weight_decay);
+    parallel_for(static_cast<int64_t>(adam_chunks_.size()), [&](int64_t k) {
+      const Chunk& ch = adam_chunks_[static_cast<size_t>(k)];
+      const Slot& s = slots_[static_cast<size_t>(ch.slot)];
+      float* w = s.p->w();
+      const float* g = s.p->g();
+      float* m = s.m.data<float>();
+      float* v = s.v.data<float>();
+      const float keep = s.rule.decay ? keep_decay : 1.0f;
+      for (int64_t i = ch.begin; i < ch.end; ++i) {
+        const float gi = g[i] * coef;
+        m[i] = b1 * m[i] + omb1 * gi;
+        v[i] = b2 * v[i] + omb2 * gi * gi;
+        w[i] = w[i] * keep - step_size * m[i] / (std::sqrt(v[i]) * inv_sqrt_bc2 + eps);
+      }
+    });
+  }
+
+  // ---- Muon: one task per block (momentum, Newton–Schulz, update of its rows) ----
+  {
+    const double lr = info.lr_muon;
+    const float mu = static_cast<float>(oc_.muon_momentum);
+    const float keep_decay = static_cast<float>(1.0 - lr * oc_.weight_decay);
+    for_each_task(static_cast<int64_t>(muon_blocks_.size()), [&](int64_t k) {
+      const Block& bl = muon_blocks_[static_cast<size_t>(k)];
+      const Slot& s = slots_[static_cast<size_t>(bl.slot)];
+      const int64_t cols = s.p->spec.shape[1], off = bl.row0 * cols, n = bl.rows * cols;
+      float* w = s.p->w() + off;
+      const float* g = s.p->g() + off;
+      float* buf = s.m.data<float>() + off;
+      std::vector<float> u(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) {
+        const float gi = g[i] * coef;
+        buf[i] = mu * buf[i] + gi;
+        u[static_cast<size_t>(i)] = oc_.muon_nesterov ? gi + mu * buf[i] : buf[i];
+      }
+      newton_schulz(u.data(), bl.rows, cols, oc_.muon_ns_steps);
+      const float scale =
+          static_cast<float>(lr * oc_.muon_rms * std::sqrt(static_cast<double>(std::max(bl.rows, cols))));
+      const float keep = s.rule.decay ? keep_decay : 1.0f;
+      for (int64_t i = 0; i < n; ++i) w[i] = w[i] * keep - scale * u[static_cast<size_t>(i)];
+    });
+  }
+  return info;
+}
+
+// ---------------------------------------------------------------------------------------------
+// state
+
+io::NamedTensors Optimizer::state() const {
+  io::NamedTensors r;
+  r.emplace_back("optim.step", Tensor::from_vector<int64_t>({t_}, {1}));
+  for (const auto& s : slots_) {
+    if (s.rule.group == Group::AdamW) {
+      r.emplace_back("optim.adamw.m." + s.p->spec.name, s.m);
+      r.emplace_back("optim.adamw.v." + s.p->spec.name, s.v);
+    } else if (s.rule.group == Group::Muon) {
+      r.emplace_back("optim.muon.momentum." + s.p->spec.name, s.m);
+    }
+  }
+  return r;
+}
+
+void Optimizer::load_state(const std::map<std::string, Tensor>& tensors, const std::string& ctx) {
+  io::NamedTensors mine = state();
+  std::set<std::string> expected;
+  for (const auto& [name, t] : mine) {
+    expected.insert(name);
+    auto it = tensors.find(name);
+    LM_CHECK(it != tensors.end(), "{}: missing tensor '{}' (was the state saved with other optimizer groups?)", ctx,
+             name);
+    LM_CHECK(it->second.dtype() == t.dtype(), "{}: tensor '{}' is {}, expected {}", ctx, name,
+             dtype_name(it->second.dtype()), dtype_name(t.dtype()));
+    LM_CHECK(it->second.shape() == t.shape(), "{}: tensor '{}' has shape {}, expected {}", ctx, name,
+             shape_str(it->second.shape()), shape_str(t.shape()));
+  }
+  for (const auto& [name, t] : tensors) {
+    (void)t;
+    LM_CHECK(name.rfind("optim.", 0) != 0 || expected.count(name),
+             "{}: tensor '{}' does not belong to this optimizer's groups (config kind '{}')", ctx, name, oc_.kind);
+  }
+  const int64_t step = static_cast<int64_t>(tensors.at("optim.step").item(0));
+  LM_CHECK(step >= 0, "{}: optim.step is negative ({})", ctx, step);
+  for (auto& [name, t] : mine)
+    if (name != "optim.step") t.copy_from(tensors.at(name));  // shares storage with the slot
+  t_ = step;
+}
+
+void Optimizer::load_state(const io::SafeTensorsFile& f) {
+  std::map<std::string, Tensor> m;
+  for (const auto& info : f.tensors())
+    if (info.name.rfind("optim.", 0) == 0) m.emplace(info.name, f.get(info.name));
+  load_state(m, f.path().empty() ? std::string("optimizer state") : f.path());
+}
+
+}  // namespace lm::train

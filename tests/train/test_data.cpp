@@ -1,0 +1,290 @@
+// Training data: tokenizing documents, the held-out split, packing invariants (targets, boundaries,
+// every token once per epoch), resume and re-pack positions, held-out batches, the unigram baseline.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <set>
+
+#include "core/parallel.hpp"
+#include "model/seqs.hpp"
+#include "testing.hpp"
+#include "train/data.hpp"
+
+namespace {
+
+using namespace lm::train;
+namespace fs = std::filesystem;
+
+// N documents of lengths 1..max_len (the last token plays the separator); token values encode
+// (document, position) so a test can tell where every row came from.
+std::shared_ptr<TokenizedDocs> toy_docs(int64_t n, int64_t max_len, uint64_t seed) {
+  auto d = std::make_shared<TokenizedDocs>();
+  lm::Rng r{seed, 11};
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t len = 1 + static_cast<int64_t>(r.bits(static_cast<uint64_t>(i)).v[0] % static_cast<uint32_t>(max_len));
+    for (int64_t p = 0; p < len; ++p) d->ids.push_back(static_cast<int32_t>(i * 1000 + p));
+    d->offsets.push_back(static_cast<int64_t>(d->ids.size()));
+  }
+  return d;
+}
+
+struct Where {
+  int64_t doc, pos, len;
+};
+
+// The reference stream: epochs' documents in the loader's order, with (doc, pos, len) per token.
+std::vector<Where> reference_stream(const TokenizedDocs& D, const Loader& L, uint64_t epochs) {
+  std::vector<Where> s;
+  for (uint64_t e = 0; e < epochs; ++e)
+    for (const int64_t d : L.epoch_order(e)) {
+      const int64_t len = static_cast<int64_t>(D.doc(d).size());
+      for (int64_t p = 0; p < len; ++p) s.push_back({d, p, len});
+    }
+  return s;
+}
+
+// Checks a batch against the reference stream from index `at`; returns the index after it.
+size_t check_batch(const Batch& b, const TokenizedDocs& D, const std::vector<Where>& ref, size_t at) {
+  const int64_t B = b.seqs, T = b.seq_len, R = B * T;
+  EXPECT_EQ(b.tokens(), R);
+  EXPECT_EQ(static_cast<int64_t>(b.targets.size()), R);
+  std::vector<int64_t> want_cu;
+  for (int64_t r = 0; r < R; ++r) {
+    const Where& w = ref.at(at + static_cast<size_t>(r));
+    const auto doc = D.doc(w.doc);
+    EXPECT_EQ(b.ids[static_cast<size_t>(r)], doc[static_cast<size_t>(w.pos)]) << "row " << r;
+    const int32_t want_t = w.pos + 1 < w.len ? doc[static_cast<size_t>(w.pos + 1)] : kIgnore;
+    EXPECT_EQ(b.targets[static_cast<size_t>(r)], want_t) << "row " << r;
+    if (r % T == 0 || w.pos == 0) want_cu.push_back(r);
+  }
+  want_cu.push_back(R);
+  EXPECT_EQ(b.cu_seqlens, want_cu);
+  // And what the model will make of it.
+  const auto seqs = lm::model::Seqs::packed(b.cu_seqlens);
+  EXPECT_EQ(seqs.rows(), R);
+  for (int64_t n = 0; n < seqs.num_seqs(); ++n) EXPECT_GT(seqs.seq_len(n), 0);
+  return at + static_cast<size_t>(R);
+}
+
+TEST(Data, PackingInvariantsOverEpochs) {
+  for (const auto& [n, max_len, T, B] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>{
+           {37, 50, 16, 3}, {5, 400, 32, 2}, {3, 4, 64, 4} /* an epoch is smaller than a batch */, {1, 1, 1, 1}}) {
+    auto D = toy_docs(n, max_len, static_cast<uint64_t>(n));
+    Loader L(D, T, 1234);
+    // At least 3 epochs and 20 batches.
+    const int64_t batches = std::max<int64_t>(20, 3 * D->tokens() / (B * T) + 1);
+    const auto ref = reference_stream(*D, L, static_cast<uint64_t>(batches * B * T / D->tokens() + 2));
+    size_t at = 0;
+    std::vector<int64_t> seen(static_cast<size_t>(D->tokens()), 0);  // epoch-0 tokens by source index
+    for (int64_t i = 0; i < batches; ++i) {
+      const Batch b = L.next(B);
+      for (int64_t r = 0; r < B * T && at + static_cast<size_t>(r) < static_cast<size_t>(D->tokens()); ++r) {
+        const Where& w = ref[at + static_cast<size_t>(r)];
+        ++seen[static_cast<size_t>(D->offsets[static_cast<size_t>(w.doc)] + w.pos)];
+      }
+      at = check_batch(b, *D, ref, at);
+      // The position is always normalised into its epoch.
+      EXPECT_LT(L.position().offset, static_cast<uint64_t>(D->tokens()));
+    }
+    for (const int64_t c : seen) EXPECT_EQ(c, 1);  // no token lost or duplicated in epoch 0
+    EXPECT_GE(L.position().epoch, 2u);
+  }
+}
+
+TEST(Data, EpochsAreShuffledDifferentlyAndDeterministically) {
+  auto D = toy_docs(50, 20, 3);
+  Loader a(D, 8, 77), b(D, 8, 77), c(D, 8, 78);
+  EXPECT_EQ(a.epoch_order(0), b.epoch_order(0));
+  EXPECT_NE(a.epoch_order(0), a.epoch_order(1));
+  EXPECT_NE(a.epoch_order(0), c.epoch_order(0));
+  auto sorted = a.epoch_order(3);
+  std::sort(sorted.begin(), sorted.end());
+  for (int64_t i = 0; i < 50; ++i) EXPECT_EQ(sorted[static_cast<size_t>(i)], i);
+  for (int i = 0; i < 20; ++i) {
+    const Batch x = a.next(2), y = b.next(2);
+    EXPECT_EQ(x.ids, y.ids);
+    EXPECT_EQ(x.targets, y.targets);
+    EXPECT_EQ(x.cu_seqlens, y.cu_seqlens);
+  }
+  EXPECT_EQ(a.fingerprint(), b.fingerprint());
+  EXPECT_NE(a.fingerprint(), c.fingerprint());
+}
+
+TEST(Data, ResumeReproducesTheBatches) {
+  auto D = toy_docs(40, 60, 5);
+  Loader a(D, 24, 9);
+  std::vector<Batch> straight;
+  Position saved;
+  for (int i = 0; i < 30; ++i) {
+    if (i == 13) saved = a.position();
+    straight.push_back(a.next(3));
+  }
+  // Through JSON, as a checkpoint stores it.
+  const lm::io::json j = saved;
+  const std::string text = j.dump();
+  const Position back = lm::io::json::parse(text).get<Position>();
+  EXPECT_EQ(back, saved);
+  Loader b(D, 24, 9, back);
+  for (int i = 13; i < 30; ++i) {
+    const Batch x = b.next(3);
+    EXPECT_EQ(x.ids, straight[static_cast<size_t>(i)].ids) << i;
+    EXPECT_EQ(x.targets, straight[static_cast<size_t>(i)].targets) << i;
+    EXPECT_EQ(x.cu_seqlens, straight[static_cast<size_t>(i)].cu_seqlens) << i;
+  }
+  EXPECT_EQ(b.position(), a.position());
+  // seek() on a live loader does the same.
+  a.seek(saved);
+  EXPECT_EQ(a.next(3).ids, straight[13].ids);
+  // Bad positions are clear errors.
+  EXPECT_THROW(a.seek(Position{0, static_cast<uint64_t>(D->tokens())}), lm::Error);
+  EXPECT_THROW(lm::io::json::parse(R"({"epoch": 1})").get<Position>(), lm::Error);
+  EXPECT_THROW(lm::io::json::parse(R"({"epoch": -1, "offset": 0})").get<Position>(), lm::Error);
+  EXPECT_THROW(lm::io::json::parse(R"([1, 2])").get<Position>(), lm::Error);
+}
+
+TEST(Data, RepackAtAnotherSeqLenContinuesTheStream) {
+  auto D = toy_docs(30, 80, 6);
+  Loader a(D, 16, 4);
+  const auto ref = reference_stream(*D, a, 6);
+  size_t at = 0;
+  for (int i = 0; i < 5; ++i) at = check_batch(a.next(2), *D, ref, at);
+  a.set_seq_len(64);  // curriculum stage: same stream, longer sequences
+  for (int i = 0; i < 5; ++i) at = check_batch(a.next(2), *D, ref, at);
+  // A fresh loader at the saved position with the new length gives the same batches.
+  Loader b(D, 16, 4);
+  for (int i = 0; i < 5; ++i) b.next(2);
+  const Position p = b.position();
+  Loader c(D, 64, 4, p);
+  b.set_seq_len(64);
+  EXPECT_EQ(b.next(2).ids, c.next(2).ids);
+  EXPECT_THROW(a.set_seq_len(0), lm::Error);
+  EXPECT_THROW(a.next(0), lm::Error);
+}
+
+TEST(Data, SplitIsByDocumentDisjointAndDeterministic) {
+  auto D = toy_docs(200, 30, 8);
+  const DataSplit s = split_documents(*D, 0.05, 17);
+  EXPECT_EQ(s.heldout_docs.size(), 10u);
+  EXPECT_EQ(s.train_docs.size(), 190u);
+  std::set<int64_t> all(s.train_docs.begin(), s.train_docs.end());
+  for (const int64_t d : s.heldout_docs) EXPECT_TRUE(all.insert(d).second) << "document in both splits: " << d;
+  EXPECT_EQ(all.size(), 200u);
+  EXPECT_TRUE(std::is_sorted(s.heldout_docs.begin(), s.heldout_docs.end()));
+  EXPECT_EQ(s.train.tokens() + s.heldout.tokens(), D->tokens());
+  for (size_t k = 0; k < s.heldout_docs.size(); ++k) {  // whole documents, unchanged
+    const auto a = s.heldout.doc(static_cast<int64_t>(k)), b = D->doc(s.heldout_docs[k]);
+    EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin(), b.end()));
+  }
+  const DataSplit again = split_documents(*D, 0.05, 17);
+  EXPECT_EQ(again.heldout_docs, s.heldout_docs);
+  EXPECT_EQ(again.train.ids, s.train.ids);
+  EXPECT_NE(split_documents(*D, 0.05, 18).heldout_docs, s.heldout_docs);
+  // Small corpora still get one held-out document, and never lose all training ones.
+  EXPECT_EQ(split_documents(*toy_docs(3, 5, 1), 0.01, 1).heldout_docs.size(), 1u);
+  EXPECT_EQ(split_documents(*toy_docs(2, 5, 1), 0.9, 1).train_docs.size(), 1u);
+  EXPECT_TRUE(split_documents(*D, 0.0, 1).heldout_docs.empty());
+  EXPECT_THROW(split_documents(*D, 1.0, 1), lm::Error);
+  EXPECT_THROW(split_documents(*D, -0.1, 1), lm::Error);
+}
+
+TEST(Data, EvalBatchesCoverTheHeldOutSplitOnce) {
+  auto D = toy_docs(9, 40, 12);
+  const int32_t pad = -7;
+  const auto batches = eval_batches(*D, 16, 2, pad);
+  ASSERT_FALSE(batches.empty());
+  std::vector<int32_t> ids;
+  int64_t predicted = 0;
+  for (const auto& b : batches) {
+    EXPECT_EQ(b.tokens(), 32);
+    predicted += b.predicted();
+    for (size_t r = 0; r < b.ids.size(); ++r) {
+      if (b.ids[r] == pad) {
+        EXPECT_EQ(b.targets[r], kIgnore);
+        continue;
+      }
+      ids.push_back(b.ids[r]);
+    }
+  }
+  EXPECT_EQ(ids, D->ids);  // document order, nothing shuffled, nothing lost
+  EXPECT_EQ(predicted, D->tokens() - D->num_docs());
+  // Same stream conventions as the loader: reference with the identity order.
+  std::vector<Where> ref;
+  for (int64_t d = 0; d < D->num_docs(); ++d)
+    for (int64_t p = 0; p < static_cast<int64_t>(D->doc(d).size()); ++p)
+      ref.push_back({d, p, static_cast<int64_t>(D->doc(d).size())});
+  size_t at = 0;
+  for (size_t i = 0; i + 1 < batches.size(); ++i) at = check_batch(batches[i], *D, ref, at);
+  // The padded tail starts its own segment.
+  const Batch& last = batches.back();
+  const auto first_pad = std::find(last.ids.begin(), last.ids.end(), pad) - last.ids.begin();
+  if (first_pad < last.tokens()) {
+    EXPECT_NE(std::find(last.cu_seqlens.begin(), last.cu_seqlens.end(), first_pad), last.cu_seqlens.end());
+  }
+  EXPECT_EQ(eval_batches(*D, 16, 2, pad, 1).size(), 1u);
+  EXPECT_TRUE(eval_batches(TokenizedDocs{}, 16, 2, pad).empty());
+}
+
+TEST(Data, UnigramBaselineByHand) {
+  // Vocabulary {0, 1, 2, 3}; 0 is the separator. Train: [1 2 0] [2 0]; the targets (all but each
+  // document's first token) are 2 0 0 -> counts 2, 0, 1, 0 over n = 3; add-one:
+  // p = (c + 1) / (3 + 4) = 3/7, 1/7, 2/7, 1/7.
+  TokenizedDocs train;
+  train.ids = {1, 2, 0, 2, 0};
+  train.offsets = {0, 3, 5};
+  // Held-out [3 1 0]: the targets are 1 and 0 (a document's first token is never predicted).
+  TokenizedDocs held;
+  held.ids = {3, 1, 0};
+  held.offsets = {0, 3};
+  const Unigram u = Unigram::fit(train, 4);
+  EXPECT_NEAR(std::exp(u.log_prob[0]), 3.0 / 7, 1e-12);
+  EXPECT_NEAR(std::exp(u.log_prob[1]), 1.0 / 7, 1e-12);
+  EXPECT_NEAR(std::exp(u.log_prob[2]), 2.0 / 7, 1e-12);
+  EXPECT_NEAR(std::exp(u.log_prob[3]), 1.0 / 7, 1e-12);
+  const double want = -(std::log(1.0 / 7) + std::log(3.0 / 7)) / 2;
+  EXPECT_NEAR(u.cross_entropy(held), want, 1e-12);
+  EXPECT_NEAR(u.cross_entropy(eval_batches(held, 2, 1, 3)), want, 1e-12);
+  EXPECT_THROW(Unigram::fit(train, 2), lm::Error);  // id 2 outside a vocabulary of 2
+  EXPECT_THROW(u.cross_entropy(TokenizedDocs{}), lm::Error);  // nothing to evaluate
+}
+
+TEST(Data, TokenizeDocumentsWithARealTokenizer) {
+  const fs::path dir = fs::temp_directory_path() / ("lm_data_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::vector<std::string> docs;
+  const char* words[] = {"alpha", "beta", "gamma", "delta", "the", "of", "and", "zeta", "\n", "<|doc|>"};
+  for (int d = 0; d < 60; ++d) {
+    std::string s;
+    for (int w = 0; w < 20 + d; ++w) s += std::string(w ? " " : "") + words[(d * 7 + w * w) % 9];
+    docs.push_back(s);
+  }
+  docs.push_back(std::string("literal ") + words[9] + " inside");  // does not cut the document
+  lm::io::Tokenizer::TrainOptions o;
+  o.vocab_size = 300;
+  const auto tok = lm::io::Tokenizer::train(docs, (dir / "t.model").string(), o);
+  const int32_t sep = tok.special("<|doc|>");
+  lm::set_num_threads(1);
+  const TokenizedDocs one = tokenize_documents(tok, docs);
+  lm::set_num_threads(2);
+  const TokenizedDocs two = tokenize_documents(tok, docs);
+  EXPECT_EQ(one.ids, two.ids);
+  EXPECT_EQ(one.offsets, two.offsets);
+  ASSERT_EQ(one.num_docs(), static_cast<int64_t>(docs.size()));
+  for (int64_t d = 0; d < one.num_docs(); ++d) {  // <s> text <|doc|>
+    const auto s = one.doc(d);
+    ASSERT_EQ(s.front(), tok.bos());
+    ASSERT_EQ(s.back(), sep);
+    EXPECT_EQ(tok.decode(std::vector<int32_t>(s.begin() + 1, s.end() - 1)), docs[static_cast<size_t>(d)]);
+  }
+  const TokenizedDocs no_bos = tokenize_documents(tok, docs, false);
+  EXPECT_EQ(no_bos.tokens(), one.tokens() - one.num_docs());
+  EXPECT_NE(no_bos.doc(0).front(), tok.bos());
+  // The literal separator inside the last document stays inside it.
+  const auto last = one.doc(one.num_docs() - 1);
+  EXPECT_EQ(std::count(last.begin(), last.end(), sep), 2);
+  EXPECT_EQ(one.fingerprint(), two.fingerprint());
+  fs::remove_all(dir);
+}
+
+}  // namespace
