@@ -193,6 +193,14 @@ TEST(Plot, RendererDrawsLinesTextAndHandlesDegenerateData) {
   const Image img = render({p, q}, 400, 600, "title");
   EXPECT_GT(count_color(img, {200, 0, 200}), 100);
   EXPECT_GT(count_color(img, {0, 0, 0}), 500);  // frame, ticks and title text
+  Panel extreme = q;  // a range that overflows a double, nonsense limits on a log axis
+  extreme.series[0].y = {-1.7e308, 1.7e308, 3, 4};
+  Panel logp = p;
+  logp.log_y = true;
+  logp.y_min = -1.0;
+  logp.y_max = NAN;
+  logp.series[0].y = {1e-300, 0, -5, 1e300};
+  EXPECT_NO_THROW(render({extreme, logp}, 400, 400));
   Panel empty;
   empty.empty_note = "no data";
   const Image e = render({empty}, 300, 200);

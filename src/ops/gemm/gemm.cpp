@@ -2,9 +2,18 @@
 
 #include <cblas.h>
 
+#include "core/parallel.hpp"
+
 namespace lm::ops {
 
 namespace {
+
+// Lets core's parallel loops pin OpenBLAS to one thread (see core/parallel.hpp).
+[[maybe_unused]] const bool g_blas_hook_installed = [] {
+  blas_threads_hook() = [](int n) { openblas_set_num_threads(n); };
+  return true;
+}();
+
 // K == 0: OpenBLAS rejects the zero leading dimensions that come with it; C = beta * C by hand.
 template <class F>
 bool empty_product(int64_t M, int64_t N, int64_t K, F beta, F* C, int64_t ldc) {

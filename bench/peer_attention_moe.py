@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Peer figures for the CUDA attention and MoE benchmarks, measured in the same run, set beside ours.
+
+Usage: peer_attention_moe.py OURS_ATTN.txt OURS_MOE.txt [reps]
+  OURS_*.txt: the stdout of cuda_bench_attention / cuda_bench_moe ("RESULT key value" lines).
+
+Peers (bf16, median of CUDA-event timings after warm-up):
+  attention: torch.nn.functional.scaled_dot_product_attention, causal, forcing the cuDNN backend (what SDPA
+             picks on Hopper for these head dims; falls back to SDPA's own choice if cuDNN refuses a shape);
+             layout [B, H, T, D], its native one. FLOPs exactly as cuda_bench_attention.cu: causal pairs
+             P = B·H·T²/2, forward 2·P·(Dk+Dv), backward 2·P·(3·Dk+2·Dv).
+  decode:    matmul → softmax (fp32) → matmul over the latent cache (PyTorch has no fused absorbed decode).
+  grouped GEMM: torch._grouped_mm(x [M, K], W [E, K, N] (a transposed view of [E, N, K]), offs = cumulative
+             row ends, int32); FLOPs 2·M·N·K.
+"""
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def median_ms(fn, warm=3, reps=20):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def read_results(path):
+    out = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                p = line.split()
+                if len(p) == 3 and p[0] == "RESULT":
+                    out[p[1]] = float(p[2])
+    except OSError:
+        pass
+    return out
+
+
+def sdpa_backend():
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel, SDPBackend
+    except ImportError:
+        return None, None
+
+
+def bench_attention(reps):
+    res = {}
+    sdpa_kernel, SDPBackend = sdpa_backend()
+    shapes = [(1, 8192, 32, 192, 128), (1, 8192, 64, 192, 128), (1, 8192, 32, 128, 128), (4, 4096, 32, 192, 128)]
+    for B, T, H, Dk, Dv in shapes:
+        key = f"attn_B{B}_T{T}_H{H}_{Dk}_{Dv}"
+        q = torch.randn(B, H, T, Dk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(B, H, T, Dk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(B, H, T, Dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        do = torch.randn(B, H, T, Dv, device="cuda", dtype=torch.bfloat16)
+        pairs = B * H * T * T / 2
+        ff, fb = 2 * pairs * (Dk + Dv), 2 * pairs * (3 * Dk + 2 * Dv)
+
+        def fwd():
+            with torch.no_grad():
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def fwdbwd():
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            o.backward(do)
+
+        used = "default"
+        for backend in (["cudnn"] if sdpa_kernel else []) + ["default"]:
+            try:
+                if backend == "cudnn":
+                    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                        tf, tfb = median_ms(fwd, 3, reps), median_ms(fwdbwd, 2, reps)
+                else:
+                    tf, tfb = median_ms(fwd, 3, reps), median_ms(fwdbwd, 2, reps)
+                used = backend
+                break
+            except Exception as e:  # noqa: BLE001 - report and fall back
+                print(f"# {key}: SDPA backend {backend} failed: {str(e).splitlines()[0][:120]}")
+        res[key] = (tf, ff / tf / 1e9, tfb, (ff + fb) / tfb / 1e9, used)
+        del q, k, v, do
+        torch.cuda.empty_cache()
+    return res
+
+
+def bench_decode(reps):
+    res = {}
+    for H, Tc in [(64, 32768), (128, 32768), (16, 131072)]:
+        q = torch.randn(H, 576, device="cuda", dtype=torch.bfloat16) * 0.5
+        cache = torch.randn(Tc, 576, device="cuda", dtype=torch.bfloat16)
+        scale = 192 ** -0.5
+
+        def run():
+            s = (q @ cache.T).float() * scale
+            p = torch.softmax(s, dim=-1).to(torch.bfloat16)
+            return p @ cache[:, :512]
+
+        t = median_ms(run, 5, reps * 2)
+        res[f"decode_H{H}_Tc{Tc}"] = (t * 1e3, Tc * 576 * 2 / t / 1e9)
+    return res
+
+
+def uneven(E, mean):
+    c = [int(mean * (0.25 + 1.5 * ((e * 37) % E) / (E - 1))) for e in range(E)]
+    c[0] += E * mean - sum(c)
+    return c
+
+
+def bench_gemm(reps):
+    res = {}
+    cases = [
+        ("g64_2048x1024x768", [2048] * 64, 768, 1024),
+        ("k3_w13_uniform", [256] * 64, 6144, 3584),
+        ("k3_w2_uniform", [256] * 64, 3584, 3072),
+        ("k3_w13_uneven", uneven(64, 256), 6144, 3584),
+        ("k3_w2_uneven", uneven(64, 256), 3584, 3072),
+    ]
+    if not hasattr(torch, "_grouped_mm"):
+        print("# torch._grouped_mm is not available in this PyTorch")
+        return res
+    for name, counts, N, K in cases:
+        E, M = len(counts), sum(counts)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+        offs = torch.tensor(counts, device="cuda", dtype=torch.int32).cumsum(0).to(torch.int32)
+        best = None
+        for label, wb in (("W[E,N,K]^T", w.transpose(-2, -1)), ("W[E,K,N]", w.transpose(-2, -1).contiguous())):
+            try:
+                t = median_ms(lambda: torch._grouped_mm(x, wb, offs=offs), 3, reps)
+                if best is None or t < best[0]:
+                    best = (t, label)
+            except Exception as e:  # noqa: BLE001
+                print(f"# {name}: torch._grouped_mm with {label} failed: {str(e).splitlines()[0][:120]}")
+        if best:
+            res[name] = (best[0], 2 * M * N * K / best[0] / 1e9, best[1])
+        del x, w
+        torch.cuda.empty_cache()
+    return res
+
+
+def main():
+    ours_a = read_results(sys.argv[1]) if len(sys.argv) > 1 else {}
+    ours_m = read_results(sys.argv[2]) if len(sys.argv) > 2 else {}
+    reps = int(sys.argv[3]) if len(sys.argv) > 3 else 20
+    ours = {**ours_a, **ours_m}
+    print(f"# torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
+    att, dec, gem = bench_attention(reps), bench_decode(reps), bench_gemm(reps)
+
+    def o(k):
+        return ours.get(k, math.nan)
+
+    print("\n## Causal attention, bf16 (TFLOP/s; fwd 2P(Dk+Dv), bwd 2P(3Dk+2Dv), P = B·H·T²/2)")
+    print(f"{'shape (B,T,H,Dk/Dv)':<24} | {'ours fwd':>9} | {'SDPA fwd':>9} | {'ratio':>6} | {'ours f+b':>9} | "
+          f"{'SDPA f+b':>9} | {'ratio':>6} | ours ms fwd / f+b | SDPA ms fwd / f+b | ours bwd | mma.sync fwd / bwd | SDPA backend")
+    for key, (tf, pf, tfb, pfb, used) in att.items():
+        of, ofb = o(key + "_fwd_tflops"), o(key + "_fwdbwd_tflops")
+        shp = key[len("attn_"):].replace("_", " ")
+        print(f"{shp:<24} | {of:9.1f} | {pf:9.1f} | {of / pf:6.2f} | {ofb:9.1f} | {pfb:9.1f} | {ofb / pfb:6.2f} | "
+              f"{o(key + '_fwd_ms'):7.3f} / {o(key + '_fwdbwd_ms'):7.3f} | {tf:7.3f} / {tfb:7.3f} | "
+              f"{o(key + '_bwd_tflops'):8.1f} | {o(key + '_fwd_mma_tflops'):8.1f} / {o(key + '_bwd_mma_tflops'):6.1f} | "
+              f"{used}")
+    print("\nbackward alone (TFLOP/s, incl. row statistics and dQ conversion): wgmma 64-key / 128-key; "
+          "SDPA backward = (f+b) - fwd")
+    for key, (tf, pf, tfb, pfb, used) in att.items():
+        B, T, H, Dk, Dv = [int(x) for x in key[len("attn_B"):].replace("_T", " ").replace("_H", " ").replace("_", " ").split()]
+        fb = 2 * B * H * T * T / 2 * (3 * Dk + 2 * Dv)
+        print(f"{key[len('attn_'):]:<24} | {o(key + '_bwd_wgmma64_tflops'):6.1f} / {o(key + '_bwd_wgmma128_tflops'):6.1f} | "
+              f"SDPA {fb / (tfb - tf) / 1e9:6.1f}")
+
+    print("\n## Absorbed MLA decode over the 576-wide latent cache (bytes = cache read once)")
+    print(f"{'H, Tc':<16} | {'ours us':>8} | {'ours TB/s':>9} | {'torch us':>8} | {'torch TB/s':>10} | speed-up")
+    for key, (tus, ttb) in dec.items():
+        ous, otb = o(key + "_us"), o(key + "_tbps")
+        print(f"{key[len('decode_'):]:<16} | {ous:8.1f} | {otb:9.2f} | {tus:8.1f} | {ttb:10.2f} | {tus / ous:6.2f}")
+
+    print("\n## Grouped expert GEMM, bf16 (TFLOP/s = 2MNK / time)")
+    print(f"{'case':<24} | {'ours':>7} | {'ours GLU-fused':>14} | {'torch._grouped_mm':>17} | {'ratio':>6} | "
+          f"variants o0e0 / o1e0 / o0e1 / o1e1 | peer layout")
+    for key, (t, tfl, label) in gem.items():
+        ours_t, ours_g = o(f"gemm_{key}_tflops"), o(f"gemm_{key}_glu_tflops")
+        var = " / ".join(f"{o(f'gemm_{key}_o{a}e{b}_tflops'):5.0f}" for b in (0, 1) for a in (0, 1))
+        print(f"{key:<24} | {ours_t:7.1f} | {ours_g:14.1f} | {tfl:17.1f} | {ours_t / tfl:6.2f} | {var:<35} | {label}")
+
+    route = {k: v for k, v in ours.items() if k.startswith("route_")}
+    if route:
+        print("\n## Routing path (ours)")
+        for k, v in route.items():
+            print(f"{k:<40} {v:10.2f}")
+
+
+if __name__ == "__main__":
+    main()

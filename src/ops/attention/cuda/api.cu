@@ -1,0 +1,201 @@
+// Host side of the CUDA attention: checks, tile tables (heaviest first), scratch, and the kernel sequence.
+//
+// Legend: B batch, T tokens, H query heads, Hkv kv heads, Dk/Dv head dims, N sequences, rows = B·T,
+//         Tc cached positions (decode).
+// forward:  one kernel (fwd_wgmma.cu on warpgroup MMAs; fwd.cu on mma.sync when asked for).
+// backward: row statistics (lse2, D) -> per key tile dK, dV with dQ reduced into an fp32 accumulator -> dq
+//           in bf16 (bwd_wgmma.cu with 64-key blocks, bwd_wgmma2.cu with 128-key blocks, bwd.cu on mma.sync).
+// decode:   split-K partials -> log-sum-exp combine.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "ops/attention/cuda/attention_cuda.hpp"
+#include "ops/attention/cuda/kernels.hpp"
+#include "ops/kda/cuda/cuda_error.hpp"
+
+namespace lm::ops::cuda {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& m) { throw Error("attention cuda: " + m); }
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+int sm_count() {
+  static int n = [] {
+    int dev = 0, v = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
+    cudaMemPool_t pool;  // keep freed scratch in the pool between calls
+    if (cudaDeviceGetDefaultMemPool(&pool, dev) == cudaSuccess) {
+      uint64_t thr = UINT64_MAX;
+      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &thr);
+    }
+    return v > 0 ? v : 132;
+  }();
+  return n;
+}
+
+// Sequence starts and (sequence, tile) lists on the device, cached for the last few shapes (the tables only
+// depend on B, T, cu_seqlens and the tile size).
+struct Tables {
+  std::vector<int64_t> key;
+  int* seq_start = nullptr;  // [N + 1]
+  int2* tiles = nullptr;
+  int ntiles = 0;
+};
+
+const Tables& tables(const AttnShape& s, int tile, bool keys_first_heavy) {
+  static std::mutex mu;
+  static std::vector<Tables> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  const int64_t N = s.cu_seqlens ? s.N : s.B;
+  std::vector<int64_t> key{s.B, s.T, N, tile, keys_first_heavy};
+  if (s.cu_seqlens) key.insert(key.end(), s.cu_seqlens, s.cu_seqlens + N + 1);
+  for (auto& t : cache)
+    if (t.key == key) return t;
+  Tables t;
+  t.key = key;
+  std::vector<int> starts(size_t(N + 1));
+  for (int64_t n = 0; n <= N; ++n) starts[size_t(n)] = int(s.cu_seqlens ? s.cu_seqlens[n] : n * s.T);
+  // Work of a tile: query tile i sees (i + 1) key tiles; key tile j is seen by (ntiles - j) query tiles.
+  struct W {
+    int64_t work;
+    int seq, idx;
+  };
+  std::vector<W> w;
+  for (int64_t n = 0; n < N; ++n) {
+    const int len = starts[size_t(n + 1)] - starts[size_t(n)], nt = (len + tile - 1) / tile;
+    for (int i = 0; i < nt; ++i) w.push_back({keys_first_heavy ? nt - i : i + 1, int(n), i});
+  }
+  std::stable_sort(w.begin(), w.end(), [](const W& a, const W& b) { return a.work > b.work; });
+  std::vector<int2> tl(w.size());
+  for (size_t i = 0; i < w.size(); ++i) tl[i] = make_int2(w[i].seq, w[i].idx);
+  t.ntiles = int(tl.size());
+  check(cudaMalloc(&t.seq_start, starts.size() * sizeof(int)), "tables");
+  check(cudaMalloc(&t.tiles, std::max<size_t>(1, tl.size()) * sizeof(int2)), "tables");
+  check(cudaMemcpy(t.seq_start, starts.data(), starts.size() * sizeof(int), cudaMemcpyHostToDevice), "tables");
+  if (!tl.empty()) check(cudaMemcpy(t.tiles, tl.data(), tl.size() * sizeof(int2), cudaMemcpyHostToDevice), "tables");
+  if (cache.size() >= 8) {
+    cudaFree(cache.front().seq_start);
+    cudaFree(cache.front().tiles);
+    cache.erase(cache.begin());
+  }
+  cache.push_back(t);
+  return cache.back();
+}
+
+void check_shape(const AttnShape& s) {
+  const int64_t Hkv = s.Hkv > 0 ? s.Hkv : s.H;
+  if (s.B < 1 || s.T < 0 || s.H < 1 || Hkv < 1 || s.H % Hkv) fail("bad shape");
+  if (!((s.Dk == 192 && s.Dv == 128) || (s.Dk == 128 && s.Dv == 128)))
+    fail("head dims (Dk, Dv) must be (192, 128) or (128, 128), got (" + std::to_string(s.Dk) + ", " +
+         std::to_string(s.Dv) + ")");
+  if (s.cu_seqlens) {
+    if (s.B != 1 || s.N < 1 || s.cu_seqlens[0] != 0 || s.cu_seqlens[s.N] != s.T) fail("bad cu_seqlens");
+    for (int64_t n = 0; n < s.N; ++n)
+      if (s.cu_seqlens[n + 1] < s.cu_seqlens[n]) fail("cu_seqlens decreases");
+  }
+  if (s.B * s.T * std::max(s.H, Hkv) * s.Dk >= (int64_t(1) << 31)) fail("problem too large for 32-bit row indices");
+}
+
+constexpr BwdKernel kDefaultBwd = BwdKernel::Wgmma128;  // measured 1.1-2.1x the 64-key kernel on an H200
+
+float scale_of(const AttnShape& s) { return s.scale > 0 ? s.scale : float(1.0 / std::sqrt(double(s.Dk))); }
+
+}  // namespace
+
+void attention_forward(const AttnShape& s, const void* q, const void* k, const void* v, void* o, float* lse,
+                       void* stream) {
+  check_shape(s);
+  if (s.B * s.T == 0) return;
+  sm_count();
+  const int64_t Hkv = s.Hkv > 0 ? s.Hkv : s.H;
+  const Tables& tb = tables(s, 128, false);
+  detail::FwdParams p{};
+  p.q = q, p.k = k, p.v = v, p.o = o, p.lse = lse;
+  p.seq_start = tb.seq_start, p.tiles = tb.tiles;
+  p.H = int(s.H), p.G = int(s.H / Hkv);
+  p.sq = s.H * s.Dk, p.sk = Hkv * s.Dk, p.sv = Hkv * s.Dv, p.so = s.H * s.Dv;
+  p.scale_log2 = scale_of(s) * 1.4426950408889634f;
+  auto st = static_cast<cudaStream_t>(stream);
+  if (tb.ntiles > 0) {
+    if (s.fwd_kernel == FwdKernel::Mma) detail::launch_fwd(p, int(s.Dk), int(s.Dv), tb.ntiles, st);
+    else detail::launch_fwd_wgmma(p, int(s.Dk), s.B * s.T, int(Hkv), tb.ntiles, st);
+  }
+  check(cudaGetLastError(), "attention forward launch");
+}
+
+void attention_backward(const AttnShape& s_in, const void* q, const void* k, const void* v, const void* o,
+                        const float* lse, const void* do_, void* dq, void* dk, void* dv, void* stream) {
+  AttnShape s = s_in;
+  if (s.bwd_kernel == BwdKernel::Auto) s.bwd_kernel = kDefaultBwd;
+  check_shape(s);
+  const int64_t rows = s.B * s.T;
+  if (rows == 0) return;
+  sm_count();
+  const int64_t Hkv = s.Hkv > 0 ? s.Hkv : s.H;
+  auto st = static_cast<cudaStream_t>(stream);
+  const bool wide = s.bwd_kernel == BwdKernel::Wgmma128;  // 128-key blocks
+  const Tables& tb = tables(s, wide ? 128 : 64, true);
+  // Scratch: lse2, D [H, rows] (+64: the statistics loads of a tile may run past the last row), and the fp32
+  // dQ accumulator [H, rows + 64, Dk] (+64 rows: a tile's bulk reductions stay inside its head's block).
+  const size_t nstat = size_t(s.H * rows + 64 + 3) & ~size_t(3), nacc = size_t(s.H * (rows + 64) * s.Dk);  // 16-byte aligned
+  void* base = nullptr;
+  check(cudaMallocAsync(&base, (2 * nstat + nacc) * sizeof(float), st), "scratch allocation");
+  float* lse2 = static_cast<float*>(base);
+  float* D = lse2 + nstat;
+  float* acc = D + nstat;
+  check(cudaMemsetAsync(acc, 0, nacc * sizeof(float), st), "dq accumulator");
+  detail::launch_bwd_pre(o, do_, lse, lse2, D, int(rows), int(s.H), int(s.Dv), st);
+  detail::BwdParams p{};
+  p.q = q, p.k = k, p.v = v, p.dout = do_, p.lse2 = lse2, p.D = D, p.dqacc = acc, p.dk = dk, p.dv = dv;
+  p.seq_start = tb.seq_start, p.tiles = tb.tiles;
+  p.H = int(s.H), p.G = int(s.H / Hkv), p.Hkv = int(Hkv), p.rows = int(rows);
+  p.sq = s.H * s.Dk, p.sk = Hkv * s.Dk, p.sv = Hkv * s.Dv, p.sdo = s.H * s.Dv;
+  p.scale = scale_of(s), p.scale_log2 = p.scale * 1.4426950408889634f;
+  if (tb.ntiles > 0) {
+    if (s.bwd_kernel == BwdKernel::Mma) detail::launch_bwd(p, int(s.Dk), int(s.Dv), tb.ntiles, st);
+    else if (wide) detail::launch_bwd_wgmma2(p, int(s.Dk), tb.ntiles, st);
+    else detail::launch_bwd_wgmma(p, int(s.Dk), tb.ntiles, st);
+  }
+  detail::launch_dq_convert(acc, dq, int(rows), int(s.H), int(s.Dk), st);
+  check(cudaGetLastError(), "attention backward launch");
+  check(cudaFreeAsync(base, st), "scratch free");
+}
+
+void mla_decode(const DecodeShape& s, const void* q_lat, const void* q_rope, const void* cache, void* o_lat,
+                float* lse, void* stream) {
+  if (s.R != 512 || s.Dr != 64) fail("decode supports R = 512, Dr = 64 only");
+  const int64_t ldc = s.ldc > 0 ? s.ldc : s.R + s.Dr;
+  if (s.H < 1 || s.Tc < 1 || ldc < s.R + s.Dr || ldc % 8) fail("bad decode shape");
+  const int sms = sm_count();
+  auto st = static_cast<cudaStream_t>(stream);
+  const int MH = s.H >= 32 ? 32 : 16, HG = int((s.H + MH - 1) / MH);
+  const int ntiles = int((s.Tc + 63) / 64);
+  int splits = s.splits > 0 ? s.splits : std::max(1, sms / HG);
+  splits = std::min(splits, ntiles);
+  const int tps = (ntiles + splits - 1) / splits;
+  splits = (ntiles + tps - 1) / tps;
+  detail::DecParams p{};
+  p.q_lat = q_lat, p.q_rope = q_rope, p.cache = cache;
+  p.H = int(s.H), p.Tc = int(s.Tc), p.ldc = int(ldc), p.splits = splits, p.tiles_per_split = tps;
+  p.scale_log2 = (s.scale > 0 ? s.scale : float(1.0 / std::sqrt(192.0))) * 1.4426950408889634f;
+  void* base = nullptr;
+  const size_t n_o = size_t(splits) * s.H * 512, n_ml = size_t(splits) * 2 * s.H;
+  check(cudaMallocAsync(&base, (n_o + n_ml) * sizeof(float), st), "decode scratch");
+  p.part_o = static_cast<float*>(base);
+  p.part_ml = p.part_o + n_o;
+  detail::launch_decode(p, st);
+  detail::launch_decode_combine(p, o_lat, lse, st);
+  check(cudaGetLastError(), "decode launch");
+  check(cudaFreeAsync(base, st), "decode scratch free");
+}
+
+}  // namespace lm::ops::cuda

@@ -1,0 +1,220 @@
+// Causal flash attention forward on Hopper warpgroup MMAs (FlashAttention-3 structure, without the ping-pong
+// schedule): TMA loads, wgmma bf16 → fp32, online softmax in registers.
+//
+// Legend: T tokens of a sequence (len), H query heads, G = H / Hkv, Dk q/k head dim (128 | 192), Dv = 128,
+//         Bq = 128 query rows per block (2 consumer warpgroups × 64 rows), Bk = 128 keys per step.
+// Warp roles (384 threads): warpgroup 0 produces (one thread issues TMA: Q once, then K_j and V_j into a
+// two-stage ring, each stage with its own "K full", "V full" and "empty" mbarriers); warpgroups 1 and 2 each
+// own 64 query rows: S = Q·K_jᵀ (wgmma, both operands K-major in shared memory), mask and online softmax
+// on the accumulators, then O += P·V_j with P straight from registers (the accumulator layout of S is the
+// A-fragment layout of the next wgmma) and V read N-major (transposed) from shared memory.
+// Tiles in shared memory are [rows][64] bf16 boxes with the 128-byte swizzle (Dk/64 boxes for Q and K, 2
+// for V). The TMA maps view q, k, v as 3-D tensors [rows][heads][D], so one map serves every head; rows past
+// the sequence (the next sequence's, or zero fill past the end) are masked as keys and never stored as rows.
+// Key tiles run from the diagonal down (the masked tile first). Not done: FlashAttention-3's intra-warpgroup
+// overlap (S_{j-1} issued before the softmax of S_j): with two S accumulators ptxas runs out of registers and
+// serialises the MMAs (C7512), so each warpgroup waits for its own MMAs and the two warpgroups overlap instead.
+#include <cuda.h>
+
+#include "ops/attention/cuda/kernels.hpp"
+#include "ops/attention/cuda/tc.cuh"
+#include "ops/moe/cuda/hopper.cuh"  // mbarrier, TMA and wgmma helpers (shared with the grouped GEMM)
+#include "ops/moe/cuda/tensor_map.hpp"
+
+namespace lm::ops::cuda::detail {
+
+namespace {
+
+constexpr int kBq = 128, kBk = 128, kDv = 128, kThreads = 384;
+
+template <int DK>
+struct WgSmem {
+  static constexpr int Q = DK * kBq * 2, K = DK * kBk * 2, V = kDv * kBk * 2;
+  static constexpr int oQ = 0, oK = Q, oV = oK + 2 * K, oBar = oV + 2 * V, bytes = oBar + 8 * 8 + 1024;
+};
+
+template <int DK>
+__global__ void __launch_bounds__(kThreads, 1)
+    attn_fwd_wgmma_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
+                          const __grid_constant__ CUtensorMap tmV, const FwdParams p) {
+  using L = WgSmem<DK>;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* sQ = smem + L::oQ;
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem + L::oBar);
+  uint64_t *fullQ = bar, *fullK = bar + 1, *fullV = bar + 3, *empty = bar + 5;
+
+  const int h = blockIdx.x % p.H;
+  const int2 tl = p.tiles[blockIdx.x / p.H];
+  const int s0 = p.seq_start[tl.x], len = p.seq_start[tl.x + 1] - s0;
+  const int q0 = tl.y * kBq, hk = h / p.G;
+  const int nkt = (min(q0 + kBq, len) + kBk - 1) / kBk;
+  const int tid = threadIdx.x, wg = tid / 128;
+
+  if (tid == 0) {
+    mbar_init(fullQ, 1);
+    for (int s = 0; s < 2; ++s) mbar_init(&fullK[s], 1), mbar_init(&fullV[s], 1), mbar_init(&empty[s], 256);
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (tid == 0) {
+      mbar_expect_tx(fullQ, L::Q);
+      for (int a = 0; a < DK / 64; ++a) tma_load_3d(sQ + a * kBq * 128, &tmQ, fullQ, 64 * a, h, s0 + q0);
+      for (int it = 0; it < nkt; ++it) {
+        const int j = nkt - 1 - it, s = it & 1;
+        mbar_wait(&empty[s], ((it >> 1) & 1) ^ 1);
+        unsigned char* sK = smem + L::oK + s * L::K;
+        unsigned char* sV = smem + L::oV + s * L::V;
+        mbar_expect_tx(&fullK[s], L::K);
+        for (int a = 0; a < DK / 64; ++a) tma_load_3d(sK + a * kBk * 128, &tmK, &fullK[s], 64 * a, hk, s0 + j * kBk);
+        mbar_expect_tx(&fullV[s], L::V);
+        for (int a = 0; a < kDv / 64; ++a) tma_load_3d(sV + a * kBk * 128, &tmV, &fullV[s], 64 * a, hk, s0 + j * kBk);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  const int c = wg - 1, ltid = tid - 128 * wg, warp = ltid >> 5, lane = ltid & 31, g = lane >> 2, t = lane & 3;
+  const int wq0 = q0 + 64 * c;  // first row of this warpgroup inside the sequence
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  mbar_wait(fullQ, 0);
+
+  // S_it = Q·K_jᵀ into acc (asynchronous: committed, not waited for).
+  auto issue_s = [&](float (&acc)[64], int it) {
+    const int s = it & 1;
+    const unsigned char* sK = smem + L::oK + s * L::K;
+    mbar_wait(&fullK[s], (it >> 1) & 1);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < DK / 16; ++kk)
+      wgmma_m64n128k16_ss(acc, wg_desc(sQ + (kk >> 2) * kBq * 128 + c * 64 * 128 + (kk & 3) * 32),
+                          wg_desc(sK + (kk >> 2) * kBk * 128 + (kk & 3) * 32), kk > 0 ? 1 : 0);
+    wg_commit();
+  };
+  // Mask, online softmax in place (sc becomes P in fp32), running max and sum; alpha rescales O.
+  auto softmax = [&](float (&sc)[64], int it, float (&alpha)[2]) {
+    const int k0 = (nkt - 1 - it) * kBk;
+    const bool need_mask = (k0 + kBk - 1 > wq0) || (k0 + kBk > len);
+#pragma unroll
+    for (int n = 0; n < 16; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = sc[4 * n + e] * p.scale_log2;
+        if (need_mask) {
+          const int key = k0 + 8 * n + 2 * t + (e & 1), row = wq0 + 16 * warp + g + 8 * (e >> 1);
+          if (key > row || key >= len) x = -INFINITY;
+        }
+        sc[4 * n + e] = x;
+      }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < 16; ++n) mx = fmaxf(mx, fmaxf(sc[4 * n + 2 * hr], sc[4 * n + 2 * hr + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[hr], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet
+      alpha[hr] = fast_exp2(m_run[hr] - m_use);
+      m_run[hr] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        const float p0 = fast_exp2(sc[4 * n + 2 * hr] - m_use), p1 = fast_exp2(sc[4 * n + 2 * hr + 1] - m_use);
+        sc[4 * n + 2 * hr] = p0, sc[4 * n + 2 * hr + 1] = p1;
+        sum += p0 + p1;
+      }
+      l_run[hr] = l_run[hr] * alpha[hr] + sum;
+    }
+  };
+  // O = alpha·O + P·V_j: rescale, P (fp32 in sc) to bf16 A fragments, then the MMA (committed, not waited for;
+  // the fragments stay live until it completes).
+  uint32_t pa[8][4];
+  auto prep_p = [&](const float (&sc)[64], const float (&alpha)[2]) {
+#pragma unroll
+    for (int n = 0; n < 16; ++n)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) o[4 * n + 2 * hr] *= alpha[hr], o[4 * n + 2 * hr + 1] *= alpha[hr];
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) pa[kk][r] = pack_bf16(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+  };
+  auto issue_pv = [&](int it) {
+    const int s = it & 1;
+    const unsigned char* sV = smem + L::oV + s * L::V;
+    mbar_wait(&fullV[s], (it >> 1) & 1);
+    wg_fence_regs(o);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) wgmma_m64n128k16_rs_tb(o, pa[kk], wg_desc_mn(sV + kk * 16 * 128, kBk * 128));
+    wg_commit();
+  };
+
+  float sc[64], alpha[2];
+  for (int it = 0; it < nkt; ++it) {
+    issue_s(sc, it);
+    wg_wait<0>();
+    wg_fence_regs(sc);
+    softmax(sc, it, alpha);
+    prep_p(sc, alpha);
+    issue_pv(it);
+    wg_wait<0>();
+    wg_fence_regs(o);
+    mbar_arrive(&empty[it & 1]);
+  }
+
+  bf16* Og = static_cast<bf16*>(p.o) + int64_t(s0) * p.so + int64_t(h) * kDv;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float l = l_run[hr];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int row = wq0 + 16 * warp + g + 8 * hr;
+    if (row < len) {
+      bf16* orow = Og + int64_t(row) * p.so;
+#pragma unroll
+      for (int n = 0; n < 16; ++n)
+        *reinterpret_cast<uint32_t*>(orow + 8 * n + 2 * t) = pack_bf16(o[4 * n + 2 * hr] * inv, o[4 * n + 2 * hr + 1] * inv);
+      if (p.lse && t == 0) p.lse[(int64_t(s0) + row) * p.H + h] = (m_run[hr] + __log2f(l)) * 0.69314718055994531f;
+    }
+  }
+}
+
+// q, k, v viewed as [rows][heads][D] (dims innermost first), boxes of 64 × 1 × box_rows.
+CUtensorMap qkv_map(const void* base, int64_t rows, int64_t heads, int64_t D, int box_rows) {
+  const uint64_t dims[3] = {uint64_t(D), uint64_t(heads), uint64_t(rows)};
+  const uint64_t strides[2] = {uint64_t(D) * 2, uint64_t(heads * D) * 2};
+  const uint32_t box[3] = {64u, 1u, uint32_t(box_rows)};
+  return bf16_tensor_map(base, 3, dims, strides, box);
+}
+
+template <int DK>
+void launch_t(const FwdParams& p, int64_t rows, int Hkv, int ntiles, cudaStream_t s) {
+  constexpr int bytes = WgSmem<DK>::bytes;
+  static bool attr = [] {
+    return cudaFuncSetAttribute(attn_fwd_wgmma_kernel<DK>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) ==
+           cudaSuccess;
+  }();
+  (void)attr;
+  const CUtensorMap tq = qkv_map(p.q, rows, p.H, DK, kBq), tk = qkv_map(p.k, rows, Hkv, DK, kBk),
+                    tv = qkv_map(p.v, rows, Hkv, kDv, kBk);
+  attn_fwd_wgmma_kernel<DK><<<ntiles * p.H, kThreads, bytes, s>>>(tq, tk, tv, p);
+}
+
+}  // namespace
+
+void launch_fwd_wgmma(const FwdParams& p, int Dk, int64_t rows, int Hkv, int ntiles, cudaStream_t s) {
+  if (Dk == 192) return launch_t<192>(p, rows, Hkv, ntiles, s);
+  launch_t<128>(p, rows, Hkv, ntiles, s);
+}
+
+}  // namespace lm::ops::cuda::detail

@@ -1,0 +1,333 @@
+// Grouped expert GEMMs on Hopper: TMA loads, wgmma (m64n256k16, bf16 in, fp32 accumulate), one persistent
+// launch over every (expert, m tile, n tile), optionally with SiTU/SwiGLU fused into the epilogue.
+//
+// Legend: E experts, M permuted rows (expert e owns rows offsets[e] .. offsets[e+1]−1), K reduction dim,
+//         N output columns (GLU: I, with 2I weight rows per expert), Bm × Bn × Bk = 128 × 256 × 64 tiles,
+//         S pipeline stages.
+// Warp roles (384 threads): warpgroup 0 is the producer (one thread issues the TMA loads of A = x rows and
+// B = weight rows into an S-stage ring guarded by full/empty mbarriers); warpgroups 1 and 2 each own 64 rows
+// of the tile and issue wgmma from shared memory. The producer runs ahead into the next tile while the
+// consumers store the previous one (the grid is persistent: tile = blockIdx.x + i·gridDim.x).
+// Tiles are numbered m-tile-major with the n tiles inner, so blocks running together share A rows and one
+// expert's weights in L2. An m tile may run past its expert's last row: those rows (the next expert's, or
+// TMA's zero fill past M) are computed and never stored.
+// GLU: the B tile stacks 128 gate rows over the matching 128 up rows, so the accumulator holds a and b of the
+// same output column in the same thread (n8 blocks j and j + 16).
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include "ops/kda/cuda/cuda_error.hpp"
+#include "ops/moe/cuda/hopper.cuh"
+#include "ops/moe/cuda/moe_cuda.hpp"
+#include "ops/moe/cuda/tensor_map.hpp"
+
+namespace lm::ops::cuda {
+
+namespace detail {
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int kBm = 128, kBn = 256, kBk = 64, kStages = 4, kThreads = 384;
+constexpr int kABytes = kBm * kBk * 2, kBBytes = kBn * kBk * 2, kStageBytes = kABytes + kBBytes;
+constexpr int kMaxE = 4096;
+constexpr int kDefaultOrder = 1, kDefaultEpi = 1;  // measured best or tied on every benchmark shape
+constexpr int kStagingBytes = 8 * 2048;
+
+struct GemmParams {
+  const int32_t* offsets;
+  bf16* y;   // [M, N] (GLU: h [M, I])
+  bf16* ab;  // GLU only, nullable: [M, 2I]
+  int E, N, K, Nw;  // Nw weight rows per expert (N, or 2I for GLU)
+  int glu_swiglu;
+  int order;  // tile order, see decode_tile
+  int epi;    // epilogue: 0 stores from the accumulators, 1 through shared memory in 16-byte rows
+  float beta1, beta2, inv_beta1, inv_beta2;  // SiTU caps (beta2 0: no cap)
+};
+
+// tanh.approx (one MUFU op, relative error ~2^-11, below the bf16 rounding of h); σ(x) = (1 + tanh(x/2)) / 2.
+__device__ __forceinline__ float tanh_fast(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float glu(float a, float b, const GemmParams& p) {
+  const float sig = fmaf(0.5f, tanh_fast(0.5f * a), 0.5f);
+  if (p.glu_swiglu) return a * sig * b;
+  const float A = p.beta1 * tanh_fast(a * p.inv_beta1) * sig;
+  const float B = p.beta2 > 0.f ? p.beta2 * tanh_fast(b * p.inv_beta2) : b;
+  return A * B;
+}
+
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Tile -> (expert e, m tile inside the expert, n tile), from the m-tile prefix pre[0..E] (pre[e] = m tiles
+// before expert e). order 0: m tiles outer, n tiles inner (blocks running together share A rows); order 1:
+// per expert, n tiles outer and m tiles inner (blocks running together share weight tiles).
+struct TileId {
+  int e, mt, nt;
+};
+__device__ __forceinline__ TileId decode_tile(const int* pre, int E, int NT, int order, int tile) {
+  const int x = order == 0 ? tile / NT : tile;
+  const int mul = order == 0 ? 1 : NT;
+  int lo = 0, hi = E;  // pre[lo]·mul <= x < pre[hi]·mul
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (pre[mid] * mul <= x) lo = mid;
+    else hi = mid;
+  }
+  if (order == 0) return {lo, x - pre[lo], tile % NT};
+  const int local = tile - pre[lo] * NT, me = pre[lo + 1] - pre[lo];
+  return {lo, local % me, local / me};
+}
+
+template <bool GLU>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                        const GemmParams p) {
+  extern __shared__ unsigned char smem_raw[];
+  // 1024-byte alignment for the swizzled tiles (the launch asks for 1 KB of slack).
+  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* staging = smem + kStages * kStageBytes;  // 8 consumer warps × 2 KB (epilogue)
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging + kStagingBytes);
+  uint64_t* empty = full + kStages;
+  int* pre = reinterpret_cast<int*>(empty + kStages);
+
+  const int tid = threadIdx.x, wg = tid / 128;
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 256);
+    fence_barrier_init();
+  }
+  if (tid < 32) {  // m-tile prefix over experts (warp scan in chunks of 32)
+    int run = 0;
+    if (tid == 0) pre[0] = 0;
+    for (int e0 = 0; e0 < p.E; e0 += 32) {
+      const int e = e0 + tid;
+      int c = e < p.E ? (p.offsets[e + 1] - p.offsets[e] + kBm - 1) / kBm : 0;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, c, off);
+        if (tid >= off) c += v;
+      }
+      if (e < p.E) pre[e + 1] = run + c;
+      run += __shfl_sync(0xffffffffu, c, 31);
+    }
+  }
+  __syncthreads();
+  constexpr int BNo = GLU ? kBn / 2 : kBn;  // output columns per tile
+  const int NT = (p.N + BNo - 1) / BNo, total = pre[p.E] * NT, KT = (p.K + kBk - 1) / kBk;
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (tid == 0) {
+      int it = 0;
+      for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+        const TileId id = decode_tile(pre, p.E, NT, p.order, tile);
+        const int row0 = p.offsets[id.e] + id.mt * kBm;
+        const int wrow = id.e * p.Nw + id.nt * BNo;
+        for (int kt = 0; kt < KT; ++kt, ++it) {
+          const int s = it % kStages;
+          mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+          unsigned char* st = smem + s * kStageBytes;
+          mbar_expect_tx(&full[s], kStageBytes);
+          tma_load_2d(st, &tmA, &full[s], kt * kBk, row0);
+          if (GLU) {
+            tma_load_2d(st + kABytes, &tmB, &full[s], kt * kBk, wrow);
+            tma_load_2d(st + kABytes + kBBytes / 2, &tmB, &full[s], kt * kBk, wrow + p.N);
+          } else {
+            tma_load_2d(st + kABytes, &tmB, &full[s], kt * kBk, wrow);
+          }
+        }
+      }
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int c = wg - 1, ltid = tid - 128 * wg, warp = ltid >> 5, lane = ltid & 31, g = lane >> 2, t = lane & 3;
+    int it = 0;
+    float acc[128];
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
+      const TileId id = decode_tile(pre, p.E, NT, p.order, tile);
+      const int row0 = p.offsets[id.e] + id.mt * kBm, row_end = p.offsets[id.e + 1], nt = id.nt;
+      int prev = -1;
+      for (int kt = 0; kt < KT; ++kt, ++it) {
+        const int s = it % kStages;
+        mbar_wait(&full[s], (it / kStages) & 1);
+        const unsigned char* st = smem + s * kStageBytes;
+        wg_fence_regs(acc);
+        wg_fence();
+#pragma unroll
+        for (int k16 = 0; k16 < kBk / 16; ++k16)
+          wgmma_m64n256k16(acc, wg_desc(st + c * (kABytes / 2) + k16 * 32), wg_desc(st + kABytes + k16 * 32),
+                           (kt > 0 || k16 > 0) ? 1 : 0);
+        wg_commit();
+        wg_wait<1>();  // the previous stage's MMAs are done: hand that stage back
+        wg_fence_regs(acc);
+        if (prev >= 0) mbar_arrive(&empty[prev]);
+        prev = s;
+      }
+      wg_wait<0>();
+      wg_fence_regs(acc);
+      if (prev >= 0) mbar_arrive(&empty[prev]);
+
+      // Epilogue. The accumulator holds rows g and g + 8 (of this warp's 16), columns 8j + 2t (+1).
+      const int rl = row0 + c * 64 + warp * 16;
+      auto value = [&](int hr, int j) -> uint32_t {  // bf16 pair of row g + 8·hr, output n8 block j
+        if (GLU) {
+          const float a0 = acc[4 * j + 2 * hr], a1 = acc[4 * j + 2 * hr + 1];
+          const float b0 = acc[4 * (j + 16) + 2 * hr], b1 = acc[4 * (j + 16) + 2 * hr + 1];
+          return pack2(glu(a0, b0, p), glu(a1, b1, p));
+        }
+        return pack2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
+      };
+      constexpr int NB8 = GLU ? 16 : 32;  // output n8 blocks per tile
+      if (p.epi == 1) {
+        // Per warp, 64-column chunks: registers -> shared memory (16-byte chunks swizzled by row, no bank
+        // conflicts) -> 16-byte coalesced global stores, 4 rows of 128 bytes per warp instruction.
+        unsigned char* stg = staging + (c * 4 + warp) * 2048;
+#pragma unroll
+        for (int ch = 0; ch < NB8 / 8; ++ch) {
+#pragma unroll
+          for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+              const int r = g + 8 * hr;
+              *reinterpret_cast<uint32_t*>(stg + r * 128 + ((nb ^ (r & 7)) << 4) + 4 * t) = value(hr, ch * 8 + nb);
+            }
+          __syncwarp();
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int idx = lane + 32 * i, r = idx >> 3, cc = idx & 7;
+            const int row = rl + r, col = nt * BNo + ch * 64 + cc * 8;
+            const uint4 v = *reinterpret_cast<const uint4*>(stg + r * 128 + ((cc ^ (r & 7)) << 4));
+            if (row < row_end && col < p.N) *reinterpret_cast<uint4*>(p.y + int64_t(row) * p.N + col) = v;
+          }
+          __syncwarp();
+        }
+      } else {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int row = rl + g + hr * 8;
+          if (row >= row_end) continue;
+#pragma unroll
+          for (int j = 0; j < NB8; ++j) {
+            const int col = nt * BNo + j * 8 + 2 * t;
+            if (col < p.N) *reinterpret_cast<uint32_t*>(p.y + int64_t(row) * p.N + col) = value(hr, j);
+          }
+        }
+      }
+      if (GLU && p.ab) {  // pre-activations for the backward
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int row = rl + g + hr * 8;
+          if (row >= row_end) continue;
+          bf16* abrow = p.ab + int64_t(row) * 2 * p.N;
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const int col = nt * BNo + j * 8 + 2 * t;
+            if (col >= p.N) continue;
+            *reinterpret_cast<uint32_t*>(abrow + col) = pack2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
+            *reinterpret_cast<uint32_t*>(abrow + p.N + col) = pack2(acc[4 * (j + 16) + 2 * hr], acc[4 * (j + 16) + 2 * hr + 1]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- host: tensor maps and launch ------------------------------------------------------------------
+[[noreturn]] void fail(const std::string& m) { throw Error("moe cuda: " + m); }
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// [rows, K] bf16 row-major, tiles of box_rows × 64 with the 128-byte swizzle.
+CUtensorMap tensor_map(const void* base, int64_t rows, int64_t K, int box_rows) {
+  const uint64_t dims[2] = {uint64_t(K), uint64_t(rows)}, strides[1] = {uint64_t(K) * 2};
+  const uint32_t box[2] = {uint32_t(kBk), uint32_t(box_rows)};
+  return bf16_tensor_map(base, 2, dims, strides, box);
+}
+
+int sm_count() {
+  static int n = [] {
+    int dev = 0, v = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
+    return v > 0 ? v : 132;
+  }();
+  return n;
+}
+
+template <bool GLU>
+void launch(const void* x, const void* w, const GemmParams& p, int64_t M, cudaStream_t s) {
+  const int smem = kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + (p.E + 1) * 4 + 1024;
+  static bool attr = [] {
+    return cudaFuncSetAttribute(grouped_gemm_kernel<GLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + (kMaxE + 1) * 4 + 1024) ==
+                                   cudaSuccess;
+  }();
+  (void)attr;
+  const char* env = std::getenv("LONGMOE_GG_ORDER");  // tile order override (benchmarks)
+  GemmParams q = p;
+  q.order = env ? std::atoi(env) : kDefaultOrder;
+  const char* env2 = std::getenv("LONGMOE_GG_EPI");  // epilogue override (benchmarks, tests)
+  q.epi = env2 ? std::atoi(env2) : kDefaultEpi;
+  const CUtensorMap ta = tensor_map(x, M, p.K, kBm);
+  const CUtensorMap tb = tensor_map(w, int64_t(p.E) * p.Nw, p.K, GLU ? kBn / 2 : kBn);
+  const int BNo = GLU ? kBn / 2 : kBn;
+  const int64_t ub = ((M + kBm - 1) / kBm + p.E) * ((p.N + BNo - 1) / BNo);  // tiles, upper bound
+  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(sm_count(), ub)));
+  grouped_gemm_kernel<GLU><<<grid, kThreads, smem, s>>>(ta, tb, q);
+  check(cudaGetLastError(), "grouped gemm launch");
+}
+
+void check_args(int64_t M, int64_t N, int64_t K, int64_t E) {
+  if (M < 0 || N < 8 || K < 8 || E < 1) fail("bad grouped gemm shape");
+  if (N % 8 || K % 8) fail("grouped gemm needs N and K multiples of 8");
+  if (E > kMaxE) fail("at most 4096 experts per launch");
+  if (M >= (int64_t(1) << 31) || int64_t(E) * N * 2 >= (int64_t(1) << 31)) fail("grouped gemm too large");
+}
+
+}  // namespace
+}  // namespace detail
+
+void grouped_gemm(const void* x, const void* w, void* y, const int32_t* offsets, int64_t M, int64_t N, int64_t K,
+                  int64_t E, void* stream) {
+  detail::check_args(M, N, K, E);
+  if (M == 0) return;
+  detail::GemmParams p{};
+  p.offsets = offsets, p.y = static_cast<detail::bf16*>(y), p.ab = nullptr;
+  p.E = int(E), p.N = int(N), p.K = int(K), p.Nw = int(N);
+  detail::launch<false>(x, w, p, M, static_cast<cudaStream_t>(stream));
+}
+
+void grouped_gemm_glu(const void* x, const void* w13, void* h, void* ab, const int32_t* offsets, int64_t M, int64_t I,
+                      int64_t K, int64_t E, const GluArgs& g, void* stream) {
+  detail::check_args(M, 2 * I, K, E);
+  if (M == 0) return;
+  detail::GemmParams p{};
+  p.offsets = offsets, p.y = static_cast<detail::bf16*>(h), p.ab = static_cast<detail::bf16*>(ab);
+  p.E = int(E), p.N = int(I), p.K = int(K), p.Nw = int(2 * I);
+  p.glu_swiglu = g.swiglu ? 1 : 0, p.beta1 = g.beta1, p.beta2 = std::isfinite(g.beta2) && g.beta2 > 0 ? g.beta2 : 0.f;
+  p.inv_beta1 = 1.f / g.beta1, p.inv_beta2 = p.beta2 > 0 ? 1.f / p.beta2 : 0.f;
+  detail::launch<true>(x, w13, p, M, static_cast<cudaStream_t>(stream));
+}
+
+void moe_expert_ffn(const void* xs, const void* w13, const void* w2, void* eo, const int32_t* offsets, int64_t M,
+                    int64_t d, int64_t I, int64_t E, const GluArgs& g, void* h, void* stream) {
+  if (M == 0) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  void* hbuf = h;
+  if (!hbuf) detail::check(cudaMallocAsync(&hbuf, size_t(M) * I * 2, s), "expert ffn scratch");
+  grouped_gemm_glu(xs, w13, hbuf, nullptr, offsets, M, I, d, E, g, stream);
+  grouped_gemm(hbuf, w2, eo, offsets, M, d, I, E, stream);
+  if (!h) detail::check(cudaFreeAsync(hbuf, s), "expert ffn scratch free");
+}
+
+}  // namespace lm::ops::cuda

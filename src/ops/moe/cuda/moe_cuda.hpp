@@ -1,0 +1,59 @@
+#pragma once
+// Mixture-of-experts on NVIDIA Hopper (SPEC §5): host API of the CUDA kernels. Plain C++ (no CUDA types), so
+// CPU code and tests include it without the CUDA headers. Tensor pointers are device pointers.
+//
+// Legend: m tokens, n (= E) experts, k experts per token, M = m·k permuted rows, d width of the expert input
+//         (the latent ℓ with routed_expert_hidden_size), I moe_intermediate_size, K reduction dim, N output dim.
+// Expert order as lm::ops::moe_build_permutation: a stable sort of the assignments a = i·k + t by expert, so
+// expert e owns rows offsets[e] .. offsets[e+1]−1; rows[r] = assignment at row r, pos[a] = its row.
+// Index arrays on the device are int32 (offsets [E + 1] with offsets[0] = 0, offsets[E] = M).
+#include <cstddef>
+#include <cstdint>
+
+namespace lm::ops::cuda {
+
+// ---- grouped expert GEMMs (wgmma, one persistent launch over (expert, m tile, n tile)) --------------
+// y [M, N] bf16: row r of expert e is x[r] · W_eᵀ, with x [M, K] bf16 and W [E, N, K] bf16 (nn.Linear
+// layout: output features by input features). K and N multiples of 8.
+void grouped_gemm(const void* x, const void* w, void* y, const int32_t* offsets, int64_t M, int64_t N, int64_t K,
+                  int64_t E, void* stream = nullptr);
+
+// SiTU-GLU (SPEC §4, ops/glu/glu.hpp) fused into the epilogue of the first expert GEMM:
+//   ab = x · W13_eᵀ with W13 [E, 2I, K] = [W_gate (w1) ; W_up (w3)] per expert, h [M, I] = GLU(a, b) in bf16.
+// ab [M, 2I] bf16 (nullable) keeps the pre-activations for the backward. I a multiple of 8.
+struct GluArgs {
+  bool swiglu = false;
+  float beta1 = 4.f, beta2 = 25.f;  // SiTU caps; beta2 <= 0 or inf: no cap on b
+};
+void grouped_gemm_glu(const void* x, const void* w13, void* h, void* ab, const int32_t* offsets, int64_t M, int64_t I,
+                      int64_t K, int64_t E, const GluArgs& g = {}, void* stream = nullptr);
+
+// Expert FFNs of the permuted rows: eo [M, d] = GLU(xs · W13ᵀ) · W2ᵀ with W2 [E, d, I] (w2). The hidden h
+// [M, I] lives in stream-ordered scratch unless `h` is given (then it is kept).
+void moe_expert_ffn(const void* xs, const void* w13, const void* w2, void* eo, const int32_t* offsets, int64_t M,
+                    int64_t d, int64_t I, int64_t E, const GluArgs& g = {}, void* h = nullptr, void* stream = nullptr);
+
+// ---- router (fp32), as lm::ops::router_forward: s = sigmoid(logits), top-k of v = s + bias (ties to the
+// lower expert), p = s / (Σ_sel s + 1e-20) · scaling (renormalize) or s · scaling. logits [m, n], bias [n]
+// (nullable); topk_idx [m, k] int32 sorted by expert, topk_w [m, k] aligned. Optional (nullable): scores
+// [m, n]; QB statistics margin [m] = v_(k) − v_(k+1) and alpha [m] = v_(k+1) (the admission cutoff).
+// n <= 1024, k < 32.
+struct RouterOut {
+  int32_t* topk_idx = nullptr;
+  float* topk_w = nullptr;
+  float *scores = nullptr, *margin = nullptr, *alpha = nullptr;
+};
+void router_forward(const float* logits, const float* bias, int64_t m, int64_t n, int64_t k, bool renormalize,
+                    float scaling, const RouterOut& out, void* stream = nullptr);
+
+// ---- permutation, gather, combine -----------------------------------------------------------------
+// offsets [n + 1], rows [m·k], pos [m·k] (deterministic: a stable sort by expert).
+void moe_permute(const int32_t* topk_idx, int64_t m, int64_t k, int64_t n, int32_t* offsets, int32_t* rows,
+                 int32_t* pos, void* stream = nullptr);
+// xs [m·k, d] bf16: xs[r] = x[rows[r] / k].
+void moe_gather(const void* x, const int32_t* rows, void* xs, int64_t m, int64_t k, int64_t d, void* stream = nullptr);
+// y [m, d] bf16: y[i] = Σ_t topk_w[i, t] · eo[pos[i·k + t]], summed in fp32 in slot order.
+void moe_combine(const void* eo, const float* topk_w, const int32_t* pos, void* y, int64_t m, int64_t k, int64_t d,
+                 void* stream = nullptr);
+
+}  // namespace lm::ops::cuda

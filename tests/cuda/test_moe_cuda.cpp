@@ -1,0 +1,253 @@
+// MoE on the GPU (src/ops/moe/cuda): grouped expert GEMMs (plain and with SiTU/SwiGLU fused), the expert FFN,
+// router, permutation, gather and combine against the CPU definitions. Skips without a CUDA device.
+//
+// Legend: m tokens, n = E experts, k experts per token, M = m·k permuted rows, K reduction dim, N output dim,
+//         I intermediate width, d row width.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "core/half.hpp"
+#include "ops/glu/glu.hpp"
+#include "ops/kda/cuda/kda_cuda.hpp"  // device helpers (alloc, copies)
+#include "ops/moe/cuda/moe_cuda.hpp"
+#include "ops/moe/permute.hpp"
+#include "ops/moe/router.hpp"
+#include "testing.hpp"
+
+using namespace lm;
+namespace kc = lm::kda::cuda;
+namespace oc = lm::ops::cuda;
+using Vec = std::vector<float>;
+
+#define REQUIRE_GPU() \
+  if (kc::device_count() <= 0) GTEST_SKIP() << "no CUDA device"
+
+namespace {
+
+struct Dev {
+  void* p = nullptr;
+  explicit Dev(size_t n) : p(kc::device_alloc(std::max<size_t>(n, 16))) { kc::device_fill(p, 0xff, std::max<size_t>(n, 16)); }
+  ~Dev() { kc::device_free(p); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  float* f() const { return static_cast<float*>(p); }
+  int32_t* i() const { return static_cast<int32_t*>(p); }
+};
+
+Vec round_bf16(const Vec& x) {
+  Vec r(x.size());
+  for (size_t i = 0; i < x.size(); ++i) r[i] = bf16_to_f32(f32_to_bf16(x[i]));
+  return r;
+}
+void up_bf16(Dev& d, const Vec& x) {
+  std::vector<uint16_t> b(x.size());
+  for (size_t i = 0; i < x.size(); ++i) b[i] = f32_to_bf16(x[i]);
+  kc::copy_to_device(d.p, b.data(), b.size() * 2);
+}
+template <class T>
+void up(Dev& d, const std::vector<T>& x) {
+  kc::copy_to_device(d.p, x.data(), x.size() * sizeof(T));
+}
+Vec down_bf16(const Dev& d, size_t n) {
+  std::vector<uint16_t> b(n);
+  kc::copy_to_host(b.data(), d.p, n * 2);
+  Vec r(n);
+  for (size_t i = 0; i < n; ++i) r[i] = bf16_to_f32(b[i]);
+  return r;
+}
+template <class T>
+std::vector<T> down(const Dev& d, size_t n) {
+  std::vector<T> r(n);
+  kc::copy_to_host(r.data(), d.p, n * sizeof(T));
+  return r;
+}
+double err(const Vec& ref, const Vec& x) { return lm::testing::rel_rms_vec(ref, x); }
+
+std::vector<int32_t> offsets_of(const std::vector<int>& counts) {
+  std::vector<int32_t> off(counts.size() + 1, 0);
+  for (size_t e = 0; e < counts.size(); ++e) off[e + 1] = off[e] + counts[e];
+  return off;
+}
+// y [M, N] = x_r · W_eᵀ per expert, in double.
+Vec ref_grouped(const Vec& x, const Vec& w, const std::vector<int32_t>& off, int64_t N, int64_t K) {
+  const int64_t M = off.back(), E = int64_t(off.size()) - 1;
+  Vec y(size_t(M * N));
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = off[size_t(e)]; r < off[size_t(e + 1)]; ++r)
+      for (int64_t n = 0; n < N; ++n) {
+        double s = 0;
+        const float* xr = &x[size_t(r * K)];
+        const float* wr = &w[size_t((e * N + n) * K)];
+        for (int64_t c = 0; c < K; ++c) s += double(xr[c]) * wr[c];
+        y[size_t(r * N + n)] = float(s);
+      }
+  return y;
+}
+
+}  // namespace
+
+TEST(MoeCuda, GroupedGemm) {
+  REQUIRE_GPU();
+  // Empty experts, single rows, counts across tile edges; N and K off the tile sizes.
+  struct GC {
+    std::vector<int> counts;
+    int64_t N, K;
+  };
+  for (const GC& gc : {GC{{0, 1, 130, 257, 40}, 264, 200}, GC{{128, 128, 0, 3}, 512, 64}, GC{{300}, 8, 1032}}) {
+    const auto off = offsets_of(gc.counts);
+    const int64_t M = off.back(), E = int64_t(gc.counts.size());
+    const Vec x = round_bf16(lm::testing::randn<float>(size_t(M * gc.K), uint64_t(M + gc.N), 1.0));
+    const Vec w = round_bf16(lm::testing::randn<float>(size_t(E * gc.N * gc.K), uint64_t(M + gc.K), 0.05));
+    const Vec ref = ref_grouped(x, w, off, gc.N, gc.K);
+    Dev gx(x.size() * 2), gw(w.size() * 2), go(off.size() * 4);
+    up_bf16(gx, x), up_bf16(gw, w), up(go, off);
+    // Every tile order and epilogue variant (benchmark overrides) must give the same result.
+    for (const char* variant : {"0 1", "1 1", "0 0", "1 0"}) {
+      Dev gy(ref.size() * 2);  // poisoned
+      const std::string order(1, variant[0]), epi(1, variant[2]);
+      setenv("LONGMOE_GG_ORDER", order.c_str(), 1);
+      setenv("LONGMOE_GG_EPI", epi.c_str(), 1);
+      oc::grouped_gemm(gx.p, gw.p, gy.p, go.i(), M, gc.N, gc.K, E);
+      kc::synchronize();
+      const double e = err(ref, down_bf16(gy, ref.size()));
+      std::printf("grouped gemm M%lld N%lld K%lld E%lld order %s epilogue %s: %.2e\n", (long long)M, (long long)gc.N,
+                  (long long)gc.K, (long long)E, order.c_str(), epi.c_str(), e);
+      EXPECT_LE(e, 5e-3) << "order " << order << " epilogue " << epi;
+    }
+    unsetenv("LONGMOE_GG_ORDER");
+    unsetenv("LONGMOE_GG_EPI");
+  }
+}
+
+TEST(MoeCuda, GroupedGemmGluFused) {
+  REQUIRE_GPU();
+  const std::vector<int> counts{100, 0, 300, 1};
+  const auto off = offsets_of(counts);
+  const int64_t M = off.back(), E = int64_t(counts.size()), I = 136, K = 256;
+  const Vec x = round_bf16(lm::testing::randn<float>(size_t(M * K), 71, 1.0));
+  const Vec w = round_bf16(lm::testing::randn<float>(size_t(E * 2 * I * K), 72, 0.15));
+  const Vec ab = ref_grouped(x, w, off, 2 * I, K);
+  for (const bool swiglu : {false, true})
+    for (const char* epi : {"1", "0"}) {
+    setenv("LONGMOE_GG_EPI", epi, 1);
+    const ops::GluParams gp = swiglu ? ops::GluParams::swiglu() : ops::GluParams::situ(4.0, 25.0);
+    Vec h_ref(size_t(M * I));
+    ops::glu_forward(ab.data(), h_ref.data(), M, I, gp);
+    Dev gx(x.size() * 2), gw(w.size() * 2), gh(h_ref.size() * 2), gab(ab.size() * 2), go(off.size() * 4);
+    up_bf16(gx, x), up_bf16(gw, w), up(go, off);
+    oc::GluArgs ga;
+    ga.swiglu = swiglu;
+    oc::grouped_gemm_glu(gx.p, gw.p, gh.p, gab.p, go.i(), M, I, K, E, ga);
+    kc::synchronize();
+    const double eh = err(h_ref, down_bf16(gh, h_ref.size())), eab = err(ab, down_bf16(gab, ab.size()));
+    std::printf("grouped gemm %s epilogue %s: h %.2e ab %.2e\n", swiglu ? "SwiGLU" : "SiTU", epi, eh, eab);
+    EXPECT_LE(eh, 8e-3);
+    EXPECT_LE(eab, 5e-3);
+  }
+  unsetenv("LONGMOE_GG_EPI");
+}
+
+TEST(MoeCuda, ExpertFfn) {
+  REQUIRE_GPU();
+  const std::vector<int> counts{37, 200, 0, 129};
+  const auto off = offsets_of(counts);
+  const int64_t M = off.back(), E = int64_t(counts.size()), d = 192, I = 128;
+  const Vec x = round_bf16(lm::testing::randn<float>(size_t(M * d), 81, 1.0));
+  const Vec w13 = round_bf16(lm::testing::randn<float>(size_t(E * 2 * I * d), 82, 0.12));
+  const Vec w2 = round_bf16(lm::testing::randn<float>(size_t(E * d * I), 83, 0.1));
+  const Vec ab = ref_grouped(x, w13, off, 2 * I, d);
+  Vec h(size_t(M * I));
+  ops::glu_forward(ab.data(), h.data(), M, I, ops::GluParams::situ());
+  const Vec ref = ref_grouped(round_bf16(h), w2, off, d, I);  // the GPU keeps h in bf16
+  Dev gx(x.size() * 2), g13(w13.size() * 2), g2(w2.size() * 2), geo(ref.size() * 2), go(off.size() * 4);
+  up_bf16(gx, x), up_bf16(g13, w13), up_bf16(g2, w2), up(go, off);
+  oc::moe_expert_ffn(gx.p, g13.p, g2.p, geo.p, go.i(), M, d, I, E);
+  kc::synchronize();
+  const double e = err(ref, down_bf16(geo, ref.size()));
+  std::printf("expert ffn: %.2e\n", e);
+  EXPECT_LE(e, 1e-2);
+}
+
+TEST(MoeCuda, Router) {
+  REQUIRE_GPU();
+  struct RC {
+    int64_t m, n, k;
+    bool renorm;
+  };
+  for (const RC rc : {RC{300, 64, 6, true}, RC{100, 896, 16, true}, RC{50, 20, 3, false}, RC{33, 8, 8, true}}) {
+    const Vec logits = lm::testing::randn<float>(size_t(rc.m * rc.n), uint64_t(rc.n + 1), 2.0);
+    const Vec bias = lm::testing::randn<float>(size_t(rc.n), uint64_t(rc.n + 2), 0.1);
+    ops::RouterConfig cfg;
+    cfg.k = rc.k, cfg.renormalize = rc.renorm, cfg.routed_scaling_factor = 2.5;
+    std::vector<int32_t> idx(size_t(rc.m * rc.k));
+    Vec w(idx.size()), sc(size_t(rc.m * rc.n)), mg(size_t(rc.m)), al(size_t(rc.m));
+    ops::RouterOutputs<float> ro{idx.data(), w.data(), sc.data(), mg.data(), al.data()};
+    ops::router_forward(logits.data(), bias.data(), rc.m, rc.n, cfg, ro);
+    Dev gl(logits.size() * 4), gb(bias.size() * 4), gi(idx.size() * 4), gw(w.size() * 4), gs(sc.size() * 4),
+        gm(mg.size() * 4), ga(al.size() * 4);
+    up(gl, logits), up(gb, bias);
+    oc::RouterOut out{gi.i(), gw.f(), gs.f(), gm.f(), ga.f()};
+    oc::router_forward(gl.f(), gb.f(), rc.m, rc.n, rc.k, rc.renorm, 2.5f, out);
+    kc::synchronize();
+    EXPECT_EQ(idx, down<int32_t>(gi, idx.size())) << "n " << rc.n << " k " << rc.k;
+    const double ew = err(w, down<float>(gw, w.size())), es = err(sc, down<float>(gs, sc.size()));
+    const double em = err(mg, down<float>(gm, mg.size())), ea = err(al, down<float>(ga, al.size()));
+    std::printf("router m%lld n%lld k%lld: w %.1e scores %.1e margin %.1e alpha %.1e\n", (long long)rc.m,
+                (long long)rc.n, (long long)rc.k, ew, es, em, ea);
+    EXPECT_LE(ew, 1e-5);
+    EXPECT_LE(es, 1e-6);
+    if (rc.k < rc.n) {
+      EXPECT_LE(em, 1e-4);
+      EXPECT_LE(ea, 1e-5);
+    }
+  }
+}
+
+TEST(MoeCuda, PermuteGatherCombine) {
+  REQUIRE_GPU();
+  const int64_t m = 500, n = 40, k = 4, d = 72;
+  // Random distinct experts per token, rows sorted by expert (as the router emits them).
+  std::vector<int32_t> idx(size_t(m * k));
+  const Vec u = lm::testing::randu<float>(size_t(m * n), 91, 0.0, 1.0);
+  for (int64_t i = 0; i < m; ++i) {
+    std::vector<int32_t> e(static_cast<size_t>(n));
+    std::iota(e.begin(), e.end(), 0);
+    std::stable_sort(e.begin(), e.end(), [&](int32_t a, int32_t b) { return u[size_t(i * n + a)] < u[size_t(i * n + b)]; });
+    std::sort(e.begin(), e.begin() + k);
+    std::copy(e.begin(), e.begin() + k, idx.begin() + i * k);
+  }
+  const auto perm = ops::moe_permutation(idx.data(), m, k, n);
+  const Vec x = round_bf16(lm::testing::randn<float>(size_t(m * d), 92));
+  const Vec w = lm::testing::randu<float>(size_t(m * k), 93, 0.0, 1.0);
+  const Vec eo = round_bf16(lm::testing::randn<float>(size_t(m * k * d), 94));
+  Vec xs_ref(size_t(m * k * d)), y_ref(size_t(m * d));
+  ops::moe_gather(x.data(), perm.rows.data(), xs_ref.data(), m, k, d);
+  ops::moe_combine(eo.data(), w.data(), perm.pos.data(), y_ref.data(), m, k, d);
+
+  Dev gi(idx.size() * 4), goff(size_t(n + 1) * 4), grows(idx.size() * 4), gpos(idx.size() * 4), gx(x.size() * 2),
+      gxs(xs_ref.size() * 2), gw(w.size() * 4), geo(eo.size() * 2), gy(y_ref.size() * 2);
+  up(gi, idx), up_bf16(gx, x), up(gw, w), up_bf16(geo, eo);
+  oc::moe_permute(gi.i(), m, k, n, goff.i(), grows.i(), gpos.i());
+  kc::synchronize();
+  const auto off = down<int32_t>(goff, size_t(n + 1)), rows = down<int32_t>(grows, idx.size()),
+             pos = down<int32_t>(gpos, idx.size());
+  for (int64_t j = 0; j <= n; ++j) EXPECT_EQ(off[size_t(j)], perm.offsets[size_t(j)]) << "offset " << j;
+  for (size_t r = 0; r < idx.size(); ++r) {
+    EXPECT_EQ(rows[r], perm.rows[r]) << "row " << r;
+    EXPECT_EQ(pos[r], perm.pos[r]) << "pos " << r;
+  }
+  oc::moe_gather(gx.p, grows.i(), gxs.p, m, k, d);
+  oc::moe_combine(geo.p, gw.f(), gpos.i(), gy.p, m, k, d);
+  kc::synchronize();
+  EXPECT_EQ(err(xs_ref, down_bf16(gxs, xs_ref.size())), 0.0);
+  const double ey = err(y_ref, down_bf16(gy, y_ref.size()));
+  std::printf("combine: %.2e\n", ey);
+  EXPECT_LE(ey, 5e-3);
+}
