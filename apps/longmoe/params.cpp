@@ -23,6 +23,7 @@ struct Options {
   std::string recompute = "none";
   int zero = 1;
   bool json = false;
+  int cache_bytes = 2;  // bytes per cached MLA / conv value: 2 (bf16, GPU) or 4 (fp32, the CPU session)
 };
 
 std::string bytes_str(double b) {
@@ -97,7 +98,8 @@ int run(const Options& o) {
   const ParallelPlan plan = make_plan(c, o);
   const ParamCounts pc = count_params(c);
   const FlopsPerToken fl = flops_per_token(c, o.seq, context);
-  const DecodeMemory dm = decode_memory(c, context);
+  LM_CHECK(o.cache_bytes == 2 || o.cache_bytes == 4, "--cache-bytes must be 2 or 4, got {}", o.cache_bytes);
+  const DecodeMemory dm = decode_memory(c, context, o.cache_bytes);
   const TrainingMemory tm = training_memory(c, plan);
 
   if (o.json) {
@@ -239,6 +241,9 @@ lm::app::Register reg({"params", "Parameter counts, FLOPs per token, decode and 
                          sub.add_option("--zero", o->zero, "1 (default): shard master weights and optimizer state "
                                                            "over data-parallel replicas; 0: replicate");
                          sub.add_flag("--json", o->json, "machine-readable output");
+                         sub.add_option("--cache-bytes", o->cache_bytes,
+                                        "bytes per cached MLA/conv value in the decode memory: 2 (bf16, default) or "
+                                        "4 (fp32, as the CPU inference session stores them)");
                          return [o] { return run(*o); };
                        }});
 

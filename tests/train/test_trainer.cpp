@@ -151,3 +151,19 @@ TEST(Trainer, BadRunConfigsAreClearErrors) {
   c.out = (root / "never").string();
   EXPECT_THROW(lm::train::train(c, TrainOptions{false, true, false}), Error);
 }
+
+// Every shipped run config parses (the README job, the experiments, the K3 recipe) and every model
+// config it names (in this repository) builds.
+TEST(Trainer, ShippedRunConfigsParse) {
+  const fs::path dir = fs::path(LONGMOE_BINARY).parent_path().parent_path() / "configs";
+  const fs::path src = fs::exists(dir) ? dir : fs::path(__FILE__).parent_path().parent_path().parent_path() / "configs";
+  int n = 0;
+  for (const auto& e : fs::directory_iterator(src)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("train-", 0) != 0) continue;
+    const RunConfig c = RunConfig::load(e.path().string());
+    EXPECT_FALSE(c.stages.empty()) << name;
+    ++n;
+  }
+  EXPECT_GE(n, 3);
+}

@@ -1,0 +1,85 @@
+// `longmoe chat --model DIR`: an interactive conversation in a plain terminal. Each stdin line is a user
+// turn; the reply streams to stdout. The conversation's tokens stay in one sequence, so each turn
+// prefills only the new tokens. Lines "/reset" (new conversation) and "/exit"; end of input ends it.
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+#include <memory>
+
+#include "apps/longmoe/commands.hpp"
+#include "apps/longmoe/infer_common.hpp"
+#include "core/error.hpp"
+
+namespace {
+
+using namespace lm;
+
+struct Args : app::InferArgs {
+  std::string system;
+};
+
+int run(const Args& a) {
+  infer::SamplingParams sp = a.sampling();
+  infer::LoadedModel m = a.load();
+  const io::Tokenizer& tok = *m.tokenizer;
+  infer::Session s(*m.model, a.session_options());
+  const bool tty = isatty(STDIN_FILENO) && isatty(STDOUT_FILENO);
+  sp.stop_tokens.push_back(tok.special("<|end|>"));
+  if (tok.eos() >= 0) sp.stop_tokens.push_back(tok.eos());
+  const int32_t end = tok.special("<|end|>");
+  infer::Sequence seq = s.new_sequence();
+  std::vector<int32_t> conv;  // every token of the conversation; seq.tokens is always a prefix of it
+  auto reset = [&] {
+    seq = s.new_sequence();
+    conv = infer::chat_tokens(tok, a.system.empty() ? std::vector<infer::ChatMessage>{}
+                                                    : std::vector<infer::ChatMessage>{{"system", a.system}},
+                              false);
+  };
+  reset();
+  if (tty) std::printf("longmoe chat (%s). /reset starts over, /exit or Ctrl-D ends.\n", m.name.c_str());
+  std::string line;
+  uint64_t turn = 0;
+  while (true) {
+    if (tty) std::printf("you> "), std::fflush(stdout);
+    if (!std::getline(std::cin, line)) break;
+    if (line == "/exit") break;
+    if (line == "/reset") {
+      reset();
+      continue;
+    }
+    const auto user = infer::chat_tokens(tok, {{"user", line}}, true, false);
+    conv.insert(conv.end(), user.begin(), user.end());
+    if (static_cast<int64_t>(conv.size()) >= s.max_context()) {
+      std::printf("[the conversation reached the context limit of %ld tokens; /reset to start over]\n",
+                  static_cast<long>(s.max_context()));
+      conv.resize(conv.size() - user.size());
+      continue;
+    }
+    if (tty) std::printf("assistant> ");
+    infer::SamplingParams tp = sp;
+    tp.seed = sp.seed + turn++;
+    const std::vector<int32_t> delta(conv.begin() + seq.pos(), conv.end());
+    const infer::Generation g = infer::generate(s, seq, tok, delta, tp, [](const std::string& piece) {
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+    });
+    std::printf("\n");
+    std::fflush(stdout);
+    // The reply as generated (not re-tokenised) plus the end of the turn.
+    conv.insert(conv.end(), g.generated().begin(), g.generated().end());
+    conv.push_back(end);
+  }
+  return 0;
+}
+
+app::Register reg({"chat", "Interactive chat with a checkpoint (stdin lines in, streamed replies out)",
+                   [](CLI::App& sub) {
+                     auto a = std::make_shared<Args>();
+                     a->add_model(sub);
+                     a->add_sampling(sub);
+                     sub.add_option("--system", a->system, "system message");
+                     return [a] { return run(*a); };
+                   }});
+
+}  // namespace

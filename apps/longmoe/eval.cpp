@@ -1,0 +1,182 @@
+// `longmoe eval --model DIR`: held-out perplexity over a corpus (text, folder, JSONL or the Brown corpus,
+// io/corpus) and retrieval at chosen context lengths: passkey (one number hidden in filler text) and
+// multi-needle (several key -> number facts, one asked for). Accuracy is reported per length.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <sstream>
+
+#include "apps/longmoe/commands.hpp"
+#include "apps/longmoe/infer_common.hpp"
+#include "core/error.hpp"
+#include "core/rng.hpp"
+#include "io/corpus.hpp"
+
+namespace {
+
+using namespace lm;
+
+struct Args : app::InferArgs {
+  std::string data, format = "auto";
+  int64_t window = 2048, max_docs = 0, max_tokens_eval = 200000;
+  std::vector<int64_t> passkey, needles_at;
+  int64_t needles = 4, trials = 5;
+  uint64_t seed = 1;
+};
+
+// Perplexity: each document as [<s>] + tokens, cut into windows scored independently.
+void perplexity(infer::Session& s, const io::Tokenizer& tok, const Args& a) {
+  const auto docs = io::read_corpus(a.data, io::parse_corpus_format(a.format));
+  const int64_t V = s.vocab_size(), W = std::min(a.window, s.max_context());
+  double nll = 0;
+  int64_t n = 0, ndocs = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const auto& doc : docs) {
+    if (a.max_docs > 0 && ndocs >= a.max_docs) break;
+    if (n >= a.max_tokens_eval) break;
+    ++ndocs;
+    std::vector<int32_t> ids;
+    if (tok.bos() >= 0) ids.push_back(tok.bos());
+    const auto e = tok.encode(doc);
+    ids.insert(ids.end(), e.begin(), e.end());
+    for (size_t w0 = 0; w0 + 1 < ids.size(); w0 += static_cast<size_t>(W)) {
+      const size_t w1 = std::min(ids.size(), w0 + static_cast<size_t>(W) + 1);  // + the last target
+      infer::Sequence seq = s.new_sequence();
+      std::vector<float> logits;
+      s.prefill(seq, std::span(ids.data() + w0, w1 - w0 - 1), &logits, false);
+      for (size_t t = 0; t + 1 < w1 - w0; ++t) {
+        const float* l = logits.data() + t * static_cast<size_t>(V);
+        const float mx = *std::max_element(l, l + V);
+        double se = 0;
+        for (int64_t v = 0; v < V; ++v) se += std::exp(static_cast<double>(l[v] - mx));
+        nll += std::log(se) + mx - l[ids[w0 + t + 1]];
+        ++n;
+      }
+    }
+  }
+  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  LM_CHECK(n > 0, "eval: {} holds no scorable tokens", a.data);
+  std::printf("perplexity  %s: %ld documents, %ld tokens, window %ld: mean NLL %.4f nats, perplexity %.3f "
+              "(%.0f tokens/s)\n",
+              a.data.c_str(), static_cast<long>(ndocs), static_cast<long>(n), static_cast<long>(W), nll / n,
+              std::exp(nll / n), n / t);
+}
+
+const char* kFiller = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ";
+
+// Filler text of about `tokens` tokens.
+std::string filler(const io::Tokenizer& tok, int64_t tokens) {
+  const int64_t per = std::max<int64_t>(1, static_cast<int64_t>(tok.encode(kFiller).size()));
+  std::string s;
+  for (int64_t i = 0; i < tokens / per; ++i) s += kFiller;
+  return s;
+}
+
+// Greedy answer of up to `n` tokens.
+std::string answer(infer::Session& s, const io::Tokenizer& tok, const std::vector<int32_t>& prompt, int64_t n) {
+  infer::SamplingParams sp;
+  sp.temperature = 0;
+  sp.max_tokens = n;
+  if (tok.eos() >= 0) sp.stop_tokens.push_back(tok.eos());
+  infer::Sequence seq = s.new_sequence();
+  return infer::generate(s, seq, tok, prompt, sp, [](const std::string&) {}).text();
+}
+
+std::vector<int32_t> encode_prompt(const io::Tokenizer& tok, const std::string& text) {
+  std::vector<int32_t> ids;
+  if (tok.bos() >= 0) ids.push_back(tok.bos());
+  const auto e = tok.encode(text);
+  ids.insert(ids.end(), e.begin(), e.end());
+  return ids;
+}
+
+// Splits `body` (about L tokens of filler) at fraction `depth` and inserts `needle`.
+std::string with_needle(const std::string& body, double depth, const std::string& needle) {
+  size_t at = static_cast<size_t>(depth * static_cast<double>(body.size()));
+  at = body.rfind(". ", at) == std::string::npos ? 0 : body.rfind(". ", at) + 2;
+  return body.substr(0, at) + needle + body.substr(at);
+}
+
+void retrieval(infer::Session& s, const io::Tokenizer& tok, const Args& a, bool multi) {
+  const Rng rng{a.seed, multi ? 2u : 1u};
+  const char* words[] = {"apple", "river", "candle", "falcon", "marble", "violet", "harbor", "quartz"};
+  for (int64_t L : multi ? a.needles_at : a.passkey) {
+    int64_t ok = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t k = 0; k < a.trials; ++k) {
+      const uint64_t i = static_cast<uint64_t>(L * 1000 + k);
+      std::string body = filler(tok, L - 60 - (multi ? 25 * a.needles : 0));
+      std::string question, expect;
+      if (!multi) {
+        expect = std::to_string(10000 + rng.bits(i).v[0] % 90000);
+        const double depth = a.trials > 1 ? static_cast<double>(k) / static_cast<double>(a.trials - 1) : 0.5;
+        body = with_needle(body, depth, "The pass key is " + expect + ". Remember it. " + expect + " is the pass key. ");
+        question = "What is the pass key? The pass key is ";
+      } else {
+        const int64_t ask = static_cast<int64_t>(rng.bits(i).v[1] % static_cast<uint32_t>(a.needles));
+        for (int64_t j = 0; j < a.needles; ++j) {
+          const std::string num = std::to_string(1000000 + rng.bits(i * 64 + static_cast<uint64_t>(j)).v[2] % 9000000);
+          const std::string w = words[j % 8] + (j >= 8 ? std::to_string(j / 8) : std::string());
+          body = with_needle(body, rng.uniform_f64(i * 64 + static_cast<uint64_t>(j)),
+                             "The special magic number for " + w + " is: " + num + ". ");
+          if (j == ask) {
+            expect = num;
+            question = "What is the special magic number for " + w + "? The special magic number for " + w + " is: ";
+          }
+        }
+      }
+      const std::string text = "There is important information hidden inside a lot of irrelevant text. Find it and "
+                               "memorize it. " + body + "\n" + question;
+      auto ids = encode_prompt(tok, text);
+      if (static_cast<int64_t>(ids.size()) >= s.max_context()) ids.erase(ids.begin() + 1, ids.begin() + 1 + (static_cast<int64_t>(ids.size()) - s.max_context() + 16));
+      const std::string got = answer(s, tok, ids, 12);
+      const bool hit = got.find(expect) != std::string::npos;
+      ok += hit;
+    }
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("%-11s length %7ld: accuracy %5.1f%% (%ld / %ld)%s  [%.1f s]\n", multi ? "multi-needle" : "passkey",
+                static_cast<long>(L), 100.0 * ok / std::max<int64_t>(1, a.trials), static_cast<long>(ok),
+                static_cast<long>(a.trials), multi ? fmt::format(", {} needles", a.needles).c_str() : "", t);
+    std::fflush(stdout);
+  }
+}
+
+int run(const Args& a) {
+  LM_CHECK(!a.data.empty() || !a.passkey.empty() || !a.needles_at.empty(),
+           "eval: nothing to do (give --data, --passkey and/or --multi-needle)");
+  LM_CHECK(a.trials >= 1 && a.needles >= 1 && a.window >= 2, "eval: --trials, --needles must be >= 1, --window >= 2");
+  infer::LoadedModel m = a.load();
+  infer::SessionOptions so = a.session_options();
+  so.prefix_cache_bytes = 0;
+  infer::Session s(*m.model, so);
+  for (int64_t L : a.passkey) LM_CHECK(L >= 128 && L <= s.max_context(), "eval: passkey length {} outside [128, {}]", L, s.max_context());
+  for (int64_t L : a.needles_at)
+    LM_CHECK(L >= 128 + 25 * a.needles && L <= s.max_context(), "eval: multi-needle length {} too short or over the context", L);
+  if (!a.data.empty()) perplexity(s, *m.tokenizer, a);
+  if (!a.passkey.empty()) retrieval(s, *m.tokenizer, a, false);
+  if (!a.needles_at.empty()) retrieval(s, *m.tokenizer, a, true);
+  return 0;
+}
+
+app::Register reg({"eval", "Held-out perplexity, passkey and multi-needle retrieval accuracy per context length",
+                   [](CLI::App& sub) {
+                     auto a = std::make_shared<Args>();
+                     a->add_model(sub);
+                     sub.add_option("--data", a->data, "held-out corpus: text file, folder, .jsonl or Brown dir");
+                     sub.add_option("--format", a->format, "auto, text, folder, jsonl or brown");
+                     sub.add_option("--window", a->window, "perplexity window in tokens");
+                     sub.add_option("--max-docs", a->max_docs, "documents to score at most (0: all)");
+                     sub.add_option("--max-eval-tokens", a->max_tokens_eval, "stop scoring after this many tokens");
+                     sub.add_option("--passkey", a->passkey, "context lengths for passkey retrieval, e.g. 1024,4096")
+                         ->delimiter(',');
+                     sub.add_option("--multi-needle", a->needles_at, "context lengths for multi-needle retrieval")
+                         ->delimiter(',');
+                     sub.add_option("--needles", a->needles, "needles per multi-needle prompt");
+                     sub.add_option("--trials", a->trials, "prompts per length (depths spread evenly)");
+                     sub.add_option("--seed", a->seed, "seed of the hidden numbers");
+                     return [a] { return run(*a); };
+                   }});
+
+}  // namespace

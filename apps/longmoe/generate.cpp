@@ -1,0 +1,76 @@
+// `longmoe generate --model DIR --prompt TEXT`: prefill the prompt, then stream the generated text to
+// stdout as tokens arrive; timing and cache figures go to stderr.
+#include <chrono>
+#include <cstdio>
+#include <memory>
+
+#include "apps/longmoe/commands.hpp"
+#include "apps/longmoe/infer_common.hpp"
+#include "core/error.hpp"
+#include "io/corpus.hpp"
+
+namespace {
+
+using namespace lm;
+
+struct Args : app::InferArgs {
+  std::string prompt, prompt_file, system;
+  bool chat = false, quiet = false;
+};
+
+int run(const Args& a) {
+  LM_CHECK(a.prompt.empty() != a.prompt_file.empty(), "generate: give exactly one of --prompt and --prompt-file");
+  const infer::SamplingParams sp0 = a.sampling();
+  infer::LoadedModel m = a.load();
+  const io::Tokenizer& tok = *m.tokenizer;
+  infer::Session s(*m.model, a.session_options());
+  const std::string text = a.prompt_file.empty() ? a.prompt : io::read_file(a.prompt_file);
+  std::vector<int32_t> ids;
+  infer::SamplingParams sp = sp0;
+  if (tok.eos() >= 0) sp.stop_tokens.push_back(tok.eos());
+  if (a.chat) {
+    std::vector<infer::ChatMessage> msgs;
+    if (!a.system.empty()) msgs.push_back({"system", a.system});
+    msgs.push_back({"user", text});
+    ids = infer::chat_tokens(tok, msgs);
+    sp.stop_tokens.push_back(tok.special("<|end|>"));
+  } else {
+    if (tok.bos() >= 0) ids.push_back(tok.bos());
+    const auto e = tok.encode(text);
+    ids.insert(ids.end(), e.begin(), e.end());
+  }
+  infer::Sequence seq = s.new_sequence();
+  const auto t0 = std::chrono::steady_clock::now();
+  double t_first = 0;
+  bool first = true;
+  const infer::Generation g = infer::generate(s, seq, tok, ids, sp, [&](const std::string& piece) {
+    if (first) t_first = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), first = false;
+    std::fwrite(piece.data(), 1, piece.size(), stdout);
+    std::fflush(stdout);
+  });
+  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("\n");
+  if (!a.quiet) {
+    const auto n = static_cast<double>(g.generated().size());
+    std::fprintf(stderr,
+                 "[%zu prompt tokens, %zu generated (%s); %.2f s total, first text after %.2f s, %.1f tokens/s "
+                 "decode; cache %.2f MiB]\n",
+                 ids.size(), g.generated().size(), g.finish_reason().c_str(), t, t_first,
+                 n > 1 ? (n - 1) / std::max(1e-9, t - t_first) : 0.0, seq.cache_bytes() / 1048576.0);
+  }
+  return 0;
+}
+
+app::Register reg({"generate", "Generate text from a checkpoint, streamed to stdout", [](CLI::App& sub) {
+                     auto a = std::make_shared<Args>();
+                     a->add_model(sub);
+                     a->add_sampling(sub);
+                     sub.add_option("--prompt", a->prompt, "prompt text");
+                     sub.add_option("--prompt-file", a->prompt_file, "read the prompt from a file");
+                     sub.add_flag("--chat", a->chat, "wrap the prompt in the chat template (one user turn)");
+                     sub.add_option("--system", a->system, "system message (with --chat)");
+                     sub.add_flag("--quiet", a->quiet, "no statistics on stderr");
+                     return [a] { return run(*a); };
+                   }});
+
+}  // namespace

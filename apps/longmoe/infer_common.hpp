@@ -1,0 +1,58 @@
+#pragma once
+// Options shared by the inference verbs (generate, chat, serve, eval): the checkpoint, the session and
+// the sampling flags, registered on a CLI11 subcommand.
+#include <CLI/CLI.hpp>
+#include <string>
+#include <vector>
+
+#include "core/error.hpp"
+#include "infer/generate.hpp"
+
+namespace lm::app {
+
+struct InferArgs {
+  std::string model;  // checkpoint directory
+  std::string init_config, tokenizer;  // or: random weights for this config, with this tokenizer
+  int64_t context = 0, prefill_chunk = 512, prefix_cache_mb = 256;
+  infer::SamplingParams sp;
+  std::vector<std::string> stop;
+
+  void add_model(CLI::App& sub) {
+    sub.add_option("--model", model, "checkpoint directory (config.json, model.safetensors, tokenizer.model)");
+    sub.add_option("--init-config", init_config, "instead of --model: random weights for this config.json");
+    sub.add_option("--tokenizer", tokenizer, "tokenizer.model (with --init-config)");
+    sub.add_option("--context", context, "context limit in tokens (default: max_position_embeddings, else 131072)");
+    sub.add_option("--prefill-chunk", prefill_chunk, "tokens per prefill step (also the prefix-cache grid)");
+    sub.add_option("--prefix-cache-mb", prefix_cache_mb, "prefix-cache budget in MiB (0: off)");
+  }
+  void add_sampling(CLI::App& sub) {
+    sub.add_option("--max-tokens", sp.max_tokens, "tokens to generate at most");
+    sub.add_option("--temperature", sp.temperature, "0: greedy");
+    sub.add_option("--top-k", sp.top_k, "keep the k most likely tokens (0: all)");
+    sub.add_option("--top-p", sp.top_p, "nucleus mass (1: all)");
+    sub.add_option("--repetition-penalty", sp.repetition_penalty, "CTRL-style penalty on seen tokens (1: off)");
+    sub.add_option("--seed", sp.seed, "sampling seed (reproducible)");
+    sub.add_option("--stop", stop, "stop string (repeatable)");
+  }
+  infer::LoadedModel load() const {
+    LM_CHECK(model.empty() != init_config.empty(), "give exactly one of --model and --init-config");
+    if (!model.empty()) return infer::load_model_dir(model);
+    LM_CHECK(!tokenizer.empty(), "--init-config needs --tokenizer");
+    return infer::random_model(init_config, tokenizer);
+  }
+  infer::SessionOptions session_options() const {
+    infer::SessionOptions o;
+    o.max_context = context;
+    o.prefill_chunk = prefill_chunk;
+    o.prefix_cache_bytes = prefix_cache_mb << 20;
+    return o;
+  }
+  infer::SamplingParams sampling() const {
+    infer::SamplingParams p = sp;
+    p.stop = stop;
+    p.validate();
+    return p;
+  }
+};
+
+}  // namespace lm::app

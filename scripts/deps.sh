@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Installs the Debian (12, bookworm) packages longmoe needs to build, test, sanitize and fuzz.
+#
+#   scripts/deps.sh              build + test dependencies (what scripts/test.sh and .ci/run need)
+#   scripts/deps.sh --with-node  also nodejs + npm, for the data step that needs them
+#
+# Idempotent: when every package is already installed it touches nothing (no apt-get update, no
+# root needed). Otherwise it installs only the missing ones, through sudo unless run as root.
+# Source it (`. scripts/deps.sh`) to reuse the functions without installing anything.
+set -euo pipefail
+
+LONGMOE_APT_PACKAGES=(
+  build-essential cmake ninja-build pkg-config
+  libopenblas-openmp-dev   # BLAS, OpenMP flavour (see the top-level CMakeLists.txt)
+  nlohmann-json3-dev libcli11-dev libfmt-dev libspdlog-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  libsentencepiece-dev sentencepiece
+  libcpp-httplib-dev libstb-dev
+  clang libclang-rt-14-dev # fuzz build: clang-14 and its libFuzzer/ASan/UBSan runtimes
+  libomp-dev               # clang's OpenMP runtime: the core library is built with -fopenmp
+)
+
+# Prints the packages among "$@" that are not installed.
+longmoe_missing_packages() {
+  local p
+  for p in "$@"; do
+    if ! dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q '^install ok installed$'; then
+      echo "$p"
+    fi
+  done
+}
+
+# Installs whichever of "$@" are missing; a no-op (and no root needed) when none are.
+longmoe_apt_install() {
+  local -a missing
+  mapfile -t missing < <(longmoe_missing_packages "$@")
+  if [[ ${#missing[@]} -eq 0 ]]; then
+    echo "deps: all $# packages already installed"
+    return 0
+  fi
+  local -a as_root=()
+  if [[ $(id -u) -ne 0 ]]; then
+    if ! command -v sudo >/dev/null; then
+      echo "deps: not root and no sudo; cannot install: ${missing[*]}" >&2
+      return 1
+    fi
+    as_root=(sudo)
+  fi
+  echo "deps: installing ${missing[*]}"
+  "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -q
+  "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+}
+
+longmoe_install_build_deps() { longmoe_apt_install "${LONGMOE_APT_PACKAGES[@]}"; }
+
+# nodejs + npm: only the data-preparation step that runs a Node tool needs these; the build, the
+# tests and CI do not.
+longmoe_install_node_deps() { longmoe_apt_install nodejs npm; }
+
+longmoe_deps_main() {
+  local with_node=0 a
+  for a in "$@"; do
+    case $a in
+      --with-node) with_node=1 ;;
+      -h|--help) sed -n '2,10p' "${BASH_SOURCE[0]}"; return 0 ;;
+      *) echo "deps: unknown argument '$a'" >&2; return 2 ;;
+    esac
+  done
+  longmoe_install_build_deps
+  if [[ $with_node -eq 1 ]]; then longmoe_install_node_deps; fi
+}
+
+if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
+  longmoe_deps_main "$@"
+fi

@@ -1,0 +1,126 @@
+// Generation helpers (see generate.hpp).
+#include "infer/generate.hpp"
+
+#include <filesystem>
+
+#include "core/error.hpp"
+#include "io/checkpoint.hpp"
+
+namespace lm::infer {
+
+LoadedModel load_model_dir(const std::string& dir, bool need_tokenizer) {
+  namespace fs = std::filesystem;
+  LM_CHECK(fs::is_directory(dir), "checkpoint directory {} does not exist", dir);
+  LoadedModel lm;
+  lm.dir = dir;
+  lm.name = fs::path(dir).lexically_normal().filename().string();
+  if (lm.name.empty() || lm.name == ".") lm.name = fs::path(dir).lexically_normal().parent_path().filename().string();
+  lm.config = model::ModelConfig::load(dir);
+  lm.model = std::make_unique<model::Model<float>>(lm.config);
+  lm.model->params().load(io::Checkpoint::open(dir));
+  const std::string tp = (fs::path(dir) / "tokenizer.model").string();
+  if (fs::exists(tp)) {
+    lm.tokenizer = std::make_shared<io::Tokenizer>(io::Tokenizer::load(tp));
+    LM_CHECK(lm.tokenizer->vocab_size() <= lm.config.vocab_size,
+             "{}: the tokenizer has {} tokens but the model's vocabulary is {}", tp, lm.tokenizer->vocab_size(),
+             lm.config.vocab_size);
+  } else {
+    LM_CHECK(!need_tokenizer, "{} is missing (a checkpoint directory needs config.json, model.safetensors and "
+             "tokenizer.model)", tp);
+  }
+  return lm;
+}
+
+LoadedModel random_model(const std::string& config, const std::string& tokenizer_path, uint64_t seed) {
+  LoadedModel lm;
+  lm.dir = config;
+  lm.name = "random";
+  lm.config = model::ModelConfig::load(config);
+  lm.model = std::make_unique<model::Model<float>>(lm.config);
+  lm.model->params().init(seed);
+  lm.tokenizer = std::make_shared<io::Tokenizer>(io::Tokenizer::load(tokenizer_path));
+  LM_CHECK(lm.tokenizer->vocab_size() <= lm.config.vocab_size,
+           "{}: the tokenizer has {} tokens but the model's vocabulary is {}", tokenizer_path,
+           lm.tokenizer->vocab_size(), lm.config.vocab_size);
+  return lm;
+}
+
+std::vector<int32_t> chat_tokens(const io::Tokenizer& tok, const std::vector<ChatMessage>& messages,
+                                 bool generation_prompt, bool bos) {
+  std::vector<int32_t> ids;
+  if (bos && tok.bos() >= 0) ids.push_back(tok.bos());
+  const int32_t end = tok.special("<|end|>");
+  for (const auto& m : messages) {
+    LM_CHECK(m.role == "system" || m.role == "user" || m.role == "assistant",
+             "chat message role '{}' must be system, user or assistant", m.role);
+    ids.push_back(tok.special("<|" + m.role + "|>"));
+    const auto c = tok.encode(m.content);
+    ids.insert(ids.end(), c.begin(), c.end());
+    ids.push_back(end);
+  }
+  if (generation_prompt) ids.push_back(tok.special("<|assistant|>"));
+  return ids;
+}
+
+Generation::Generation(const io::Tokenizer* tok, SamplingParams p, std::vector<int32_t> history, uint64_t stream)
+    : tok_(tok), sampler_(p, stream), stream_(p.stop), history_(std::move(history)) {}
+
+std::string Generation::decoded() const { return tok_ ? tok_->decode(generated_) : std::string(); }
+
+Generation::Step Generation::next(const float* logits, int64_t V) {
+  Step st;
+  if (done()) return st;
+  // A model vocabulary larger than the tokenizer's (padded embeddings): only the tokenizer's ids.
+  if (tok_) V = std::min<int64_t>(V, tok_->vocab_size());
+  const int32_t t = sampler_.sample(logits, V, history_);
+  if (sampler_.is_stop_token(t)) {
+    st.text = stream_.finish(decoded());
+    finish_reason_ = "stop";
+    st.done = true;
+    return st;
+  }
+  generated_.push_back(t);
+  history_.push_back(t);
+  st.text = stream_.update(decoded());
+  if (stream_.stopped()) {
+    finish_reason_ = "stop";
+    st.done = true;
+    return st;
+  }
+  if (static_cast<int64_t>(generated_.size()) >= sampler_.params().max_tokens) {
+    st.text += stream_.finish(decoded());
+    finish_reason_ = "length";
+    st.done = true;
+  }
+  // The last token is never fed back: nothing needs its logits. A stop string ends it as well.
+  st.token = st.done ? -1 : t;
+  return st;
+}
+
+std::string Generation::finish(const std::string& reason) {
+  if (done()) return {};
+  finish_reason_ = reason;
+  return stream_.finish(decoded());
+}
+
+Generation generate(Session& s, Sequence& seq, const io::Tokenizer& tok, const std::vector<int32_t>& prompt,
+                    const SamplingParams& p, const std::function<void(const std::string&)>& on_text) {
+  std::vector<int32_t> history = seq.tokens;
+  history.insert(history.end(), prompt.begin(), prompt.end());
+  Generation g(&tok, p, std::move(history));
+  std::vector<float> logits = s.prefill(seq, prompt);
+  while (true) {
+    const Generation::Step st = g.next(logits.data(), s.vocab_size());
+    if (!st.text.empty()) on_text(st.text);
+    if (st.done) break;
+    if (seq.pos() >= s.max_context()) {
+      const std::string rest = g.finish("length");
+      if (!rest.empty()) on_text(rest);
+      break;
+    }
+    logits = s.decode({&seq}, std::span(&st.token, 1));
+  }
+  return g;
+}
+
+}  // namespace lm::infer

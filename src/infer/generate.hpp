@@ -1,0 +1,73 @@
+#pragma once
+// Text generation on top of Session and Sampler, shared by `longmoe generate`, `chat`, `eval` and the
+// server: loading a checkpoint directory, the chat template, and the per-request generation state
+// (sampling, stop tokens / strings, incremental detokenisation).
+//
+// Chat template (the tokenizer's specials, no extra whitespace):
+//   [<s>] <|system|> system text <|end|> <|user|> text <|end|> <|assistant|> text <|end|> ... <|assistant|>
+// The assistant's turn ends with <|end|>, which is a stop token of chat generation.
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "infer/sampler.hpp"
+#include "infer/session.hpp"
+#include "io/tokenizer.hpp"
+#include "model/model.hpp"
+
+namespace lm::infer {
+
+// A checkpoint directory: config.json, model.safetensors (HF names, one file or sharded) and
+// tokenizer.model. The tokenizer's vocabulary must fit the model's.
+struct LoadedModel {
+  std::string dir, name;  // name: the directory's last component
+  model::ModelConfig config;
+  std::unique_ptr<model::Model<float>> model;
+  std::shared_ptr<io::Tokenizer> tokenizer;  // null when the directory has no tokenizer.model
+};
+LoadedModel load_model_dir(const std::string& dir, bool need_tokenizer = true);
+// A model with random weights (ParamStore::init(seed)) and a tokenizer file, for benchmarks and load tests.
+LoadedModel random_model(const std::string& config, const std::string& tokenizer_path, uint64_t seed = 1);
+
+struct ChatMessage {
+  std::string role;  // "system", "user" or "assistant"
+  std::string content;
+};
+// Token ids of a conversation, ending with <|assistant|> when `generation_prompt`.
+std::vector<int32_t> chat_tokens(const io::Tokenizer& tok, const std::vector<ChatMessage>& messages,
+                                 bool generation_prompt = true, bool bos = true);
+
+// One generation: feed it the logits after each token, it picks the next token and tells what text is
+// new. Stop tokens end generation without being emitted; stop strings cut the text before them.
+class Generation {
+ public:
+  Generation(const io::Tokenizer* tok, SamplingParams p, std::vector<int32_t> history, uint64_t stream = 0);
+  struct Step {
+    int32_t token = -1;  // the token to feed next (-1 once finished)
+    std::string text;    // newly released text
+    bool done = false;
+  };
+  Step next(const float* logits, int64_t V);
+  // Ends early (context limit, timeout, shutdown): releases held-back text.
+  std::string finish(const std::string& reason);
+  bool done() const { return !finish_reason_.empty(); }
+  const std::string& finish_reason() const { return finish_reason_; }  // "stop", "length", ...
+  const std::vector<int32_t>& generated() const { return generated_; }
+  const std::string& text() const { return stream_.text(); }
+
+ private:
+  std::string decoded() const;
+  const io::Tokenizer* tok_;
+  Sampler sampler_;
+  TextStream stream_;
+  std::vector<int32_t> history_, generated_;
+  std::string finish_reason_;
+};
+
+// Prefill `prompt` into `seq` and generate until a stop condition, calling `on_text` with each piece of
+// released text. Returns the finished Generation.
+Generation generate(Session& s, Sequence& seq, const io::Tokenizer& tok, const std::vector<int32_t>& prompt,
+                    const SamplingParams& p, const std::function<void(const std::string&)>& on_text);
+
+}  // namespace lm::infer

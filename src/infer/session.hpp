@@ -1,0 +1,167 @@
+#pragma once
+// Decoding engine over model::Model<float> (SPEC §2, §3, §6): per-sequence caches, chunked prefill,
+// batched single-token decode, snapshots and a prefix cache keyed by token ids.
+//
+// Legend: L layers, d hidden, V vocabulary, H/K KDA heads and head dim (V = K), W conv taps,
+//         Hm MLA heads, R kv_lora_rank, Dr qk_rope_head_dim, RD = R + Dr, T tokens in a sequence,
+//         S sequences decoded together, n tokens of one prefill chunk, Cp the prefill chunk.
+//
+// Cache of one sequence (fp32 on the CPU):
+//   KDA layer:  S_state [H, K, V] and the last W-1 inputs of the q, k, v convolutions [3, HK, W-1];
+//   MLA layer:  the latent rows [RMSNorm_kv(c) ; k_r]  [T, RD]  (nothing per head);
+//   AttnRes:    nothing: every read is over the depth sources of its own token, which the walk over the
+//               layers rebuilds for the new tokens alone.
+// Prefill runs a prompt in chunks whose boundaries sit on the absolute grid of multiples of Cp
+// (the first chunk of a continued sequence ends at the next grid point): KDA carries its state through
+// h0/ht and the conv caches, MLA attends (absorbed, causal with an offset) to the latent cache so far.
+// Because a prompt is always cut at the same absolute positions, the state at a grid point does not
+// depend on how the prompt arrived; prefix-cache snapshots are taken at grid points, so resuming one
+// and prefilling the rest gives the same bits as a fresh prefill.
+// Decode: one token for each of S sequences; projections, FFNs and MoE are one GEMM over the S rows;
+// KDA is the recurrent step, MLA the absorbed form over each sequence's latent cache (q̃ = W_UKᵀ q_nope,
+// o = W_UV ō), AttnRes reads are batched per block (phase 1 over the closed blocks for every read of
+// the block, phase 2 with the partial sum).
+// Not thread-safe: one thread drives a Session (the server's scheduler).
+#include <chrono>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "model/model.hpp"
+
+namespace lm::infer {
+
+struct SessionOptions {
+  int64_t prefill_chunk = 512;                   // Cp: tokens per prefill step (also the snapshot grid)
+  int64_t max_context = 0;                       // 0: max_position_embeddings, else 131072
+  int64_t prefix_cache_bytes = int64_t(256) << 20;  // budget of stored prefix snapshots; 0 disables
+};
+
+// Everything a sequence needs to continue: the tokens consumed and the per-layer caches.
+class Sequence {
+ public:
+  int64_t pos() const { return static_cast<int64_t>(tokens.size()); }
+  // Bytes held by the caches (KDA states, conv inputs, MLA latent rows in use / allocated).
+  int64_t cache_bytes() const;
+  int64_t cache_capacity_bytes() const;
+
+  std::vector<int32_t> tokens;               // [T]
+  std::vector<std::vector<float>> kda_state;  // per KDA layer [H, K, V]
+  std::vector<std::vector<float>> kda_conv;   // per KDA layer [3, HK, W-1]: q, k, v histories
+  std::vector<std::vector<float>> mla;        // per MLA layer [T, RD] (capacity grows in steps)
+  // Every cached value came from prefill chunks on the absolute grid, so the caches equal a fresh prefill's
+  // bit for bit; only such sequences feed the prefix cache. Cleared by decode and by a prefill that starts
+  // off the grid.
+  bool on_grid = true;
+};
+
+// An immutable copy of a sequence's caches at a token boundary.
+using Snapshot = std::shared_ptr<const Sequence>;
+
+// Wall time per part of the last calls (reset by the caller), for `longmoe bench decode`.
+struct SessionProfile {
+  double kda = 0, mla = 0, ffn = 0, attnres = 0, other = 0;
+  void clear() { *this = SessionProfile{}; }
+};
+
+class Session {
+ public:
+  explicit Session(model::Model<float>& m, SessionOptions o = {});
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  const model::ModelConfig& config() const { return cfg_; }
+  const SessionOptions& options() const { return opt_; }
+  int64_t max_context() const { return max_ctx_; }
+  int64_t vocab_size() const { return cfg_.vocab_size; }
+
+  // An empty sequence (zero KDA state, empty caches).
+  Sequence new_sequence() const;
+
+  // Runs `tokens` through the model after what `seq` already holds. Returns the logits [V] after the
+  // last token; with `all_logits` also writes the logits of every new token [n, V]. An empty `seq`
+  // first resumes from the longest stored prefix snapshot (exact token match) when the prefix cache is
+  // on, and snapshots are stored at grid points when `store_prefix`. Throws lm::Error for ids outside
+  // the vocabulary or a total length above max_context; `seq` is then unchanged.
+  std::vector<float> prefill(Sequence& seq, std::span<const int32_t> tokens, std::vector<float>* all_logits = nullptr,
+                             bool store_prefix = true);
+
+  // One new token for each sequence (S = seqs.size()): logits [S, V]. Same checks as prefill; on an
+  // error no sequence is changed.
+  std::vector<float> decode(const std::vector<Sequence*>& seqs, std::span<const int32_t> tokens);
+
+  // Snapshot of a sequence (a copy of its caches) and a sequence resumed from one. A resumed sequence
+  // continues exactly like the original would.
+  static Snapshot snapshot(const Sequence& seq);
+  static Sequence resume(const Snapshot& s);
+
+  // Prefix cache.
+  struct PrefixStats {
+    int64_t entries = 0, bytes = 0, hits = 0, misses = 0, tokens_reused = 0;
+  };
+  PrefixStats prefix_stats() const;
+  void clear_prefix_cache();
+  // The longest stored snapshot whose tokens are a prefix of `tokens[0 : max_len]` (null if none).
+  Snapshot lookup_prefix(std::span<const int32_t> tokens, int64_t max_len);
+
+  SessionProfile profile;
+
+ private:
+  // Runs `n` new tokens of one sequence (prefill chunk) or one token of each of `seqs` (decode) through
+  // the stack; writes the final-normed hidden [rows, d].
+  void walk(const std::vector<Sequence*>& seqs, const int32_t* ids, int64_t rows, bool decode, float* hn);
+  void kda_prefill(int64_t layer, Sequence& s, const float* x, int64_t n, float* y);
+  void kda_decode(int64_t layer, const std::vector<Sequence*>& seqs, const float* x, float* y);
+  void mla_prefill(int64_t layer, Sequence& s, const float* x, int64_t n, float* y);
+  void mla_decode(int64_t layer, const std::vector<Sequence*>& seqs, const float* x, float* y);
+  void mla_queries(int64_t layer, const float* x, int64_t rows, float* qa);  // [rows, Hm, RD] absorbed
+  void mla_output(int64_t layer, const float* x, const float* o_lat, int64_t rows, float* y);
+  void check_ids(std::span<const int32_t> ids) const;
+  void store_prefix(const Sequence& s);
+
+  model::Model<float>& m_;
+  const model::ModelConfig& cfg_;
+  SessionOptions opt_;
+  int64_t max_ctx_;
+  std::vector<int64_t> kda_slot_, mla_slot_;  // layer -> index into Sequence::kda_* / mla (or -1)
+  const float* embed_;
+  const float* lm_head_;
+  const float* final_norm_;
+  std::vector<const float*> ln1_, ln2_;
+  // AttnRes per block b: the pseudo-queries and gains of the reads that share its closed sources,
+  // [Q_b, d] each, in walk order: (mlp read of the first layer), then attn and mlp reads of the others,
+  // then the output read for the last block. The first layer's attention read is separate.
+  struct BlockReads {
+    std::vector<float> w, g;
+    int64_t Q = 0;
+  };
+  std::vector<BlockReads> blocks_;
+  std::vector<const float*> attn_w_, attn_g_, mlp_w_, mlp_g_;
+  const float* out_w_ = nullptr;
+  const float* out_g_ = nullptr;
+
+  // Prefix cache: key = hash of the token prefix; LRU by insertion/use.
+  struct Entry {
+    Snapshot snap;
+    int64_t bytes;
+  };
+  std::list<std::pair<uint64_t, Entry>> lru_;  // front = most recent
+  std::unordered_map<uint64_t, std::list<std::pair<uint64_t, Entry>>::iterator> index_;
+  int64_t cache_bytes_ = 0;
+  PrefixStats stats_;
+};
+
+// FNV-1a over token ids (prefix-cache key; collisions are ruled out by comparing the tokens).
+uint64_t hash_tokens(std::span<const int32_t> t);
+
+// Causal absorbed attention of n queries at positions p..p+n-1 over latent rows [0, p+n) (SPEC §3):
+// qa [n, Hm, RD] = [q̃ ; q_rope] per head; cache [p+n, RD] = [c ; k_r]; o_lat [n, Hm, R] = Σ p c.
+// Query tiles run in parallel with an online softmax over key tiles.
+void mla_prefill_attention(const float* qa, const float* cache, int64_t p, int64_t n, int64_t Hm, int64_t R,
+                           int64_t Dr, float scale, float* o_lat);
+
+}  // namespace lm::infer
