@@ -1,6 +1,10 @@
 // `longmoe eval --model DIR`: held-out perplexity over a corpus (text, folder, JSONL or the Brown corpus,
 // io/corpus) and retrieval at chosen context lengths: passkey (one number hidden in filler text) and
 // multi-needle (several key -> number facts, one asked for). Accuracy is reported per length.
+// The prompt text (intro, filler, needles, passkey question) comes from io/retrieval.hpp, which the
+// trainer's synthetic passkey documents (data.passkey_fraction) use too: at length L, prompt + answer
+// hold at most L tokens, as in a training document of L + 1 tokens (with its <|doc|>); the keys come
+// from another stream.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -13,6 +17,7 @@
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "io/corpus.hpp"
+#include "io/retrieval.hpp"
 
 namespace {
 
@@ -64,22 +69,13 @@ void perplexity(infer::Session& s, const io::Tokenizer& tok, const Args& a) {
               std::exp(nll / n), n / t);
 }
 
-const char* kFiller = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ";
-
-// Filler text of about `tokens` tokens.
-std::string filler(const io::Tokenizer& tok, int64_t tokens) {
-  const int64_t per = std::max<int64_t>(1, static_cast<int64_t>(tok.encode(kFiller).size()));
-  std::string s;
-  for (int64_t i = 0; i < tokens / per; ++i) s += kFiller;
-  return s;
-}
-
 // Greedy answer of up to `n` tokens.
 std::string answer(infer::Session& s, const io::Tokenizer& tok, const std::vector<int32_t>& prompt, int64_t n) {
   infer::SamplingParams sp;
   sp.temperature = 0;
   sp.max_tokens = n;
   if (tok.eos() >= 0) sp.stop_tokens.push_back(tok.eos());
+  sp.stop_tokens.push_back(tok.special("<|doc|>"));  // a trained document ends there
   infer::Sequence seq = s.new_sequence();
   return infer::generate(s, seq, tok, prompt, sp, [](const std::string&) {}).text();
 }
@@ -92,13 +88,6 @@ std::vector<int32_t> encode_prompt(const io::Tokenizer& tok, const std::string& 
   return ids;
 }
 
-// Splits `body` (about L tokens of filler) at fraction `depth` and inserts `needle`.
-std::string with_needle(const std::string& body, double depth, const std::string& needle) {
-  size_t at = static_cast<size_t>(depth * static_cast<double>(body.size()));
-  at = body.rfind(". ", at) == std::string::npos ? 0 : body.rfind(". ", at) + 2;
-  return body.substr(0, at) + needle + body.substr(at);
-}
-
 void retrieval(infer::Session& s, const io::Tokenizer& tok, const Args& a, bool multi) {
   const Rng rng{a.seed, multi ? 2u : 1u};
   const char* words[] = {"apple", "river", "candle", "falcon", "marble", "violet", "harbor", "quartz"};
@@ -107,29 +96,28 @@ void retrieval(infer::Session& s, const io::Tokenizer& tok, const Args& a, bool 
     const auto t0 = std::chrono::steady_clock::now();
     for (int64_t k = 0; k < a.trials; ++k) {
       const uint64_t i = static_cast<uint64_t>(L * 1000 + k);
-      std::string body = filler(tok, L - 60 - (multi ? 25 * a.needles : 0));
       std::string question, expect;
+      std::vector<int32_t> ids;
       if (!multi) {
-        expect = std::to_string(10000 + rng.bits(i).v[0] % 90000);
+        // Prompt + answer in L tokens: the prompt is L minus the answer's tokens (or a sentence less).
+        expect = io::passkey_key(rng.bits(i).v[0]);
         const double depth = a.trials > 1 ? static_cast<double>(k) / static_cast<double>(a.trials - 1) : 0.5;
-        body = with_needle(body, depth, "The pass key is " + expect + ". Remember it. " + expect + " is the pass key. ");
-        question = "What is the pass key? The pass key is ";
+        ids = io::passkey_prompt(tok, L, depth, expect).ids;
       } else {
+        std::string body = io::retrieval_filler(tok, L - 60 - 25 * a.needles);
         const int64_t ask = static_cast<int64_t>(rng.bits(i).v[1] % static_cast<uint32_t>(a.needles));
         for (int64_t j = 0; j < a.needles; ++j) {
           const std::string num = std::to_string(1000000 + rng.bits(i * 64 + static_cast<uint64_t>(j)).v[2] % 9000000);
           const std::string w = words[j % 8] + (j >= 8 ? std::to_string(j / 8) : std::string());
-          body = with_needle(body, rng.uniform_f64(i * 64 + static_cast<uint64_t>(j)),
-                             "The special magic number for " + w + " is: " + num + ". ");
+          body = io::with_needle(body, rng.uniform_f64(i * 64 + static_cast<uint64_t>(j)),
+                                 "The special magic number for " + w + " is: " + num + ". ");
           if (j == ask) {
             expect = num;
             question = "What is the special magic number for " + w + "? The special magic number for " + w + " is: ";
           }
         }
+        ids = encode_prompt(tok, std::string(io::kRetrievalIntro) + body + "\n" + question);
       }
-      const std::string text = "There is important information hidden inside a lot of irrelevant text. Find it and "
-                               "memorize it. " + body + "\n" + question;
-      auto ids = encode_prompt(tok, text);
       if (static_cast<int64_t>(ids.size()) >= s.max_context()) ids.erase(ids.begin() + 1, ids.begin() + 1 + (static_cast<int64_t>(ids.size()) - s.max_context() + 16));
       const std::string got = answer(s, tok, ids, 12);
       const bool hit = got.find(expect) != std::string::npos;
@@ -151,7 +139,12 @@ int run(const Args& a) {
   infer::SessionOptions so = a.session_options();
   so.prefix_cache_bytes = 0;
   infer::Session s(*m.model, so);
-  for (int64_t L : a.passkey) LM_CHECK(L >= 128 && L <= s.max_context(), "eval: passkey length {} outside [128, {}]", L, s.max_context());
+  for (int64_t L : a.passkey) {
+    LM_CHECK(L >= 128 && L <= s.max_context(), "eval: passkey length {} outside [128, {}]", L, s.max_context());
+    LM_CHECK(L >= io::passkey_min_tokens(*m.tokenizer),
+             "eval: passkey length {} is shorter than the smallest passkey prompt ({} tokens with this tokenizer)", L,
+             io::passkey_min_tokens(*m.tokenizer));
+  }
   for (int64_t L : a.needles_at)
     LM_CHECK(L >= 128 + 25 * a.needles && L <= s.max_context(), "eval: multi-needle length {} too short or over the context", L);
   if (!a.data.empty()) perplexity(s, *m.tokenizer, a);

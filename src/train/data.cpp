@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <optional>
 
 #include "core/error.hpp"
 #include "core/parallel.hpp"
@@ -35,28 +36,30 @@ uint64_t fnv1a(uint64_t h, const void* data, size_t bytes) {
   return h;
 }
 
-// Fills rows [0, B*T) of `b` from the stream: document `d` (-1: the stream has ended) from its token
-// `p` on, then whatever next_doc() yields (-1 when there is no more). Rows past the end get `pad`.
-// On return (d, p) is the next unread token, normalised to p < len(d).
+using DocSpan = std::optional<std::span<const int32_t>>;
+
+// Fills rows [0, B*T) of `b` from the stream: document `doc` (nullopt: the stream has ended) from its
+// token `p` on, then whatever next_doc() yields (nullopt when there is no more). Rows past the end get
+// `pad`. On return p is the next unread token of the document next_doc() last yielded (p < its length).
 template <class NextDoc>
-void fill_rows(Batch& b, const TokenizedDocs& D, int64_t& d, int64_t& p, NextDoc&& next_doc, int32_t pad) {
+void fill_rows(Batch& b, DocSpan doc, int64_t& p, NextDoc&& next_doc, int32_t pad) {
   const int64_t B = b.seqs, T = b.seq_len, R = B * T;
   b.ids.resize(static_cast<size_t>(R));
   b.targets.resize(static_cast<size_t>(R));
   std::vector<int64_t> starts;  // rows where a document (or the padding) begins, increasing
   int64_t r = 0;
-  while (r < R && d >= 0) {
-    const int64_t base = D.offsets[static_cast<size_t>(d)], len = D.offsets[static_cast<size_t>(d) + 1] - base;
+  while (r < R && doc) {
+    const auto len = static_cast<int64_t>(doc->size());
     const int64_t take = std::min(len - p, R - r);
     if (p == 0) starts.push_back(r);
-    const int32_t* src = D.ids.data() + base;
+    const int32_t* src = doc->data();
     for (int64_t i = 0; i < take; ++i) {
       const int64_t q = p + i;
       b.ids[static_cast<size_t>(r + i)] = src[q];
       b.targets[static_cast<size_t>(r + i)] = q + 1 < len ? src[q + 1] : kIgnore;
     }
     r += take, p += take;
-    if (p == len) d = next_doc(), p = 0;
+    if (p == len) doc = next_doc(), p = 0;
   }
   if (r < R) {
     starts.push_back(r);
@@ -154,8 +157,9 @@ void from_json(const io::json& j, Position& p) {
   p.offset = j["offset"].get<uint64_t>();
 }
 
-Loader::Loader(std::shared_ptr<const TokenizedDocs> docs, int64_t seq_len, uint64_t seed, Position start)
-    : docs_(std::move(docs)), seq_len_(seq_len), seed_(seed) {
+Loader::Loader(std::shared_ptr<const TokenizedDocs> docs, int64_t seq_len, uint64_t seed, Position start,
+               ExtraDocs extra)
+    : docs_(std::move(docs)), seq_len_(seq_len), seed_(seed), extra_(std::move(extra)) {
   LM_CHECK(docs_ && docs_->num_docs() > 0, "data loader: the training split holds no documents");
   set_seq_len(seq_len);
   seek(start);
@@ -167,10 +171,45 @@ void Loader::set_seq_len(int64_t seq_len) {
 }
 
 void Loader::seek(Position p) {
-  LM_CHECK(p.offset < static_cast<uint64_t>(epoch_tokens()),
+  LM_CHECK(p.offset < static_cast<uint64_t>(epoch_tokens(p.epoch)),
            "data position offset {} is outside an epoch of {} tokens (was the position saved for other data?)",
-           p.offset, epoch_tokens());
+           p.offset, epoch_tokens(p.epoch));
   pos_ = p;
+}
+
+void Loader::set_extra(ExtraDocs extra) {
+  const CorpusPoint c = corpus_point();
+  extra_ = std::move(extra);
+  plans_.clear();
+  pos_ = position_of(c);
+}
+
+Loader::CorpusPoint Loader::corpus_point() const {
+  const Plan& pl = plan(pos_.epoch);
+  const auto off = static_cast<int64_t>(pos_.offset);
+  const auto s = std::upper_bound(pl.cum.begin(), pl.cum.end(), off) - pl.cum.begin() - 1;  // entry
+  const auto k = std::lower_bound(pl.corpus_at.begin(), pl.corpus_at.end(), s) - pl.corpus_at.begin();
+  const auto N = docs_->num_docs();
+  if (k < N && pl.corpus_at[static_cast<size_t>(k)] == s) return {pos_.epoch, k, off - pl.cum[static_cast<size_t>(s)]};
+  if (k < N) return {pos_.epoch, k, 0};  // inside an extra document: the corpus document after it
+  return {pos_.epoch + 1, 0, 0};
+}
+
+Position Loader::position_of(CorpusPoint c) const {
+  const Plan& pl = plan(c.epoch);
+  const auto N = docs_->num_docs();
+  LM_CHECK(c.slot >= 0 && c.slot < N, "data loader: corpus position {} outside [0, {})", c.slot, N);
+  const auto s = static_cast<size_t>(pl.corpus_at[static_cast<size_t>(c.slot)]);
+  LM_CHECK(c.token >= 0 && c.token < pl.cum[s + 1] - pl.cum[s], "data loader: token {} outside document of {}",
+           c.token, pl.cum[s + 1] - pl.cum[s]);
+  return Position{c.epoch, static_cast<uint64_t>(pl.cum[s] + c.token)};
+}
+
+int64_t Loader::epoch_tokens(uint64_t epoch) const { return plan(epoch).cum.back(); }
+
+int64_t Loader::epoch_extra_tokens(uint64_t epoch) const {
+  const Plan& pl = plan(epoch);
+  return pl.extra ? pl.extra->tokens() : 0;
 }
 
 double Loader::epochs_done() const {
@@ -186,17 +225,34 @@ std::vector<int64_t> Loader::epoch_order(uint64_t epoch) const {
   return permutation(docs_->num_docs(), Rng{seed_, kShuffleStream}.fork(epoch));
 }
 
-const Loader::Plan& Loader::plan(uint64_t epoch) {
+std::span<const int32_t> Loader::Plan::doc(const TokenizedDocs& corpus, int64_t entry) const {
+  const int64_t d = order[static_cast<size_t>(entry)], N = corpus.num_docs();
+  return d < N ? corpus.doc(d) : extra->doc(d - N);
+}
+
+const Loader::Plan& Loader::plan(uint64_t epoch) const {
   auto it = plans_.find(epoch);
   if (it != plans_.end()) return it->second;
   while (!plans_.empty() && plans_.begin()->first + 1 < epoch) plans_.erase(plans_.begin());  // keep e-1 and e
   Plan pl;
-  pl.order = epoch_order(epoch);
-  pl.cum.assign(pl.order.size() + 1, 0);
-  for (size_t k = 0; k < pl.order.size(); ++k) {
-    const auto d = static_cast<size_t>(pl.order[k]);
-    pl.cum[k + 1] = pl.cum[k] + (docs_->offsets[d + 1] - docs_->offsets[d]);
+  const std::vector<int64_t> corpus = epoch_order(epoch);
+  const auto N = static_cast<int64_t>(corpus.size());
+  int64_t M = 0;
+  if (extra_) {
+    pl.extra = std::make_shared<const TokenizedDocs>(extra_(epoch));
+    M = pl.extra->num_docs();
   }
+  pl.order.reserve(static_cast<size_t>(N + M));
+  pl.corpus_at.resize(static_cast<size_t>(N) + 1);
+  for (int64_t k = 0, j = 0; k < N; ++k) {
+    for (; j < M && j * N / M == k; ++j) pl.order.push_back(N + j);  // extra j before corpus position j*N/M
+    pl.corpus_at[static_cast<size_t>(k)] = static_cast<int64_t>(pl.order.size());
+    pl.order.push_back(corpus[static_cast<size_t>(k)]);
+  }
+  pl.corpus_at[static_cast<size_t>(N)] = static_cast<int64_t>(pl.order.size());
+  pl.cum.assign(pl.order.size() + 1, 0);
+  for (size_t s = 0; s < pl.order.size(); ++s)
+    pl.cum[s + 1] = pl.cum[s] + static_cast<int64_t>(pl.doc(*docs_, static_cast<int64_t>(s)).size());
   return plans_.emplace(epoch, std::move(pl)).first->second;
 }
 
@@ -206,14 +262,14 @@ Batch Loader::next(int64_t B) {
   b.seqs = B, b.seq_len = seq_len_;
   uint64_t e = pos_.epoch;
   const Plan* pl = &plan(e);
-  const auto n = static_cast<int64_t>(pl->order.size());
+  auto n = static_cast<int64_t>(pl->order.size());
   auto k = static_cast<int64_t>(std::upper_bound(pl->cum.begin(), pl->cum.end(), static_cast<int64_t>(pos_.offset)) -
                                 pl->cum.begin()) - 1;
-  int64_t d = pl->order[static_cast<size_t>(k)];
   int64_t p = static_cast<int64_t>(pos_.offset) - pl->cum[static_cast<size_t>(k)];
-  fill_rows(b, *docs_, d, p, [&] {
-    if (++k == n) k = 0, pl = &plan(++e);
-    return pl->order[static_cast<size_t>(k)];
+  // The plan whose document is being read stays cached: plan(e + 1) drops only epochs before e.
+  fill_rows(b, pl->doc(*docs_, k), p, [&]() -> DocSpan {
+    if (++k == n) k = 0, pl = &plan(++e), n = static_cast<int64_t>(pl->order.size());
+    return pl->doc(*docs_, k);
   }, 0);
   pos_ = Position{e, static_cast<uint64_t>(pl->cum[static_cast<size_t>(k)] + p)};
   return b;
@@ -224,11 +280,14 @@ std::vector<Batch> eval_batches(const TokenizedDocs& heldout, int64_t seq_len, i
   LM_CHECK(seq_len > 0 && B > 0, "held-out batches: seq_len {} and batch {} must be positive", seq_len, B);
   std::vector<Batch> out;
   const int64_t n = heldout.num_docs();
-  int64_t d = n > 0 ? 0 : -1, p = 0;
-  while (d >= 0 && (max_batches <= 0 || static_cast<int64_t>(out.size()) < max_batches)) {
+  int64_t d = 0, p = 0;
+  while (d < n && (max_batches <= 0 || static_cast<int64_t>(out.size()) < max_batches)) {
     Batch b;
     b.seqs = B, b.seq_len = seq_len;
-    fill_rows(b, heldout, d, p, [&] { return d + 1 < n ? d + 1 : int64_t{-1}; }, pad_id);
+    fill_rows(b, heldout.doc(d), p, [&]() -> DocSpan {
+      if (++d < n) return heldout.doc(d);
+      return std::nullopt;
+    }, pad_id);
     out.push_back(std::move(b));
   }
   return out;

@@ -26,7 +26,16 @@
 //                state and attention never cross a document or a sequence.
 // Hence every token except a document's first (its <s>) is a target exactly once per epoch, the
 // separator included.
+//
+// Extra documents (synthetic passkey documents, train/synthetic.hpp): a Loader may be given a
+// function extra(e) -> epoch e's extra documents (M of them). Epoch e's stream is then the N corpus
+// documents in P_e with the extra ones spread evenly between them, extra j right before corpus
+// position floor(j * N / M); offsets count tokens of that mixed stream. set_extra() swaps the function
+// (a new curriculum stage generates documents for its seq_len) and keeps the corpus where it was: the
+// position moves to the same token of the same corpus document in the new stream (or to the next
+// corpus document when it was inside an extra one). Without extra documents the stream is the corpus'.
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -81,31 +90,52 @@ void from_json(const io::json& j, Position& p);  // lm::Error naming a missing o
 
 class Loader {
  public:
-  // `docs` is the training split (at least one document). Starts at `start`.
-  Loader(std::shared_ptr<const TokenizedDocs> docs, int64_t seq_len, uint64_t seed, Position start = {});
+  // Epoch e's extra documents; must be a pure function of e (resume regenerates them).
+  using ExtraDocs = std::function<TokenizedDocs(uint64_t epoch)>;
+  // Where the loader stands in the corpus: token `token` of the document at position `slot` of P_epoch.
+  struct CorpusPoint {
+    uint64_t epoch = 0;
+    int64_t slot = 0, token = 0;
+    bool operator==(const CorpusPoint&) const = default;
+  };
+
+  // `docs` is the training split (at least one document). Starts at `start` (of the mixed stream
+  // when `extra` is given).
+  Loader(std::shared_ptr<const TokenizedDocs> docs, int64_t seq_len, uint64_t seed, Position start = {},
+         ExtraDocs extra = {});
 
   Batch next(int64_t B);  // B sequences of seq_len() tokens; advances the position by B * seq_len()
   Position position() const { return pos_; }
   void seek(Position p);              // throws if p.offset is not inside the epoch
   void set_seq_len(int64_t seq_len);  // re-pack from the current position on
+  // Other extra documents (none: an empty function) from the current corpus point on (see above).
+  void set_extra(ExtraDocs extra);
+  CorpusPoint corpus_point() const;   // inside an extra document: the next corpus document, token 0
+  Position position_of(CorpusPoint c) const;
   int64_t seq_len() const { return seq_len_; }
-  int64_t epoch_tokens() const { return docs_->tokens(); }
-  double epochs_done() const;                    // epoch + offset / L
+  int64_t epoch_tokens() const { return epoch_tokens(pos_.epoch); }  // the current epoch's stream
+  int64_t epoch_tokens(uint64_t epoch) const;
+  int64_t epoch_extra_tokens(uint64_t epoch) const;  // of them, in extra documents
+  double epochs_done() const;                    // epoch + offset / epoch_tokens()
   uint64_t fingerprint() const;                  // data fingerprint mixed with the seed
-  std::vector<int64_t> epoch_order(uint64_t epoch) const;  // P_e
+  std::vector<int64_t> epoch_order(uint64_t epoch) const;  // P_e (corpus documents)
 
  private:
   struct Plan {
-    std::vector<int64_t> order;  // [N] P_e
-    std::vector<int64_t> cum;    // [N + 1] stream offset of each position of P_e
+    std::vector<int64_t> order;      // [N + M] stream entries: d < N corpus document d, else extra d - N
+    std::vector<int64_t> cum;        // [N + M + 1] stream offset of each entry
+    std::vector<int64_t> corpus_at;  // [N + 1] entry of corpus position k of P_e (N: the end)
+    std::shared_ptr<const TokenizedDocs> extra;  // epoch e's extra documents (null: none)
+    std::span<const int32_t> doc(const TokenizedDocs& corpus, int64_t entry) const;
   };
-  const Plan& plan(uint64_t epoch);
+  const Plan& plan(uint64_t epoch) const;
 
   std::shared_ptr<const TokenizedDocs> docs_;
   int64_t seq_len_;
   uint64_t seed_;
   Position pos_;
-  std::map<uint64_t, Plan> plans_;  // the current epoch's and the next's
+  ExtraDocs extra_;
+  mutable std::map<uint64_t, Plan> plans_;  // the current epoch's and the next's
 };
 
 // The held-out split in document order (no shuffle) as consecutive batches of B sequences of T

@@ -32,6 +32,7 @@
 #include "model/accounting.hpp"
 #include "model/model.hpp"
 #include "train/data.hpp"
+#include "train/synthetic.hpp"
 
 namespace lm::train {
 
@@ -78,10 +79,11 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   RunConfig c;
   c.model = io::get_required<std::string>(j, "model", ctx);
   const json& d = j.at("data");
-  check_known(d, {"path", "format", "heldout_fraction"}, ctx + " data");
+  check_known(d, {"path", "format", "heldout_fraction", "passkey_fraction"}, ctx + " data");
   c.data = io::get_required<std::string>(d, "path", ctx + " data");
   c.data_format = io::get_or<std::string>(d, "format", "auto", ctx + " data");
   c.heldout_fraction = io::get_or<double>(d, "heldout_fraction", 0.05, ctx + " data");
+  c.passkey_fraction = io::get_or<double>(d, "passkey_fraction", 0.0, ctx + " data");
   if (j.contains("tokenizer")) {
     const json& t = j["tokenizer"];
     check_known(t, {"vocab_size", "model"}, ctx + " tokenizer");
@@ -129,7 +131,10 @@ RunConfig RunConfig::load(const std::string& path) { return from_json(io::load_j
 json RunConfig::to_json() const {
   json j;
   j["model"] = model;
-  j["data"] = {{"path", data}, {"format", data_format}, {"heldout_fraction", heldout_fraction}};
+  j["data"] = {{"path", data},
+               {"format", data_format},
+               {"heldout_fraction", heldout_fraction},
+               {"passkey_fraction", passkey_fraction}};
   j["tokenizer"] = {{"vocab_size", tokenizer_vocab}};
   if (!tokenizer.empty()) j["tokenizer"]["model"] = tokenizer;
   j["out"] = out;
@@ -155,6 +160,9 @@ json RunConfig::to_json() const {
 
 void RunConfig::validate(const std::string& ctx) const {
   LM_CHECK(heldout_fraction > 0 && heldout_fraction < 0.5, "{}: data.heldout_fraction must be in (0, 0.5)", ctx);
+  LM_CHECK(passkey_fraction >= 0 && passkey_fraction <= 0.9,
+           "{}: data.passkey_fraction must be in [0, 0.9] (0: no synthetic passkey documents), got {}", ctx,
+           passkey_fraction);
   LM_CHECK(tokenizer_vocab >= 300 && tokenizer_vocab <= 1 << 20, "{}: tokenizer.vocab_size must be in [300, 2^20]",
            ctx);
   LM_CHECK(qb_estimator == "exact" || qb_estimator == "hist", "{}: balance.estimator must be exact or hist", ctx);
@@ -193,6 +201,18 @@ std::string resolve_checkpoint(const std::string& path) {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// A checkpoint's data_fingerprint: the training corpus, and with passkey documents the documents of
+// epoch 0 of the stage the saved position refers to (they depend on the seed, the stage's seq_len,
+// the fraction, the tokenizer and the template). Without passkey documents: the corpus' alone, as
+// before they existed.
+uint64_t data_fingerprint(const TokenizedDocs& corpus, const TokenizedDocs* passkey0) {
+  uint64_t h = corpus.fingerprint();
+  if (!passkey0) return h;
+  const uint64_t x = passkey0->fingerprint();
+  for (int i = 0; i < 8; ++i) h = (h ^ ((x >> (8 * i)) & 0xFF)) * 0x100000001B3ull;
+  return h;
+}
 
 std::string fmt_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
@@ -285,6 +305,33 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
                   docs.size(), idx.train_docs.size(), idx.heldout_docs.size(), train_docs->tokens(),
                   heldout.tokens(), std::exp(unigram_ce)));
 
+  // ---- synthetic passkey documents (training stream only): per stage at its seq_len, per epoch
+  const bool passkey = cfg.passkey_fraction > 0;
+  const int64_t passkey_target = passkey ? passkey_target_tokens(train_docs->tokens(), cfg.passkey_fraction) : 0;
+  if (passkey)
+    for (size_t i = 0; i < cfg.stages.size(); ++i) {
+      try {
+        passkey_min_doc_tokens(*tok, cfg.stages[i].seq_len);
+      } catch (const Error& e) {
+        fail("stages[{}]: {}", i, e.what());
+      }
+    }
+  auto passkey_docs = [&, tk = tok.get()](int64_t si) -> Loader::ExtraDocs {
+    if (!passkey) return {};
+    return [tk, T = cfg.stages[static_cast<size_t>(si)].seq_len, target = passkey_target,
+            rng = passkey_rng(cfg.seed, si)](uint64_t epoch) { return passkey_documents(*tk, T, target, rng.fork(epoch)); };
+  };
+  // Epoch 0's passkey documents of stage si and the fingerprint they give.
+  TokenizedDocs stage_pk;
+  double stage_pk_seconds = 0;
+  auto stage_fingerprint = [&](int64_t si) {
+    if (!passkey) return data_fingerprint(*train_docs, nullptr);
+    const auto t0 = Clock::now();
+    stage_pk = passkey_docs(si)(0);
+    stage_pk_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    return data_fingerprint(*train_docs, &stage_pk);
+  };
+
   // ---- model
   model::ModelConfig mcfg = model::ModelConfig::load(cfg.model);
   if (mcfg.vocab_size != tok->vocab_size()) {
@@ -326,21 +373,33 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
   bal.maxvio.assign(bal.layers.size(), 0.0);
 
   // ---- position
-  int64_t stage0 = 0, step_in_stage0 = 0, global_step = 0, tokens_seen = 0;
+  // data_stage: the stage whose passkey documents the loader's stream holds (the saved position is in
+  // that stream); a stage switch moves it on (Loader::set_extra), keeping the corpus where it was.
+  int64_t stage0 = 0, step_in_stage0 = 0, global_step = 0, tokens_seen = 0, data_stage = 0;
   Position pos;
+  uint64_t data_fp = 0;
   if (!resume_dir.empty()) {
     const std::string sctx = resume_dir + "/trainer_state.json";
     stage0 = io::get_required<int64_t>(state, "stage", sctx);
     step_in_stage0 = io::get_required<int64_t>(state, "step_in_stage", sctx);
     global_step = io::get_required<int64_t>(state, "global_step", sctx);
     tokens_seen = io::get_required<int64_t>(state, "tokens", sctx);
+    data_stage = io::get_or<int64_t>(state, "data_stage", stage0, sctx);
     from_json(state.at("position"), pos);
-    LM_CHECK(io::get_required<uint64_t>(state, "data_fingerprint", sctx) == train_docs->fingerprint(),
-             "{}: the training data differ from the run being resumed (different corpus, split or tokenizer)", sctx);
     LM_CHECK(stage0 < static_cast<int64_t>(cfg.stages.size()),
              "{}: this run already finished all {} stages; nothing to resume", sctx, cfg.stages.size());
+    LM_CHECK(data_stage >= 0 && data_stage <= stage0, "{}: data_stage {} outside [0, stage {}]", sctx, data_stage,
+             stage0);
+    data_fp = stage_fingerprint(data_stage);
+    LM_CHECK(io::get_required<uint64_t>(state, "data_fingerprint", sctx) == data_fp,
+             "{}: the training data differ from the run being resumed (different corpus, split, tokenizer or "
+             "passkey documents)",
+             sctx);
+  } else {
+    data_fp = stage_fingerprint(data_stage);
   }
-  Loader loader(train_docs, cfg.stages[stage0].seq_len, cfg.seed, pos);
+  Loader loader(train_docs, cfg.stages[stage0].seq_len, cfg.seed, pos, passkey_docs(data_stage));
+  const int64_t first_tokens = tokens_seen;
 
   // Metrics: a resumed run first drops the lines written after its checkpoint.
   const fs::path metrics_path = out / "metrics.jsonl";
@@ -361,6 +420,7 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
   std::ofstream metrics(metrics_path, std::ios::app);
 
   TrainResult result;
+  result.first_step = global_step;
   std::string last_ckpt = resume_dir;
 
   auto evaluate = [&](int64_t seq_len, int64_t max_batches) {
@@ -397,7 +457,8 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
     st["global_step"] = global_step;
     st["tokens"] = tokens_seen;
     st["position"] = loader.position();
-    st["data_fingerprint"] = train_docs->fingerprint();
+    st["data_fingerprint"] = data_fp;
+    st["data_stage"] = data_stage;
     st["threads"] = num_threads();
     io::write_file_atomic((tmp / "trainer_state.json").string(), st.dump(2) + "\n");
     fs::remove_all(dst);
@@ -426,10 +487,31 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
     const int64_t steps = std::max<int64_t>(1, S.tokens / per_step);
     const int64_t micro = S.micro_seqs ? S.micro_seqs : S.batch_seqs;
     const Schedule sched(S.schedule, steps);
+    if (passkey && data_stage != si) {  // this stage's documents, at its seq_len; the corpus continues
+      loader.set_extra(passkey_docs(si));
+      data_stage = si;
+      data_fp = stage_fingerprint(si);
+    }
     loader.set_seq_len(S.seq_len);
     say(fmt::format("stage {}/{}: seq_len {}, {} steps of {} x {} tokens ({} micro-batches), schedule {}", si + 1,
                     cfg.stages.size(), S.seq_len, steps, S.batch_seqs, S.seq_len, S.batch_seqs / micro,
                     S.schedule.kind));
+    if (passkey) {
+      const double tok_frac = static_cast<double>(stage_pk.tokens()) /
+                              static_cast<double>(stage_pk.tokens() + train_docs->tokens());
+      const double doc_frac = static_cast<double>(stage_pk.num_docs()) /
+                              static_cast<double>(stage_pk.num_docs() + train_docs->num_docs());
+      int64_t lo = S.seq_len, hi = 0;
+      for (int64_t d = 0; d < stage_pk.num_docs(); ++d) {
+        const auto n = static_cast<int64_t>(stage_pk.doc(d).size());
+        lo = std::min(lo, n), hi = std::max(hi, n);
+      }
+      result.stage_passkey_token_fraction.push_back(tok_frac);
+      result.stage_passkey_doc_fraction.push_back(doc_frac);
+      say(fmt::format("  passkey: {} synthetic documents of {}..{} tokens per epoch: {:.1f}% of the training tokens, "
+                      "{:.1f}% of the documents (made in {:.1f}s)",
+                      stage_pk.num_docs(), lo, hi, 100 * tok_frac, 100 * doc_frac, stage_pk_seconds));
+    }
     const int64_t first = si == stage0 ? step_in_stage0 : 0;
     const auto stage_t0 = Clock::now();
     int64_t stage_tokens = 0;
@@ -525,9 +607,11 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
       stage_tokens += per_step;
       result.losses.push_back(loss);
       const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+      result.train_seconds += dt;
       tok_rate = tok_rate == 0 ? per_step / dt : 0.9 * tok_rate + 0.1 * per_step / dt;
       double mv_max = 0;
       for (double v : bal.maxvio) mv_max = std::max(mv_max, v);
+      if (!bal.maxvio.empty()) result.maxvio_worst.push_back(mv_max);
       if (global_step % cfg.log_every == 0 || step + 1 == steps) {
         json row = {{"step", global_step}, {"stage", si},          {"tokens", tokens_seen},
                     {"loss", loss},        {"lr", info.lr_adamw},  {"lr_muon", info.lr_muon},
@@ -576,17 +660,64 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
                     std::exp(el), std::exp(unigram_ce)));
     result.heldout_loss = el;
     result.heldout_ppl = std::exp(el);
+    result.stage_heldout_ppl.push_back(std::exp(el));
     save(si + 1, 0, fmt::format("stage-{}", si));
     if (cfg.max_steps > 0 && global_step >= cfg.max_steps) break;
   }
   result.steps = global_step;
   result.tokens = tokens_seen;
   result.unigram_ppl = std::exp(unigram_ce);
-  result.tokens_per_s = tok_rate;
+  result.tokens_per_s = result.train_seconds > 0
+                            ? static_cast<double>(tokens_seen - first_tokens) / result.train_seconds
+                            : tok_rate;
   result.checkpoint = last_ckpt;
+  {
+    // summary.json: the run's headline figures, for people and scripts (docs/experiments.md).
+    const BalanceSummary bs = summarize_balance(result, 0.3, 50);
+    json sj = {{"steps", global_step},
+               {"tokens", tokens_seen},
+               {"tokens_per_s", result.tokens_per_s},
+               {"threads", num_threads()},
+               {"final_train_loss", result.final_train_loss},
+               {"heldout_loss", result.heldout_loss},
+               {"heldout_ppl", result.heldout_ppl},
+               {"stage_heldout_ppl", result.stage_heldout_ppl},
+               {"unigram_ppl", result.unigram_ppl},
+               {"balance", cfg.to_json()["balance"]},
+               {"passkey_fraction", cfg.passkey_fraction},
+               {"checkpoint", last_ckpt}};
+    if (passkey) {
+      sj["stage_passkey_token_fraction"] = result.stage_passkey_token_fraction;
+      sj["stage_passkey_doc_fraction"] = result.stage_passkey_doc_fraction;
+    }
+    if (!result.maxvio_worst.empty()) {
+      sj["maxvio_first_step_below_0.3"] = bs.first_step_below;
+      sj["maxvio_median_after_step_50"] = bs.median_after;
+      sj["maxvio_max_after_step_50"] = bs.max_after;
+    }
+    io::write_file_atomic((out / "summary.json").string(), sj.dump(2) + "\n");
+  }
   say(fmt::format("done: {} steps, {} tokens in {}; checkpoint {}", global_step, tokens_seen,
                   fmt_duration(std::chrono::duration<double>(Clock::now() - t_start).count()), last_ckpt));
   return result;
+}
+
+BalanceSummary summarize_balance(const TrainResult& r, double below, int64_t after) {
+  BalanceSummary b;
+  std::vector<double> tail;
+  for (size_t i = 0; i < r.maxvio_worst.size(); ++i) {
+    const int64_t step = r.first_step + static_cast<int64_t>(i) + 1;  // 1-based global step
+    if (b.first_step_below < 0 && r.maxvio_worst[i] < below) b.first_step_below = step;
+    if (step > after) tail.push_back(r.maxvio_worst[i]);
+  }
+  if (tail.empty()) {
+    b.median_after = b.max_after = std::nan("");
+    return b;
+  }
+  b.max_after = *std::max_element(tail.begin(), tail.end());
+  std::nth_element(tail.begin(), tail.begin() + tail.size() / 2, tail.end());
+  b.median_after = tail[tail.size() / 2];
+  return b;
 }
 
 }  // namespace lm::train

@@ -39,6 +39,9 @@ struct RunConfig {
   std::string data;                       // corpus path
   std::string data_format = "auto";       // auto | text | folder | jsonl | brown
   double heldout_fraction = 0.05;
+  // Synthetic passkey documents' share of the training tokens, per stage at its seq_len
+  // (train/synthetic.hpp); 0: none. In [0, 0.9]. The held-out split stays pure corpus.
+  double passkey_fraction = 0;
   int tokenizer_vocab = 4096;
   std::string tokenizer;                  // an existing tokenizer.model to use instead of training one
   std::string out = "runs/default";
@@ -76,7 +79,24 @@ struct TrainResult {
   double tokens_per_s = 0;
   std::vector<double> losses;  // per step, for tests (resume equality)
   std::string checkpoint;      // the last checkpoint written
+  // MoE balance, per step of this process: MaxVio of the worst MoE layer (empty without MoE layers).
+  std::vector<double> maxvio_worst;
+  int64_t first_step = 0;          // global step of maxvio_worst[0] / losses[0] (non-zero after --resume)
+  double train_seconds = 0;        // time in optimiser steps (no evaluation, no saving)
+  std::vector<double> stage_heldout_ppl;  // held-out perplexity at the end of each stage finished here
+  // Per stage run here (with passkey_fraction > 0): the share of synthetic passkey documents in the
+  // stage's first epoch of the training stream, in tokens and in documents.
+  std::vector<double> stage_passkey_token_fraction, stage_passkey_doc_fraction;
 };
+
+// Run-level figures of a TrainResult: the first step whose worst-layer MaxVio is below `below`
+// (-1: never), and the median worst-layer MaxVio over the steps after `after` (NaN when none).
+struct BalanceSummary {
+  int64_t first_step_below = -1;
+  double median_after = 0;
+  double max_after = 0;
+};
+BalanceSummary summarize_balance(const TrainResult& r, double below, int64_t after);
 
 TrainResult train(const RunConfig& cfg, const TrainOptions& opt);
 

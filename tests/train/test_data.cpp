@@ -163,6 +163,103 @@ TEST(Data, RepackAtAnotherSeqLenContinuesTheStream) {
   EXPECT_THROW(a.next(0), lm::Error);
 }
 
+// Extra documents for epoch e (as synthetic passkey documents are): m + e % 3 of them, token values
+// >= 1'000'000 so they never look like a corpus token.
+Loader::ExtraDocs toy_extra(int64_t m, int64_t max_len) {
+  return [=](uint64_t e) {
+    TokenizedDocs x;
+    const int64_t M = m + static_cast<int64_t>(e % 3), E = static_cast<int64_t>(e);
+    for (int64_t j = 0; j < M; ++j) {
+      const int64_t len = 1 + (E * 7 + j * 13) % max_len;
+      for (int64_t p = 0; p < len; ++p) x.ids.push_back(static_cast<int32_t>(1000000 + E * 10000 + j * 100 + p));
+      x.offsets.push_back(static_cast<int64_t>(x.ids.size()));
+    }
+    return x;
+  };
+}
+
+// Epoch e of a loader with extra documents, as (source, document) per document: source 0 corpus, 1 extra.
+std::vector<std::pair<int, int64_t>> mixed_epoch(const Loader& L, const Loader::ExtraDocs& extra, uint64_t e) {
+  const auto order = L.epoch_order(e);
+  const auto N = static_cast<int64_t>(order.size()), M = extra(e).num_docs();
+  std::vector<std::pair<int, int64_t>> out;
+  int64_t j = 0;
+  for (int64_t k = 0; k < N; ++k) {
+    for (; j < M && j * N / M == k; ++j) out.emplace_back(1, j);
+    out.emplace_back(0, order[static_cast<size_t>(k)]);
+  }
+  EXPECT_EQ(j, M);
+  return out;
+}
+
+TEST(Data, ExtraDocumentsAreSpreadThroughEachEpoch) {
+  auto D = toy_docs(40, 30, 21);
+  const auto extra = toy_extra(10, 30);
+  Loader L(D, 16, 5, {}, extra);
+  std::vector<int32_t> ref;  // the stream of epochs 0..3
+  for (uint64_t e = 0; e < 4; ++e) {
+    const TokenizedDocs x = extra(e);
+    EXPECT_EQ(L.epoch_tokens(e), D->tokens() + x.tokens());
+    EXPECT_EQ(L.epoch_extra_tokens(e), x.tokens());
+    int64_t since_extra = 0, max_gap = 0;
+    for (const auto& [src, d] : mixed_epoch(L, extra, e)) {
+      const auto s = src == 0 ? D->doc(d) : x.doc(d);
+      ref.insert(ref.end(), s.begin(), s.end());
+      since_extra = src == 1 ? 0 : since_extra + 1;
+      max_gap = std::max(max_gap, since_extra);
+    }
+    EXPECT_LE(max_gap, (40 + x.num_docs() - 1) / x.num_docs());  // evenly spread
+  }
+  // The batches read that stream; a document's last token predicts nothing.
+  std::vector<Batch> straight;
+  size_t at = 0;
+  Position saved;
+  for (int i = 0; at + 48 <= ref.size(); ++i) {
+    if (i == 9) saved = L.position();
+    straight.push_back(L.next(3));
+    const Batch& b = straight.back();
+    for (size_t r = 0; r < 48; ++r) {
+      ASSERT_EQ(b.ids[r], ref[at + r]) << "batch " << i << " row " << r;
+      // Same document: same value / 100 (corpus documents are 1000 apart, extra ones 100).
+      const bool last = at + r + 1 == ref.size() || ref[at + r + 1] / 100 != ref[at + r] / 100;
+      EXPECT_EQ(b.targets[r], last ? kIgnore : ref[at + r + 1]) << "batch " << i << " row " << r;
+    }
+    at += 48;
+  }
+  // Resume: a new loader at a saved position gives the same batches.
+  Loader R(D, 16, 5, saved, extra);
+  for (size_t i = 9; i < straight.size(); ++i) EXPECT_EQ(R.next(3).ids, straight[i].ids) << i;
+}
+
+TEST(Data, SetExtraKeepsTheCorpusWhereItWas) {
+  auto D = toy_docs(40, 30, 22);
+  const auto extra = toy_extra(10, 30);
+  // A corpus-only loader (an earlier stage) part-way through a document, then extra documents.
+  Loader a(D, 16, 5), plain(D, 16, 5);
+  for (int i = 0; i < 7; ++i) a.next(2), plain.next(2);
+  const Loader::CorpusPoint c = a.corpus_point();
+  EXPECT_EQ(a.position(), plain.position_of(c));
+  ASSERT_GT(c.token, 0);
+  a.set_extra(extra);
+  EXPECT_EQ(a.corpus_point(), c);
+  EXPECT_EQ(a.next(1).ids[0], D->doc(a.epoch_order(c.epoch)[static_cast<size_t>(c.slot)])[static_cast<size_t>(c.token)]);
+  // Inside an extra document: the corpus continues with the next corpus document. Extra 1 of epoch 0
+  // (14 tokens) lies right before corpus position 1 * 40 / 10 = 4.
+  Loader b(D, 16, 5, {}, extra);
+  const Position start4 = b.position_of({0, 4, 0});
+  b.seek(Position{0, start4.offset - 5});
+  EXPECT_EQ(b.next(1).ids[0], 1000000 + 100 + 9);  // token 9 of extra 1
+  b.seek(Position{0, start4.offset - 5});
+  EXPECT_EQ(b.corpus_point(), (Loader::CorpusPoint{0, 4, 0}));
+  b.set_extra({});  // another stage's documents (here: none)
+  EXPECT_EQ(b.position(), plain.position_of({0, 4, 0}));
+  EXPECT_EQ(b.next(1).ids[0], D->doc(b.epoch_order(0)[4])[0]);
+  // Without extra documents the stream is the corpus' (an empty function changes nothing).
+  Loader e(D, 16, 5, {}, Loader::ExtraDocs{}), f(D, 16, 5);
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(e.next(3).ids, f.next(3).ids);
+  EXPECT_THROW(b.position_of({0, 40, 0}), lm::Error);
+}
+
 TEST(Data, SplitIsByDocumentDisjointAndDeterministic) {
   auto D = toy_docs(200, 30, 8);
   const DataSplit s = split_documents(*D, 0.05, 17);

@@ -1,6 +1,6 @@
 // The trainer end to end on a tiny model and a synthetic corpus: the loss falls, a resumed run
-// reproduces the uninterrupted run's losses exactly, a kill during a save loses only that save,
-// bad run configs stop with a clear message.
+// reproduces the uninterrupted run's losses exactly (also with synthetic passkey documents mixed in),
+// a kill during a save loses only that save, bad run configs stop with a clear message.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -46,6 +46,47 @@ std::string make_corpus(const fs::path& dir) {
     }
   }
   return dir.string();
+}
+
+// Like make_corpus, with the words of the passkey template (io/retrieval.hpp) among the toy words, so
+// that a 512-piece tokenizer fits passkey documents into short stages.
+void make_passkey_corpus(const fs::path& dir) {
+  fs::create_directories(dir);
+  const char* words[] = {"the", "grass", "is", "green", "sky", "blue", "sun", "yellow", "here", "we", "go",
+                         "there", "and", "back", "again", "pass", "key", "remember", "it", "what", "find",
+                         "important", "information", "hidden", "inside", "a", "lot", "of", "irrelevant", "text"};
+  Rng r{98, 0};
+  uint64_t n = 0;
+  for (int d = 0; d < 24; ++d) {
+    std::ofstream f(dir / ("doc" + std::to_string(100 + d) + ".txt"));
+    for (int s = 0; s < 30; ++s) {
+      const int len = 4 + static_cast<int>(r.bits(n++).v[0] % 6);
+      for (int w = 0; w < len; ++w) f << (w ? " " : "The ") << words[(r.bits(n++).v[0] % 30 + w * 7) % 30];
+      f << ". " << (s % 10 == 9 ? "\n" : "");
+    }
+  }
+}
+
+// Two stages (128 then 256 tokens) with a share `fraction` of synthetic passkey documents.
+RunConfig tiny_passkey_run(const fs::path& root, const std::string& out, double fraction) {
+  if (!fs::exists(root / "model.json")) {
+    fs::create_directories(root);
+    std::ofstream(root / "model.json") << kTinyModel;
+    make_passkey_corpus(root / "corpus");
+  }
+  io::json j = io::json::parse(R"({
+    "model": "", "data": {"path": "", "format": "folder", "heldout_fraction": 0.1},
+    "tokenizer": {"vocab_size": 512}, "seed": 5,
+    "optimizer": {"kind": "muon", "lr_adamw": 3e-3, "lr_muon": 3e-3},
+    "balance": {"kind": "qb"},
+    "stages": [{"seq_len": 128, "tokens": 2048, "batch_seqs": 4, "micro_seqs": 2},
+               {"seq_len": 256, "tokens": 2048, "batch_seqs": 2}],
+    "eval_every": 0, "eval_batches": 1, "save_every": 2 })");
+  j["model"] = (root / "model.json").string();
+  j["data"]["path"] = (root / "corpus").string();
+  j["data"]["passkey_fraction"] = fraction;
+  j["out"] = out;
+  return RunConfig::from_json(j, "tiny passkey run");
 }
 
 RunConfig tiny_run(const fs::path& root, const std::string& out) {
@@ -100,6 +141,79 @@ TEST(Trainer, LossFallsAndResumeIsExact) {
   EXPECT_EQ(rest.heldout_ppl, full.heldout_ppl);
 }
 
+// Passkey documents per stage: the run resumes exactly from inside a stage, from a stage-end checkpoint
+// (whose position is still in the previous stage's stream) and across a stage switch; the synthetic
+// share is as configured; the held-out side (unigram baseline) is the corpus' alone.
+TEST(Trainer, PasskeyDocumentsResumeExactly) {
+  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_passkey";
+  fs::remove_all(root);
+  TrainOptions quiet;
+  quiet.quiet = true;
+  const double f = 0.2;
+  const TrainResult full = lm::train::train(tiny_passkey_run(root, (root / "full").string(), f), quiet);
+  ASSERT_EQ(full.steps, 4 + 4);
+  ASSERT_EQ(full.stage_passkey_token_fraction.size(), 2u);
+  for (size_t s = 0; s < 2; ++s) {
+    EXPECT_NEAR(full.stage_passkey_token_fraction[s], f, 0.03) << "stage " << s;
+    // The share is in tokens; in documents it depends on the lengths (here the corpus' are longer).
+    EXPECT_GT(full.stage_passkey_doc_fraction[s], 0.0);
+    EXPECT_LT(full.stage_passkey_doc_fraction[s], 1.0);
+  }
+  EXPECT_TRUE(std::isfinite(full.heldout_ppl));
+  const io::json summary = io::load_json_file((root / "full" / "summary.json").string());
+  EXPECT_EQ(summary.at("passkey_fraction").get<double>(), f);
+  EXPECT_EQ(summary.at("stage_passkey_token_fraction").size(), 2u);
+  EXPECT_EQ(io::load_json_file((root / "full" / "run.json").string())["data"]["passkey_fraction"].get<double>(), f);
+
+  // Stopped after 3 steps (mid stage 0), 4 (the end of stage 0), 6 (mid stage 1), then to the end.
+  RunConfig part = tiny_passkey_run(root, (root / "part").string(), f);
+  std::vector<double> joined;
+  TrainOptions resume = quiet;
+  resume.resume = true;
+  for (const int64_t stop : {3, 4, 6, 0}) {
+    part.max_steps = stop;
+    const TrainResult r = lm::train::train(part, stop == 3 ? quiet : resume);
+    joined.insert(joined.end(), r.losses.begin(), r.losses.end());
+    if (stop) {
+      ASSERT_EQ(r.steps, stop);
+    }
+    if (stop == 3) {  // resuming with another passkey share is refused: the position is in another stream
+      try {
+        lm::train::train(tiny_passkey_run(root, (root / "part").string(), 0.3), resume);
+        FAIL() << "resumed with another passkey_fraction";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("passkey"), std::string::npos) << e.what();
+      }
+    }
+    if (stop == 4) {
+      const io::json st = io::load_json_file((root / "part" / "stage-0" / "trainer_state.json").string());
+      EXPECT_EQ(st["stage"], 1);
+      EXPECT_EQ(st["data_stage"], 0);
+    }
+    if (stop == 0) {
+      EXPECT_EQ(r.heldout_ppl, full.heldout_ppl);
+    }
+  }
+  ASSERT_EQ(joined.size(), full.losses.size());
+  for (size_t i = 0; i < joined.size(); ++i) EXPECT_EQ(joined[i], full.losses[i]) << "step " << i + 1;
+
+  // The unigram baseline (and the held-out split) do not see the synthetic documents.
+  RunConfig plain = tiny_passkey_run(root, (root / "plain").string(), 0);
+  plain.max_steps = 1;
+  const TrainResult p = lm::train::train(plain, quiet);
+  EXPECT_TRUE(p.stage_passkey_token_fraction.empty());
+  EXPECT_EQ(p.unigram_ppl, full.unigram_ppl);
+  // A stage too short for the smallest passkey document is named before any training.
+  RunConfig tiny = tiny_passkey_run(root, (root / "short").string(), f);
+  tiny.stages[1].seq_len = 40;
+  try {
+    lm::train::train(tiny, quiet);
+    FAIL() << "accepted a 40-token stage with passkey documents";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("stages[1]"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Trainer, KillDuringSaveKeepsThePreviousCheckpoint) {
   const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_kill";
   fs::remove_all(root);
@@ -145,6 +259,17 @@ TEST(Trainer, BadRunConfigsAreClearErrors) {
   b = j;
   b["stages"][0]["micro_seqs"] = 3;
   expect_error(b, "multiple of micro_seqs");
+  b = j;
+  b["data"]["passkey_fraction"] = 0.95;
+  expect_error(b, "data.passkey_fraction must be in [0, 0.9]");
+  b["data"]["passkey_fraction"] = -0.1;
+  expect_error(b, "data.passkey_fraction must be in [0, 0.9]");
+  b["data"]["passkey_fraction"] = "some";
+  expect_error(b, "passkey_fraction");
+  b["data"]["passkey_fraction"] = 0.9;
+  EXPECT_EQ(RunConfig::from_json(b, "ok.json").passkey_fraction, 0.9);
+  EXPECT_EQ(RunConfig::from_json(b, "ok.json").to_json()["data"]["passkey_fraction"], 0.9);
+  EXPECT_EQ(RunConfig::from_json(j, "ok.json").passkey_fraction, 0.0);  // default: off
   // A corpus that does not exist: the error names it, and nothing is created under `out`.
   RunConfig c = RunConfig::from_json(j, "ok.json");
   c.data = (root / "missing").string();

@@ -1,0 +1,60 @@
+#pragma once
+// Retrieval prompts (passkey, and the filler/needle pieces of multi-needle): one template shared by
+// the trainer's synthetic passkey documents (train/synthetic) and `longmoe eval --passkey`.
+// Why shared: a curriculum run that mixes passkey documents into its data is then evaluated on
+// prompts of exactly the same distribution (intro, filler, needle, question, and the tokens the answer
+// is made of); training and evaluation differ only in the keys, lengths and depths they draw, from
+// different Philox streams. Why here, in io: the template needs only the tokenizer, and io is the
+// lowest layer that both the trainer (src/train) and the inference side (apps, src/infer) build on.
+//
+// A passkey prompt, as text:
+//   kRetrievalIntro  filler sentences with the needle "The pass key is N. Remember it. N is the pass
+//   key. " between two of them  "\n"  kPasskeyQuestion
+// and as tokens: [<s>] encode(prompt), then the answer encode(N + "."): the prompt is encoded on its
+// own (as eval encodes what it feeds the model) and the answer after it (as greedy decoding produces
+// it), so the tokens a training document ends with are the ones eval expects to be generated.
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "io/tokenizer.hpp"
+
+namespace lm::io {
+
+inline constexpr std::string_view kRetrievalIntro =
+    "There is important information hidden inside a lot of irrelevant text. Find it and memorize it. ";
+inline constexpr std::string_view kPasskeyQuestion = "What is the pass key? The pass key is ";
+
+// The filler, one sentence (with its trailing space) at a time, cycled: "The grass is green. ",
+// "The sky is blue. ", "The sun is yellow. ", "Here we go. ", "There and back again. ".
+const std::vector<std::string>& filler_sentences();
+// `n` filler sentences, cycling.
+std::string filler_text(int64_t n);
+// Filler of about `tokens` tokens (whole sentences; at least none).
+std::string retrieval_filler(const Tokenizer& tok, int64_t tokens);
+// `body` with `needle` inserted at the sentence boundary (". ") at or before fraction `depth` of it.
+std::string with_needle(const std::string& body, double depth, const std::string& needle);
+
+// A five-digit key 10000..99999 from 32 random bits.
+std::string passkey_key(uint32_t bits);
+std::string passkey_needle(const std::string& key);  // "The pass key is N. Remember it. N is the pass key. "
+
+struct PasskeyPrompt {
+  std::string prompt;                // intro, filler with the needle, "\n", question
+  std::string key;                   // the answer, e.g. "12345"
+  std::vector<int32_t> ids;          // [<s>] encode(prompt) (no <s> when the tokenizer has none)
+  std::vector<int32_t> answer_ids;   // encode(key + ".")
+  int64_t filler_sentences = 0, needle_at = 0;  // sentences of filler; the needle precedes sentence needle_at
+  int64_t tokens() const { return static_cast<int64_t>(ids.size() + answer_ids.size()); }
+};
+
+// The longest passkey prompt whose ids + answer_ids hold at most `tokens` tokens (whole filler
+// sentences; within about one sentence of `tokens`), the needle at fraction `depth` in [0, 1] of the
+// filler (0: before the first sentence, 1: after the last). Throws when even the prompt without filler
+// (passkey_min_tokens) does not fit.
+PasskeyPrompt passkey_prompt(const Tokenizer& tok, int64_t tokens, double depth, const std::string& key);
+// ids + answer_ids of a prompt without filler (the smallest passkey prompt with this tokenizer).
+int64_t passkey_min_tokens(const Tokenizer& tok);
+
+}  // namespace lm::io

@@ -1,0 +1,39 @@
+#pragma once
+// Synthetic passkey documents mixed into the training stream (run config data.passkey_fraction), so
+// that a context-curriculum run learns retrieval across each stage's context; `longmoe eval --passkey`
+// asks prompts of the same template (io/retrieval.hpp) with keys from another stream.
+//
+// Document j of epoch e of curriculum stage s (seq_len T), all drawn from Philox draw j of the stream
+// passkey_rng(seed, s).fork(e), so any document is a pure function of (seed, s, e, j):
+//   length  uniform in [lo, T] tokens, lo = max(ceil(T / 4), passkey_min_tokens + 2 (+1 for <|doc|>));
+//           the document is the longest prompt (whole filler sentences) that fits, within about one
+//           sentence below the drawn length
+//   key     five digits, 10000..99999
+//   depth   uniform in [0, 1): the needle's place in the filler
+// Tokens: [<s>] prompt, then the answer key + "." and <|doc|>: the model learns to answer and end the
+// document. An epoch holds documents 0..M-1, M the fewest whose drawn lengths reach `target` tokens.
+// The held-out split, held-out perplexity and the unigram baseline never see these documents.
+#include <cstdint>
+
+#include "core/rng.hpp"
+#include "io/tokenizer.hpp"
+#include "train/data.hpp"
+
+namespace lm::train {
+
+// Stream of stage `stage`'s passkey documents (independent of the split, the shuffles and eval's keys).
+Rng passkey_rng(uint64_t seed, int64_t stage);
+
+// Synthetic tokens per epoch so that they are `fraction` of the mixed stream:
+// fraction / (1 - fraction) * corpus_tokens, rounded. fraction must lie in [0, 0.9].
+int64_t passkey_target_tokens(int64_t corpus_tokens, double fraction);
+
+// The shortest document length used for stage length `seq_len` (see above); throws when the
+// smallest passkey prompt of this tokenizer does not fit in `seq_len` tokens.
+int64_t passkey_min_doc_tokens(const io::Tokenizer& tok, int64_t seq_len);
+
+// The documents of one epoch of one stage (`rng` = passkey_rng(seed, stage).fork(epoch)); built in
+// parallel, the result does not depend on the thread count.
+TokenizedDocs passkey_documents(const io::Tokenizer& tok, int64_t seq_len, int64_t target_tokens, const Rng& rng);
+
+}  // namespace lm::train

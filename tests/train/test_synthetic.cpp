@@ -1,0 +1,126 @@
+// Synthetic passkey documents (train/synthetic) and the retrieval template they share with
+// `longmoe eval --passkey` (io/retrieval): lengths, template, answer tokens, determinism, and that a
+// document without its answer is exactly the prompt eval builds.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "core/parallel.hpp"
+#include "io/retrieval.hpp"
+#include "train/synthetic.hpp"
+
+namespace {
+
+using namespace lm;
+using namespace lm::train;
+namespace fs = std::filesystem;
+
+// A small BPE tokenizer trained on text with the template's words (as a real corpus has them).
+const io::Tokenizer& tokenizer() {
+  static const io::Tokenizer tok = [] {
+    const fs::path dir = fs::temp_directory_path() / ("lm_synth_" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    const char* words[] = {"the", "grass", "is", "green", "sky", "blue", "sun", "yellow", "here", "we", "go",
+                           "there", "and", "back", "again", "pass", "key", "remember", "it", "what", "find",
+                           "important", "information", "hidden", "inside", "a", "lot", "of", "irrelevant", "text"};
+    std::vector<std::string> docs;
+    for (int d = 0; d < 40; ++d) {
+      std::string s;
+      for (int w = 0; w < 60; ++w) s += std::string(w ? (w % 7 ? " " : ". ") : "") + words[(d * 11 + w * w) % 30];
+      docs.push_back(s + ". The pass key is " + std::to_string(10000 + d * 997) + ".\n");
+    }
+    io::Tokenizer::TrainOptions o;
+    o.vocab_size = 512;
+    auto t = io::Tokenizer::train(docs, (dir / "t.model").string(), o);
+    auto loaded = io::Tokenizer::load((dir / "t.model").string());
+    fs::remove_all(dir);
+    return loaded;
+  }();
+  return tok;
+}
+
+}  // namespace
+
+TEST(Retrieval, PasskeyPromptFitsAndEndsWithTheQuestion) {
+  const io::Tokenizer& tok = tokenizer();
+  const int64_t lo = io::passkey_min_tokens(tok);
+  for (const int64_t L : {lo, lo + 3, int64_t{200}, int64_t{511}, int64_t{1024}}) {
+    for (const double depth : {0.0, 0.37, 1.0}) {
+      const io::PasskeyPrompt p = io::passkey_prompt(tok, L, depth, "48213");
+      EXPECT_LE(p.tokens(), L);
+      // Whole sentences: one more would not fit.
+      EXPECT_GT(p.tokens() + 12, L) << L;  // a sentence is well under 12 tokens here
+      EXPECT_EQ(p.ids.front(), tok.bos());
+      EXPECT_EQ(tok.decode({p.ids.begin() + 1, p.ids.end()}), p.prompt);  // the prompt exactly
+      EXPECT_EQ(p.prompt.rfind(io::kRetrievalIntro, 0), 0u);
+      EXPECT_TRUE(p.prompt.ends_with(std::string("\n") + std::string(io::kPasskeyQuestion)));
+      EXPECT_NE(p.prompt.find(io::passkey_needle("48213")), std::string::npos);
+      EXPECT_EQ(tok.decode(p.answer_ids), "48213.");
+      EXPECT_EQ(p.needle_at, std::llround(depth * static_cast<double>(p.filler_sentences)));
+    }
+  }
+  EXPECT_THROW(io::passkey_prompt(tok, lo - 1, 0.5, "48213"), Error);
+  EXPECT_EQ(io::passkey_key(0), "10000");
+  EXPECT_EQ(io::passkey_key(89999), "99999");
+  EXPECT_EQ(io::passkey_key(90000), "10000");
+  EXPECT_EQ(io::with_needle("A b. C d. E f. ", 0.5, "N. "), "A b. N. C d. E f. ");
+}
+
+TEST(Synthetic, PasskeyDocumentsSpanTheStageContext) {
+  const io::Tokenizer& tok = tokenizer();
+  const int32_t sep = tok.special("<|doc|>");
+  const int64_t T = 256, target = 20000;
+  const int64_t lo = passkey_min_doc_tokens(tok, T);
+  EXPECT_EQ(lo, std::max<int64_t>(T / 4, io::passkey_min_tokens(tok) + 3));
+  const Rng rng = passkey_rng(7, 1).fork(0);
+  lm::set_num_threads(1);
+  const TokenizedDocs a = passkey_documents(tok, T, target, rng);
+  lm::set_num_threads(2);
+  const TokenizedDocs b = passkey_documents(tok, T, target, rng);
+  EXPECT_EQ(a.ids, b.ids);  // deterministic, whatever the thread count
+  EXPECT_EQ(a.offsets, b.offsets);
+  EXPECT_NE(passkey_documents(tok, T, target, passkey_rng(7, 1).fork(1)).ids, a.ids);  // another epoch
+  EXPECT_NE(passkey_documents(tok, T, target, passkey_rng(7, 2).fork(0)).ids, a.ids);  // another stage
+  // Enough documents for the target, not one more than needed (each is at most T tokens).
+  EXPECT_GE(a.tokens() + a.num_docs() * 12, target);
+  EXPECT_LT(a.tokens() - static_cast<int64_t>(a.doc(a.num_docs() - 1).size()), target);
+  int64_t shortest = T, longest = 0;
+  double depth_sum = 0;
+  for (int64_t d = 0; d < a.num_docs(); ++d) {
+    const auto s = a.doc(d);
+    const auto n = static_cast<int64_t>(s.size());
+    shortest = std::min(shortest, n), longest = std::max(longest, n);
+    EXPECT_LE(n, T);
+    EXPECT_GE(n + 12, lo);
+    ASSERT_EQ(s.front(), tok.bos());
+    ASSERT_EQ(s.back(), sep);
+    const std::string text = tok.decode({s.begin() + 1, s.end() - 1});
+    // "... The pass key is N." with the needle's N.
+    const size_t q = text.rfind(io::kPasskeyQuestion);
+    ASSERT_NE(q, std::string::npos);
+    const std::string key = text.substr(q + io::kPasskeyQuestion.size(), 5);
+    EXPECT_EQ(text.substr(q + io::kPasskeyQuestion.size()), key + ".");
+    const size_t needle = text.find(io::passkey_needle(key));
+    ASSERT_NE(needle, std::string::npos);
+    depth_sum += static_cast<double>(needle) / static_cast<double>(q);
+    // [<s>] encode(prompt) encode(N + ".") <|doc|>: without its answer the document is what eval feeds
+    // the model for such a prompt, and the answer is what greedy decoding has to produce after it.
+    std::vector<int32_t> want{tok.bos()};
+    for (const std::string& piece : {text.substr(0, q + io::kPasskeyQuestion.size()), key + "."}) {
+      const auto e = tok.encode(piece);
+      want.insert(want.end(), e.begin(), e.end());
+    }
+    want.push_back(sep);
+    EXPECT_EQ(std::vector<int32_t>(s.begin(), s.end()), want);
+  }
+  // Lengths spread over [lo, T], depths over [0, 1].
+  EXPECT_LT(shortest, lo + (T - lo) / 4);
+  EXPECT_GT(longest, T - (T - lo) / 4);
+  EXPECT_NEAR(depth_sum / static_cast<double>(a.num_docs()), 0.5, 0.15);
+  // The share of the training tokens.
+  EXPECT_EQ(passkey_target_tokens(900, 0.1), 100);
+  EXPECT_EQ(passkey_target_tokens(900, 0), 0);
+  EXPECT_THROW(passkey_target_tokens(900, 0.95), Error);
+  EXPECT_THROW(passkey_min_doc_tokens(tok, lo / 2), Error);
+}
