@@ -50,6 +50,7 @@ int run(const Args& a) {
   });
   const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("\n");
+  std::fflush(stdout);  // the text ends before the statistics on stderr
   if (!a.quiet) {
     const auto n = static_cast<double>(g.generated().size());
     std::fprintf(stderr,

@@ -33,6 +33,11 @@ int run(const Args& a) {
   const auto r = lm::train::train(cfg, opt);
   std::printf("final: held-out ppl %.2f (unigram ppl %.2f), train loss %.4f, %.0f tokens/s, checkpoint %s\n",
               r.heldout_ppl, r.unigram_ppl, r.final_train_loss, r.tokens_per_s, r.checkpoint.c_str());
+  if (!r.maxvio_worst.empty()) {
+    const auto b = lm::train::summarize_balance(r, 0.3, 50);
+    std::printf("balance: worst-layer MaxVio first below 0.3 at step %ld; after step 50: median %.3f, max %.3f\n",
+                static_cast<long>(b.first_step_below), b.median_after, b.max_after);
+  }
   return 0;
 }
 

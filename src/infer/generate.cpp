@@ -2,19 +2,32 @@
 #include "infer/generate.hpp"
 
 #include <filesystem>
+#include <fstream>
 
 #include "core/error.hpp"
 #include "io/checkpoint.hpp"
 
 namespace lm::infer {
 
-LoadedModel load_model_dir(const std::string& dir, bool need_tokenizer) {
+LoadedModel load_model_dir(const std::string& path, bool need_tokenizer) {
   namespace fs = std::filesystem;
-  LM_CHECK(fs::is_directory(dir), "checkpoint directory {} does not exist", dir);
+  LM_CHECK(fs::is_directory(path), "checkpoint directory {} does not exist", path);
   LoadedModel lm;
+  lm.name = fs::path(path).lexically_normal().filename().string();
+  if (lm.name.empty() || lm.name == ".") lm.name = fs::path(path).lexically_normal().parent_path().filename().string();
+  // A training run folder (runs/NAME with a 'latest' file) stands for its newest checkpoint.
+  std::string dir = path;
+  const bool has_weights = fs::exists(fs::path(path) / "model.safetensors") ||
+                           fs::exists(fs::path(path) / "model.safetensors.index.json");
+  if (!has_weights && fs::exists(fs::path(path) / "latest")) {
+    std::ifstream in(fs::path(path) / "latest");
+    std::string rel;
+    std::getline(in, rel);
+    dir = (fs::path(path) / rel).string();
+    LM_CHECK(!rel.empty() && fs::exists(fs::path(dir) / "config.json"),
+             "{}: 'latest' names '{}', which is not a checkpoint directory", path, rel);
+  }
   lm.dir = dir;
-  lm.name = fs::path(dir).lexically_normal().filename().string();
-  if (lm.name.empty() || lm.name == ".") lm.name = fs::path(dir).lexically_normal().parent_path().filename().string();
   lm.config = model::ModelConfig::load(dir);
   lm.model = std::make_unique<model::Model<float>>(lm.config);
   lm.model->params().load(io::Checkpoint::open(dir));

@@ -26,7 +26,8 @@ struct LoadedModel {
   std::unique_ptr<model::Model<float>> model;
   std::shared_ptr<io::Tokenizer> tokenizer;  // null when the directory has no tokenizer.model
 };
-LoadedModel load_model_dir(const std::string& dir, bool need_tokenizer = true);
+// `path`: a checkpoint directory, or a training run folder (its `latest` checkpoint).
+LoadedModel load_model_dir(const std::string& path, bool need_tokenizer = true);
 // A model with random weights (ParamStore::init(seed)) and a tokenizer file, for benchmarks and load tests.
 LoadedModel random_model(const std::string& config, const std::string& tokenizer_path, uint64_t seed = 1);
 
