@@ -31,6 +31,11 @@ int run(const Args& a) {
   opt.resume = a.resume;
   opt.quiet = a.quiet;
   const auto r = lm::train::train(cfg, opt);
+  if (r.interrupted) {
+    std::printf("interrupted after %ld steps; checkpoint %s (continue with --resume)\n", static_cast<long>(r.steps),
+                r.checkpoint.c_str());
+    return 130;
+  }
   std::printf("final: held-out ppl %.2f (unigram ppl %.2f), train loss %.4f, %.0f tokens/s, checkpoint %s\n",
               r.heldout_ppl, r.unigram_ppl, r.final_train_loss, r.tokens_per_s, r.checkpoint.c_str());
   if (!r.maxvio_worst.empty()) {

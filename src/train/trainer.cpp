@@ -13,6 +13,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <csignal>
 #include <cstdlib>
 #include <chrono>
 #include <cmath>
@@ -251,8 +253,36 @@ struct Balancer {
 
 }  // namespace
 
+// SIGINT / SIGTERM: the first one asks the step loop to stop after the current step and save a
+// checkpoint (a stopped run is one --resume away from continuing); a second one exits at once.
+namespace {
+std::atomic<int> g_interrupts{0};
+void on_interrupt(int sig) {
+  if (g_interrupts.fetch_add(1) > 0) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+  }
+}
+struct InterruptScope {
+  using Handler = void (*)(int);
+  Handler old_int, old_term;
+  InterruptScope() {
+    g_interrupts = 0;
+    old_int = std::signal(SIGINT, on_interrupt);
+    old_term = std::signal(SIGTERM, on_interrupt);
+  }
+  ~InterruptScope() {
+    std::signal(SIGINT, old_int);
+    std::signal(SIGTERM, old_term);
+  }
+  InterruptScope(const InterruptScope&) = delete;
+  InterruptScope& operator=(const InterruptScope&) = delete;
+};
+}  // namespace
+
 TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
   const auto t_start = Clock::now();
+  const InterruptScope interrupt_scope;
   const fs::path out(cfg.out);
   fs::create_directories(out);
   const bool tty = !opt.quiet && isatty(STDERR_FILENO);
@@ -515,10 +545,11 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
     const int64_t first = si == stage0 ? step_in_stage0 : 0;
     const auto stage_t0 = Clock::now();
     int64_t stage_tokens = 0;
-    bool stopped = false;  // max_steps reached inside the stage
+    bool stopped = false;  // max_steps reached, or SIGINT/SIGTERM, inside the stage
     int64_t step = first;
     for (; step < steps; ++step) {
-      if (cfg.max_steps > 0 && global_step >= cfg.max_steps) {
+      if (g_interrupts.load() > 0) result.interrupted = true;
+      if ((cfg.max_steps > 0 && global_step >= cfg.max_steps) || result.interrupted) {
         stopped = true;
         break;
       }
@@ -645,6 +676,8 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
     if (tty) std::fprintf(stderr, "\n");
     if (stopped) {  // a partial stage: checkpoint where it stopped, so --resume continues from here
       save(si, step, "");
+      if (result.interrupted) say(fmt::format("interrupted at step {}: checkpoint {} saved; continue with --resume",
+                                              global_step, last_ckpt));
       break;
     }
     // Stage end: held-out perplexity over the whole split, then the stage's checkpoint.
@@ -671,7 +704,7 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
                             ? static_cast<double>(tokens_seen - first_tokens) / result.train_seconds
                             : tok_rate;
   result.checkpoint = last_ckpt;
-  {
+  if (!result.interrupted) {
     // summary.json: the run's headline figures, for people and scripts (docs/experiments.md).
     const BalanceSummary bs = summarize_balance(result, 0.3, 50);
     json sj = {{"steps", global_step},

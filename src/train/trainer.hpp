@@ -81,6 +81,7 @@ struct TrainResult {
   std::string checkpoint;      // the last checkpoint written
   // MoE balance, per step of this process: MaxVio of the worst MoE layer (empty without MoE layers).
   std::vector<double> maxvio_worst;
+  bool interrupted = false;        // stopped by SIGINT/SIGTERM (a checkpoint was saved; no summary.json)
   int64_t first_step = 0;          // global step of maxvio_worst[0] / losses[0] (non-zero after --resume)
   double train_seconds = 0;        // time in optimiser steps (no evaluation, no saving)
   std::vector<double> stage_heldout_ppl;  // held-out perplexity at the end of each stage finished here
