@@ -163,12 +163,18 @@ TEST(Session, DecodeMatchesFullForwardGolden) {
       std::printf("  %s b=%ld: prefill+decode vs fp32 full forward %.3g; vs the float64 golden: token-by-token "
                   "decode %.3g, fp32 full forward %.3g\n",
                   name, static_cast<long>(b), err, gerr, ferr);
-      // k3-tiny's lower-bound gate (slope up to 20 in its input) makes fp32 evaluation-order noise visible:
-      // the fp32 full forward itself is ~3e-5 from the float64 truth. Decode must be as close to the truth
-      // as the full forward is, and within 1e-5 of it wherever the model is not that ill-conditioned.
+      // k3-tiny is ill-conditioned: its lower-bound gate has slope up to |lb|·e^A/4 = 20 in its input and
+      // its non-decaying KDA channels keep every token, so a relative perturbation of 1e-6 in an early
+      // layer's output moves the logits by ~1e-5 (measured in float64). fp32 GEMMs round to a few units of
+      // 2^-24, differently for 1, 16 or 200 rows and for each thread count, so any fp32 evaluation of this
+      // model lands 5e-6..1.5e-5 from the truth and from another evaluation order (~4e-6 with every GEMM
+      // rounded exactly, an experiment). The rest is accurate: before the KDA exponents came from a double
+      // cumulative gate sum (and the short conv and decode step ran in double) the full forward was
+      // 1.8e-5..3.4e-5 from the truth and prefill+decode 1.7e-5..3.2e-5 from it, over 1..8 threads.
       if (std::string(name) == "k3-tiny") {
-        EXPECT_LT(err, 1e-4);
-        EXPECT_LT(gerr, std::max(ferr, 2.5e-5));
+        EXPECT_LT(err, 2e-5);
+        EXPECT_LT(gerr, 2e-5);
+        EXPECT_LT(ferr, 2e-5);
       } else {
         EXPECT_LT(err, 1e-5);
         EXPECT_LT(gerr, 1e-5);

@@ -14,6 +14,10 @@
 //            underflow to 0, which happens only for products below e^{-50} of the kept terms).
 //   Exact:   a = G_{i0} for the past tiles (both factors <= 1, safe for any gate); the diagonal
 //            tile pair by pair with one exp per pair and channel, never overflowing.
+// G and every exponent (G_i - a, a - G_j, G_last - G) are formed in double, also for float: |G| reaches
+// C·|lb| (320 for lb = -5), and a float cumulative sum would carry an absolute error of up to ~1e-5 into
+// every factor e^{G_i - G_j}, however close i and j are (C·K adds per chunk). The exponentials and
+// everything after them run in F.
 // Each (sequence, head) runs sequentially over its chunks; pairs run in parallel.
 #include <algorithm>
 #include <cmath>
@@ -59,10 +63,27 @@ namespace {
 constexpr int64_t kC = 64;     // chunk length
 constexpr int64_t kTile = 16;  // sub-tile length
 
+// e^x for an exponent x formed in double (a difference of cumulative gate sums), x <= 0. Rounding x
+// to float costs |x|·2^-24 relative, but the factor itself is e^{-|x|}, so the error it carries into
+// any sum is at most max |x| e^{-|x|} · 2^-24 (~2e-8 of the largest term).
 template <class F>
-LM_ALWAYS_INLINE F fexp(F x) {
-  if constexpr (std::is_same_v<F, float>) return exp_approx(x);
+LM_ALWAYS_INLINE F fexp_d(double x) {
+  if constexpr (std::is_same_v<F, float>) return exp_approx(static_cast<float>(x));
   else return std::exp(x);
+}
+
+// e^x for the bounded path's anchored factors: one of e^{G_i - a}, e^{a - G_j} is up to e^{7.5|lb|}
+// (e^37.5) while their product is O(1), so a float exponent would cost up to 37.5·2^-24 = 2e-6 of the
+// product. For float x is split as x = xh + xl (xh = fl(x), |xl| <= ulp(xh)/2), e^x = e^xh (1 + xl).
+template <class F>
+LM_ALWAYS_INLINE F fexp_split(double x) {
+  if constexpr (std::is_same_v<F, float>) {
+    const float xh = static_cast<float>(x);
+    const float xl = static_cast<float>(x - static_cast<double>(xh));
+    return exp_approx(xh) * (1.0f + xl);
+  } else {
+    return std::exp(x);
+  }
 }
 
 // Scratch for one chunk of one (sequence, head); reused across chunks. Buffers that feed the same
@@ -73,23 +94,25 @@ LM_ALWAYS_INLINE F fexp(F x) {
 template <class F>
 struct Work {
   int64_t K, V, ldx;                 // ldx = V + K
-  std::vector<F> q, k, v, G, beta;   // [C,K] [C,K] [C,V] [C,K] [C]
+  std::vector<F> q, k, v, beta;      // [C,K] [C,K] [C,V] [C]
+  std::vector<double> G, Gl;         // G = cumsum(g) [C,K], G_last [K]: double for any F (see the top)
   std::vector<F> Gam, Kg, Dec, Kd;   // Γ, K⊙Γ, e^{G_last - G}, K⊙Dec   [C,K]
-  std::vector<F> Gl, Gaml;           // G_last, Γ_last [K]
+  std::vector<F> Gaml;               // Γ_last [K]
   std::vector<F> Aqk, Pkk, M;        // [C,C], ld = C
   std::vector<F> X, BB, Y, E;        // see above; E [C,V]
   std::vector<F> Xa, Xb, Xo, ea, eb;  // tile factors: [2·16,K], [C,K], [2·16,C], e^{G-a} [16,K], e^{a-G} [C,K]
   std::vector<F> pe;                  // exact path: one pair's e^{G_i - G_j} [K]
   int64_t c = 0;                      // rows of the chunk now loaded
   Work(int64_t K_, int64_t V_) : K(K_), V(V_), ldx(K_ + V_) {
-    for (auto* b : {&q, &k, &G, &Gam, &Kg, &Dec, &Kd, &Xb, &eb}) b->assign(kC * K, F(0));
+    for (auto* b : {&q, &k, &Gam, &Kg, &Dec, &Kd, &Xb, &eb}) b->assign(kC * K, F(0));
+    G.assign(kC * K, 0.0);
     for (auto* b : {&v, &E}) b->assign(kC * V, F(0));
     for (auto* b : {&Aqk, &Pkk, &M}) b->assign(kC * kC, F(0));
     X.assign(2 * kC * ldx, F(0));
     BB.assign(kC * ldx, F(0));
     Y.assign(2 * kC * V, F(0));
     beta.assign(kC, F(0));
-    Gl.assign(K, F(0));
+    Gl.assign(K, 0.0);
     Gaml.assign(K, F(0));
     Xa.assign(2 * kTile * K, F(0));
     Xo.assign(2 * kTile * kC, F(0));
@@ -122,22 +145,23 @@ void load_chunk(Work<F>& w, const SeqHead<F>& s, int64_t t0, int64_t c) {
     std::copy_n(s.k + r * K, K, &w.k[i * K]);
     std::copy_n(s.v + r * V, V, &w.v[i * V]);
     const F* g = s.g + r * K;
-    F* G = &w.G[i * K];
-    const F* Gp = i ? &w.G[(i - 1) * K] : nullptr;
+    double* G = &w.G[i * K];
+    const double* Gp = i ? &w.G[(i - 1) * K] : nullptr;
 #pragma omp simd
-    for (int64_t d = 0; d < K; ++d) G[d] = (Gp ? Gp[d] : F(0)) + g[d];
+    for (int64_t d = 0; d < K; ++d) G[d] = (Gp ? Gp[d] : 0.0) + static_cast<double>(g[d]);
     w.beta[i] = s.beta[r];
   }
   std::copy_n(&w.G[(c - 1) * K], K, w.Gl.data());
-  for (int64_t d = 0; d < K; ++d) w.Gaml[d] = fexp(w.Gl[d]);
+  for (int64_t d = 0; d < K; ++d) w.Gaml[d] = fexp_d<F>(w.Gl[d]);
   w.c = c;
   for (int64_t i = 0; i < c; ++i) {
-    const F *G = &w.G[i * K], *q = &w.q[i * K], *k = &w.k[i * K], *Gl = w.Gl.data();
+    const double *G = &w.G[i * K], *Gl = w.Gl.data();
+    const F *q = &w.q[i * K], *k = &w.k[i * K];
     F *Gam = &w.Gam[i * K], *Qg = w.Qg() + i * w.ldx, *Kg = &w.Kg[i * K], *Dec = &w.Dec[i * K], *Kd = &w.Kd[i * K];
 #pragma omp simd
     for (int64_t d = 0; d < K; ++d) {
-      Gam[d] = fexp(G[d]);
-      Dec[d] = fexp(Gl[d] - G[d]);
+      Gam[d] = fexp_d<F>(G[d]);
+      Dec[d] = fexp_d<F>(Gl[d] - G[d]);
       Qg[d] = q[d] * Gam[d];
       Kg[d] = k[d] * Gam[d];
       Kd[d] = k[d] * Dec[d];
@@ -147,25 +171,29 @@ void load_chunk(Work<F>& w, const SeqHead<F>& s, int64_t t0, int64_t c) {
 
 // Builds the anchored tile factors of row tile [i0, i1) over columns [0, cols):
 //   Xa = [q_i e^{G_i - a} ; k_i e^{G_i - a}]  (2·nr rows, stride K),  Xb = k_j e^{a - G_j}  (cols rows).
-template <class F>
-void tile_factors(Work<F>& w, int64_t i0, int64_t i1, int64_t cols, const F* a) {
+template <class F, bool kBounded>
+void tile_factors(Work<F>& w, int64_t i0, int64_t i1, int64_t cols, const double* a) {
+  // Exact path: a = G_{i0}, both exponents are <= 0. Bounded: see fexp_split.
+  auto ex = [](double x) { return kBounded ? fexp_split<F>(x) : fexp_d<F>(x); };
   const int64_t K = w.K, nr = i1 - i0;
   for (int64_t i = 0; i < nr; ++i) {
-    const F *G = &w.G[(i0 + i) * K], *q = &w.q[(i0 + i) * K], *k = &w.k[(i0 + i) * K];
+    const double* G = &w.G[(i0 + i) * K];
+    const F *q = &w.q[(i0 + i) * K], *k = &w.k[(i0 + i) * K];
     F *ea = &w.ea[i * K], *xq = &w.Xa[i * K], *xk = &w.Xa[(nr + i) * K];
 #pragma omp simd
     for (int64_t d = 0; d < K; ++d) {
-      ea[d] = fexp(G[d] - a[d]);
+      ea[d] = ex(G[d] - a[d]);
       xq[d] = q[d] * ea[d];
       xk[d] = k[d] * ea[d];
     }
   }
   for (int64_t j = 0; j < cols; ++j) {
-    const F *G = &w.G[j * K], *k = &w.k[j * K];
+    const double* G = &w.G[j * K];
+    const F* k = &w.k[j * K];
     F *eb = &w.eb[j * K], *xb = &w.Xb[j * K];
 #pragma omp simd
     for (int64_t d = 0; d < K; ++d) {
-      eb[d] = fexp(a[d] - G[d]);
+      eb[d] = ex(a[d] - G[d]);
       xb[d] = k[d] * eb[d];
     }
   }
@@ -173,8 +201,8 @@ void tile_factors(Work<F>& w, int64_t i0, int64_t i1, int64_t cols, const F* a) 
 
 // Anchor of row tile i0: the causal, bounded one or the first row (past tiles of the exact path).
 template <class F>
-void tile_anchor(const Work<F>& w, int64_t i0, bool bounded, F lb, std::vector<F>& a) {
-  const F off = bounded ? F(7.5) * lb : F(0);
+void tile_anchor(const Work<F>& w, int64_t i0, bool bounded, F lb, std::vector<double>& a) {
+  const double off = bounded ? 7.5 * static_cast<double>(lb) : 0.0;
   for (int64_t d = 0; d < w.K; ++d) a[d] = w.G[i0 * w.K + d] + off;
 }
 
@@ -184,13 +212,14 @@ void intra_chunk_A(Work<F>& w, int64_t c, bool bounded, F lb, F scale) {
   const int64_t K = w.K;
   std::fill(w.Aqk.begin(), w.Aqk.end(), F(0));
   std::fill(w.Pkk.begin(), w.Pkk.end(), F(0));
-  std::vector<F> a(K);
+  std::vector<double> a(K);
   for (int64_t i0 = 0; i0 < c; i0 += kTile) {
     const int64_t i1 = std::min(i0 + kTile, c), nr = i1 - i0;
     const int64_t cols = bounded ? i1 : i0;  // exact: GEMM only over past tiles
     if (cols > 0) {
       tile_anchor(w, i0, bounded, lb, a);
-      tile_factors(w, i0, i1, cols, a.data());
+      if (bounded) tile_factors<F, true>(w, i0, i1, cols, a.data());
+      else tile_factors<F, false>(w, i0, i1, cols, a.data());
       ops::gemm(false, true, 2 * nr, cols, K, F(1), w.Xa.data(), K, w.Xb.data(), K, F(0), w.Xo.data(), kC);
       for (int64_t i = i0; i < i1; ++i) {
         const F *xq = &w.Xo[(i - i0) * kC], *xk = &w.Xo[(nr + i - i0) * kC];
@@ -203,12 +232,14 @@ void intra_chunk_A(Work<F>& w, int64_t c, bool bounded, F lb, F scale) {
     if (!bounded) {
       // Diagonal tile pair by pair: e^{G_i - G_j} <= 1 for j <= i, for any gate.
       for (int64_t i = i0; i < i1; ++i) {
-        const F *Gi = &w.G[i * K], *qi = &w.q[i * K], *ki = &w.k[i * K];
+        const double* Gi = &w.G[i * K];
+        const F *qi = &w.q[i * K], *ki = &w.k[i * K];
         for (int64_t j = i0; j <= i; ++j) {
-          const F *Gj = &w.G[j * K], *kj = &w.k[j * K];
+          const double* Gj = &w.G[j * K];
+          const F* kj = &w.k[j * K];
           F* pe = w.pe.data();
 #pragma omp simd
-          for (int64_t d = 0; d < K; ++d) pe[d] = fexp(Gi[d] - Gj[d]) * kj[d];
+          for (int64_t d = 0; d < K; ++d) pe[d] = fexp_d<F>(Gi[d] - Gj[d]) * kj[d];
           F sq = 0, sk = 0;
 #pragma omp simd reduction(+ : sq, sk)
           for (int64_t d = 0; d < K; ++d) {
@@ -392,7 +423,8 @@ void backward_one(const CoreInputs<F>& in, const Dims& d, int64_t n, int64_t h, 
   std::vector<F> dQg(kC * K), dKd(kC * K), dq(kC * K), dk(kC * K), dG(kC * K);
   F *dE = dEW.data(), *dW = dEW.data() + V;
   const F *dB1 = dBB.data(), *dB2 = dBB.data() + V;
-  std::vector<F> dPkk(kC * kC), dXo(2 * kTile * kC), dXa(2 * kTile * K), dXb(kC * K), dGl(K), a(K);
+  std::vector<F> dPkk(kC * kC), dXo(2 * kTile * kC), dXa(2 * kTile * K), dXb(kC * K), dGl(K);
+  std::vector<double> a(K);
   const F scale = in.scale;
   for (int64_t ci = nchunks - 1; ci >= 0; --ci) {
     const int64_t t0 = ci * kC, c = std::min(kC, s.len - t0);
@@ -467,20 +499,23 @@ void backward_one(const CoreInputs<F>& in, const Dims& d, int64_t n, int64_t h, 
       const int64_t cols = bounded ? i1 : i0;
       if (cols > 0) {
         tile_anchor(w, i0, bounded, lb, a);
-        tile_factors(w, i0, i1, cols, a.data());
+        if (bounded) tile_factors<F, true>(w, i0, i1, cols, a.data());
+        else tile_factors<F, false>(w, i0, i1, cols, a.data());
         tile_backward_gemm(w, i0, i1, cols, dAqk.data(), dPkk.data(), dq.data(), dk.data(), dG.data(), dXo, dXa, dXb);
       }
       if (!bounded) {
         for (int64_t i = i0; i < i1; ++i) {
-          const F *Gi = &w.G[i * K], *qi = &w.q[i * K], *ki = &w.k[i * K];
+          const double* Gi = &w.G[i * K];
+          const F *qi = &w.q[i * K], *ki = &w.k[i * K];
           F *dqi = &dq[i * K], *dki = &dk[i * K], *dGi = &dG[i * K];
           for (int64_t j = i0; j <= i; ++j) {
             const F tq = dAqk[i * kC + j], tk = dPkk[i * kC + j];
-            const F *Gj = &w.G[j * K], *kj = &w.k[j * K];
+            const double* Gj = &w.G[j * K];
+            const F* kj = &w.k[j * K];
             F *dkj = &dk[j * K], *dGj = &dG[j * K];
 #pragma omp simd
             for (int64_t dd = 0; dd < K; ++dd) {
-              const F e = fexp(Gi[dd] - Gj[dd]);
+              const F e = fexp_d<F>(Gi[dd] - Gj[dd]);
               const F side_i = (tq * qi[dd] + tk * ki[dd]) * e;  // pairs with k_j
               const F x = side_i * kj[dd];
               dqi[dd] += tq * kj[dd] * e;

@@ -30,31 +30,38 @@ void check_dims(const Dims& d) {
 
 namespace {
 
-// One step on S [K, V] in place; o (nullable) receives S_t^T (scale q). u is [V] scratch.
+// One step on S [K, V] in place; o (nullable) receives S_t^T (scale q). w is [2V + K] scratch.
 // The single definition of the arithmetic shared by reference_forward, its backward replay and decode_step.
+// The step runs in double whatever F is and rounds S once: S' = diag(exp g) S is never stored, and u, o
+// are sums over K. A float state would otherwise take three roundings per entry and token (S', S' + k eᵀ,
+// and the sums), which the recurrence carries forward over the whole memory of slowly decaying channels.
+// It costs O(K·V) per token and head, like the state update itself.
 template <class F>
-void delta_step(F* S, const F* q, const F* k, const F* v, const F* g, F beta, F scale, F* o, F* u, int64_t K,
+void delta_step(F* S, const F* q, const F* k, const F* v, const F* g, F beta, F scale, F* o, double* w, int64_t K,
                 int64_t V) {
-  std::fill(u, u + V, F(0));
-  for (int64_t i = 0; i < K; ++i) {  // S' = diag(exp g) S, u = S'^T k
+  double *u = w, *oa = w + V, *a = w + 2 * V;
+  std::fill(u, u + 2 * V, 0.0);
+  for (int64_t i = 0; i < K; ++i) {  // u = S'^T k with S' = diag(exp g) S
+    const F* row = S + i * V;
+    a[i] = std::exp(static_cast<double>(g[i]));
+    const double aki = a[i] * static_cast<double>(k[i]);
+    for (int64_t j = 0; j < V; ++j) u[j] += aki * static_cast<double>(row[j]);
+  }
+  for (int64_t j = 0; j < V; ++j) u[j] = static_cast<double>(beta) * (static_cast<double>(v[j]) - u[j]);  // e
+  for (int64_t i = 0; i < K; ++i) {  // S = S' + k e^T, o = S^T (scale q)
     F* row = S + i * V;
-    const F a = std::exp(g[i]), ki = k[i];
+    const double ai = a[i], ki = static_cast<double>(k[i]), sq = static_cast<double>(scale) * q[i];
     for (int64_t j = 0; j < V; ++j) {
-      row[j] *= a;
-      u[j] += ki * row[j];
+      const double sn = ai * static_cast<double>(row[j]) + ki * u[j];
+      row[j] = static_cast<F>(sn);
+      oa[j] += sq * sn;
     }
   }
-  for (int64_t j = 0; j < V; ++j) u[j] = beta * (v[j] - u[j]);  // u now holds e
-  if (o) std::fill(o, o + V, F(0));
-  for (int64_t i = 0; i < K; ++i) {  // S += k e^T, o = S^T (scale q)
-    F* row = S + i * V;
-    const F ki = k[i], sq = scale * q[i];
-    for (int64_t j = 0; j < V; ++j) {
-      row[j] += ki * u[j];
-      if (o) o[j] += sq * row[j];
-    }
-  }
+  if (o)
+    for (int64_t j = 0; j < V; ++j) o[j] = static_cast<F>(oa[j]);
 }
+
+int64_t step_scratch(int64_t K, int64_t V) { return 2 * V + K; }
 
 template <class F>
 void check_core(const CoreInputs<F>& in, const Dims& d) {
@@ -93,12 +100,13 @@ void reference_forward(const CoreInputs<F>& in, const Dims& d, F* o, F* ht) {
   const Idx ix{H, K, V};
   for_items(d.num_seqs() * H, d.B * d.T * H * KV, [&](int64_t item) {
     const int64_t n = item / H, h = item % H, b = d.seq_begin(n), L = d.seq_len(n);
-    std::vector<F> S(static_cast<size_t>(KV), F(0)), u(static_cast<size_t>(V));
+    std::vector<F> S(static_cast<size_t>(KV), F(0));
+    std::vector<double> w(static_cast<size_t>(step_scratch(K, V)));
     if (in.h0) std::copy_n(in.h0 + ix.state(n, h), KV, S.data());
     for (int64_t t = 0; t < L; ++t) {
       const int64_t r = b + t;
       delta_step(S.data(), in.q + ix.qk(r, h), in.k + ix.qk(r, h), in.v + ix.v(r, h), in.g + ix.qk(r, h),
-                 in.beta[ix.b(r, h)], in.scale, o + ix.v(r, h), u.data(), K, V);
+                 in.beta[ix.b(r, h)], in.scale, o + ix.v(r, h), w.data(), K, V);
     }
     if (ht) std::copy_n(S.data(), KV, ht + ix.state(n, h));
   });
@@ -117,13 +125,14 @@ void reference_backward(const CoreInputs<F>& in, const Dims& d, const F* do_, co
     auto sz = [](int64_t m) { return static_cast<size_t>(m); };
     // Forward replay keeping the state at the start of every segment.
     std::vector<F> ckpt(sz(nseg * KV)), S(sz(KV), F(0)), u(sz(V));
+    std::vector<double> w(sz(step_scratch(K, V)));
     if (in.h0) std::copy_n(in.h0 + ix.state(n, h), KV, S.data());
     for (int64_t m = 0; m < nseg; ++m) {
       std::copy_n(S.data(), KV, ckpt.data() + m * KV);
       for (int64_t t = m * kSeg; t < std::min(L, (m + 1) * kSeg); ++t) {
         const int64_t r = b + t;
         delta_step(S.data(), in.q + ix.qk(r, h), in.k + ix.qk(r, h), in.v + ix.v(r, h), in.g + ix.qk(r, h),
-                   in.beta[ix.b(r, h)], scale, static_cast<F*>(nullptr), u.data(), K, V);
+                   in.beta[ix.b(r, h)], scale, static_cast<F*>(nullptr), w.data(), K, V);
       }
     }
     std::vector<F> dS(sz(KV), F(0));  // dL/dS_t
@@ -137,7 +146,7 @@ void reference_backward(const CoreInputs<F>& in, const Dims& d, const F* do_, co
         const int64_t r = b + t0 + s;
         std::copy_n(buf.data() + s * KV, KV, buf.data() + (s + 1) * KV);
         delta_step(buf.data() + (s + 1) * KV, in.q + ix.qk(r, h), in.k + ix.qk(r, h), in.v + ix.v(r, h),
-                   in.g + ix.qk(r, h), in.beta[ix.b(r, h)], scale, static_cast<F*>(nullptr), u.data(), K, V);
+                   in.g + ix.qk(r, h), in.beta[ix.b(r, h)], scale, static_cast<F*>(nullptr), w.data(), K, V);
       }
       for (int64_t s = len - 1; s >= 0; --s) {
         const int64_t r = b + t0 + s;
@@ -221,10 +230,10 @@ void decode_step(F* state, const F* q, const F* k, const F* v, const F* g, const
   parallel_for(
       S,
       [&](int64_t s) {
-        std::vector<F> u(static_cast<size_t>(V));
+        std::vector<double> w(static_cast<size_t>(step_scratch(K, V)));
         for (int64_t h = 0; h < H; ++h)
           delta_step(state + ix.state(s, h), q + ix.qk(s, h), k + ix.qk(s, h), v + ix.v(s, h), g + ix.qk(s, h),
-                     beta[ix.b(s, h)], scale, o + ix.v(s, h), u.data(), K, V);
+                     beta[ix.b(s, h)], scale, o + ix.v(s, h), w.data(), K, V);
       },
       std::max<int64_t>(1, (1 << 14) / (H * K * V)));
 }

@@ -3,6 +3,8 @@
 // x, y [rows, C]; w [C, W] (HF's [C, 1, W]); cache [N, C, W-1], the W-1 inputs before each sequence,
 // oldest first (absent: zeros).
 //   pre[t, c] = sum_w w[c, w] * x[t - (W-1) + w, c],  y = silu ? pre * sigmoid(pre) : pre
+// Each output is computed in double and rounded once, also for float (W products and one exp: cheap),
+// which keeps fp32 noise out of q, k, v before KDA (a model with a lower-bounded gate amplifies it).
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -81,9 +83,9 @@ void short_conv_forward(const F* x, const F* w, const F* cache, F* y, const Conv
     for (int64_t t = 0; t < L; ++t) {
       F* yr = y + (b + t) * C;
       for (int64_t c = c0; c < c1; ++c) {
-        F pre = 0;
-        for (int64_t k = 0; k < W; ++k) pre += w[c * W + k] * in(t - (W - 1) + k, c);
-        yr[c] = silu ? pre * sigmoid(pre) : pre;
+        double pre = 0;
+        for (int64_t k = 0; k < W; ++k) pre += static_cast<double>(w[c * W + k]) * in(t - (W - 1) + k, c);
+        yr[c] = static_cast<F>(silu ? pre * sigmoid(pre) : pre);
       }
     }
   });
@@ -109,10 +111,10 @@ void short_conv_backward(const F* x, const F* w, const F* cache, const F* dy, F*
         for (int64_t c = c0; c < c1; ++c) {
           F g = dyr[c];
           if (silu) {  // silu'(p) = s (1 + p (1 - s))
-            F pre = 0;
-            for (int64_t k = 0; k < W; ++k) pre += w[c * W + k] * in(t - (W - 1) + k, c);
-            const F sg = sigmoid(pre);
-            g *= sg * (F(1) + pre * (F(1) - sg));
+            double pre = 0;
+            for (int64_t k = 0; k < W; ++k) pre += static_cast<double>(w[c * W + k]) * in(t - (W - 1) + k, c);
+            const double sg = sigmoid(pre);
+            g *= static_cast<F>(sg * (1.0 + pre * (1.0 - sg)));
           }
           dpre[static_cast<size_t>(t * cn + (c - c0))] = g;
         }
@@ -153,12 +155,12 @@ void short_conv_step(const F* x, const F* w, F* cache, F* y, int64_t S, int64_t 
           F* hist = cache + (s * Cch + c) * (W - 1);
           const F xn = x[s * Cch + c];
           // Same summation order as short_conv_forward, so a streamed token matches bit for bit.
-          F pre = 0;
-          for (int64_t k = 0; k < W - 1; ++k) pre += w[c * W + k] * hist[k];
-          pre += w[c * W + W - 1] * xn;
+          double pre = 0;
+          for (int64_t k = 0; k < W - 1; ++k) pre += static_cast<double>(w[c * W + k]) * hist[k];
+          pre += static_cast<double>(w[c * W + W - 1]) * xn;
           for (int64_t k = 0; k + 1 < W - 1; ++k) hist[k] = hist[k + 1];
           if (W > 1) hist[W - 2] = xn;
-          y[s * Cch + c] = silu ? pre * sigmoid(pre) : pre;
+          y[s * Cch + c] = static_cast<F>(silu ? pre * sigmoid(pre) : pre);
         }
       },
       std::max<int64_t>(1, kSerialWork / (Cch * W)));
