@@ -55,7 +55,15 @@ longmoe_install_build_deps() { longmoe_apt_install "${LONGMOE_APT_PACKAGES[@]}";
 
 # nodejs + npm: only the data-preparation step that runs a Node tool needs these; the build, the
 # tests and CI do not.
-longmoe_install_node_deps() { longmoe_apt_install nodejs npm; }
+# A node + npm already on PATH (e.g. NodeSource's nodejs, which bundles npm and conflicts with
+# Debian's npm package) is used as it is.
+longmoe_install_node_deps() {
+  if command -v node >/dev/null && command -v npm >/dev/null; then
+    echo "deps: node $(node --version) and npm $(npm --version) already on PATH"
+    return 0
+  fi
+  longmoe_apt_install nodejs npm
+}
 
 longmoe_deps_main() {
   local with_node=0 a

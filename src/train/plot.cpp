@@ -547,7 +547,12 @@ double number(const io::json& v, const MetricsLog& log, const MetricsRow& row, c
   fail("{}:{}: field '{}' must be a number (or an array of numbers), got {}", log.path, row.line, key, v.type_name());
 }
 
-std::string file_label(const std::string& path) { return std::filesystem::path(path).stem().string(); }
+// A run's metrics file is always metrics.jsonl, so the run folder names the series.
+std::string file_label(const std::string& path) {
+  const std::filesystem::path p(path);
+  const std::string dir = p.parent_path().filename().string();
+  return p.stem() == "metrics" && !dir.empty() && dir != "." ? dir : p.stem().string();
+}
 
 // Centred moving average over `n` points of the finite values; non-finite points stay gaps. Near
 // the ends the window shrinks symmetrically, so the curve keeps its first and last values instead
