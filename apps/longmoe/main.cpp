@@ -19,23 +19,34 @@ std::vector<Command>& registry() {
 
 namespace {
 
-// Debian's OpenBLAS picks its kernels at load time and files recent AVX-512 CPUs (AMD Zen 4/5) under
-// "Haswell" (AVX2): its SkylakeX kernels run sgemm about twice as fast there. The choice is made
-// before main() runs, so the only way to change it is the environment of a fresh process image.
-void reexec_with_avx512_blas(char** argv) {
-  if (std::getenv("OPENBLAS_CORETYPE") || std::getenv("LONGMOE_NO_REEXEC")) return;
+// Runtime settings that OpenBLAS and the OpenMP runtime read from the environment when they load,
+// before main() runs: the only way to change them is a fresh process image with a new environment.
+//  * Debian's OpenBLAS files recent AVX-512 CPUs (AMD Zen 4/5) under "Haswell" (AVX2); its SkylakeX
+//    kernels run sgemm about twice as fast there.
+//  * OMP_WAIT_POLICY=passive: idle OpenMP threads sleep instead of spinning. Decode alternates tiny
+//    parallel regions with serial work, and spinning threads took the cores from it: k3-small decode
+//    on 2 cores went from 79 to 241 tokens/s, for ~1% of training throughput.
+// A variable the user has set is left alone; LONGMOE_NO_REEXEC=1 turns this off.
+void reexec_with_runtime_env(char** argv) {
+  if (std::getenv("LONGMOE_NO_REEXEC")) return;
+  bool changed = false;
+  if (!std::getenv("OMP_WAIT_POLICY")) {
+    setenv("OMP_WAIT_POLICY", "passive", 1);
+    changed = true;
+  }
   __builtin_cpu_init();
-  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")))
-    return;
-  setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
-  execv("/proc/self/exe", argv);  // returns only on failure: then carry on as we are
+  if (!std::getenv("OPENBLAS_CORETYPE") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) {
+    setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
+    changed = true;
+  }
+  if (changed) execv("/proc/self/exe", argv);  // returns only on failure: then carry on as we are
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  reexec_with_avx512_blas(argv);
+  reexec_with_runtime_env(argv);
   // Activations are allocated per step; keep freed blocks in the heap instead of returning them to
   // the kernel, so later steps reuse warm pages instead of faulting fresh zeroed ones in.
   mallopt(M_MMAP_THRESHOLD, 1 << 30);
