@@ -146,6 +146,19 @@ int64_t Batch::predicted() const {
   return static_cast<int64_t>(std::count_if(targets.begin(), targets.end(), [](int32_t t) { return t != kIgnore; }));
 }
 
+Batch Batch::sequences(int64_t first, int64_t n) const {
+  LM_CHECK(first >= 0 && n > 0 && first + n <= seqs, "batch: sequences [{}, {}) outside [0, {})", first, first + n,
+           seqs);
+  const int64_t lo = first * seq_len, hi = (first + n) * seq_len;
+  Batch out;
+  out.seqs = n, out.seq_len = seq_len;
+  out.ids.assign(ids.begin() + lo, ids.begin() + hi);
+  out.targets.assign(targets.begin() + lo, targets.begin() + hi);
+  for (const int64_t c : cu_seqlens)  // every sequence start is a boundary, so lo and hi are in it
+    if (c >= lo && c <= hi) out.cu_seqlens.push_back(c - lo);
+  return out;
+}
+
 void to_json(io::json& j, const Position& p) { j = io::json{{"epoch", p.epoch}, {"offset", p.offset}}; }
 
 void from_json(const io::json& j, Position& p) {
@@ -258,6 +271,48 @@ const Loader::Plan& Loader::plan(uint64_t epoch) const {
 
 Batch Loader::next(int64_t B) {
   LM_CHECK(B > 0, "data loader: batch of {} sequences", B);
+  const int64_t T = seq_len_;
+  uint64_t e = pos_.epoch;
+  int64_t Lg = epoch_tokens(e) / B;
+  if (Lg < T) return next_consecutive(B);
+  // Lane offset: offset = B*o after a batch; another B (or a re-mixed position) rounds up.
+  auto o = static_cast<int64_t>((pos_.offset + static_cast<uint64_t>(B) - 1) / static_cast<uint64_t>(B));
+  if (o + T > Lg) {  // the epoch is done
+    ++e, o = 0;
+    Lg = epoch_tokens(e) / B;
+    if (Lg < T) {
+      pos_ = Position{e, 0};
+      return next_consecutive(B);
+    }
+  }
+  const Plan& pl = plan(e);
+  const auto n = static_cast<int64_t>(pl.order.size());
+  Batch b;
+  b.seqs = B, b.seq_len = T;
+  b.ids.resize(static_cast<size_t>(B * T));
+  b.targets.resize(static_cast<size_t>(B * T));
+  b.cu_seqlens.reserve(static_cast<size_t>(B) + 1);
+  Batch row;  // sequence r: T tokens of lane r from lane offset o, with its document boundaries
+  row.seqs = 1, row.seq_len = T;
+  for (int64_t r = 0; r < B; ++r) {
+    const int64_t s = r * Lg + o;  // its stream offset; s + T <= B*Lg <= L
+    auto k = static_cast<int64_t>(std::upper_bound(pl.cum.begin(), pl.cum.end(), s) - pl.cum.begin()) - 1;
+    int64_t p = s - pl.cum[static_cast<size_t>(k)];
+    fill_rows(row, pl.doc(*docs_, k), p, [&]() -> DocSpan {
+      if (++k == n) return std::nullopt;  // only after the row's last token: the row never passes L
+      return pl.doc(*docs_, k);
+    }, 0);
+    std::copy(row.ids.begin(), row.ids.end(), b.ids.begin() + r * T);
+    std::copy(row.targets.begin(), row.targets.end(), b.targets.begin() + r * T);
+    for (size_t i = 0; i + 1 < row.cu_seqlens.size(); ++i) b.cu_seqlens.push_back(r * T + row.cu_seqlens[i]);
+  }
+  b.cu_seqlens.push_back(B * T);
+  const auto done = static_cast<uint64_t>(B * (o + T));
+  pos_ = done < static_cast<uint64_t>(epoch_tokens(e)) ? Position{e, done} : Position{e + 1, 0};
+  return b;
+}
+
+Batch Loader::next_consecutive(int64_t B) {
   Batch b;
   b.seqs = B, b.seq_len = seq_len_;
   uint64_t e = pos_.epoch;

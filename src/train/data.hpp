@@ -8,32 +8,51 @@
 // a text does not cut it.
 //
 // Stream. Epoch e of a split is its documents in a seeded permutation P_e (Philox, from seed and e)
-// put end to end: S_e = doc[P_e(0)] doc[P_e(1)] ... (L tokens every epoch). The Loader reads
-// S_0 S_1 S_2 ... as one endless stream cut into consecutive batches of B*T tokens; a batch that
-// reaches the end of an epoch continues in the next, so within every epoch each token is used exactly
-// once, nothing is padded and nothing dropped. Position {epoch, offset} (offset in [0, L)) is all the
-// state there is: it does not depend on T or B, so a resumed run (same data, seed, T, B) reproduces
-// the batches exactly, and a curriculum stage can re-pack the same stream at a new T.
+// put end to end: S_e = doc[P_e(0)] doc[P_e(1)] ... (L tokens every epoch).
+//
+// Lanes. A batch of B sequences does not read B*T consecutive stream tokens (that would be only a
+// few documents, which route alike in the MoE and make expert loads and gradients swing with the
+// batch): S_e is split into B lanes of Lg = floor(L / B) tokens, lane r = S_e[r*Lg, (r+1)*Lg), and
+// sequence r of every batch reads the next T tokens of lane r. So a batch at lane offset o holds
+// S_e[r*Lg + o, r*Lg + o + T) for r = 0..B-1: B far-apart places of the epoch (~B documents).
+// When o + T would pass Lg the epoch is done and the next batch starts epoch e + 1 at o = 0 (the
+// < B*T tokens left over in the lanes' tails and the last L - B*Lg are dropped). Within an epoch every
+// lane token a batch reads is read exactly once, nothing is padded.
+// Position {epoch, offset}: offset = B*o, the tokens of the epoch consumed in total (< L), so the
+// checkpoint format does not depend on the layout. It is all the state there is: a resumed run (same
+// data, seed, T, B) reproduces the batches exactly. When B or T changes (a curriculum stage,
+// set_seq_len, a next() with another B) the loader continues from the same Position: the lanes follow
+// the new B, each at lane offset o = ceil(offset / B) (so about the same fraction of the epoch is done;
+// the stage re-packs anyway).
+// Small epochs: when even one batch does not fit (Lg < T) the batch reads B*T consecutive tokens of
+// the endless stream S_e S_e+1 ... from the position instead (offset = stream offset then), as if
+// B = 1 with sequences cut every T: every token used exactly once, continuing into the next epoch.
 //
 // Batch: B sequences of T tokens as one packed run of B*T rows (row r = sequence r / T, slot r % T):
-//   ids[r]       the stream token at the batch's start + r
+//   ids[r]       sequence r / T's stream token r % T (see Lanes)
 //   targets[r]   the next token of the same document, or kIgnore (-100) when row r holds the
 //                document's last token (its <|doc|>): nothing is predicted across a document boundary.
-//                A sequence's last row still predicts its document's next token (the first row of the
-//                next sequence): a sequence cut costs context, not targets.
+//                A sequence's last row still predicts its document's next token: a sequence cut costs
+//                context, not targets.
 //   cu_seqlens   {0, ..., B*T}, strictly increasing: a boundary at every sequence start (multiples of
 //                T) and at every document start inside a sequence, for model::Seqs::packed, so KDA
 //                state and attention never cross a document or a sequence.
-// Hence every token except a document's first (its <s>) is a target exactly once per epoch, the
-// separator included.
+// Hence every token a batch reads except a document's first (its <s>) is a target exactly once per
+// epoch, the separator included.
 //
 // Extra documents (synthetic passkey documents, train/synthetic.hpp): a Loader may be given a
 // function extra(e) -> epoch e's extra documents (M of them). Epoch e's stream is then the N corpus
 // documents in P_e with the extra ones spread evenly between them, extra j right before corpus
-// position floor(j * N / M); offsets count tokens of that mixed stream. set_extra() swaps the function
-// (a new curriculum stage generates documents for its seq_len) and keeps the corpus where it was: the
-// position moves to the same token of the same corpus document in the new stream (or to the next
-// corpus document when it was inside an extra one). Without extra documents the stream is the corpus'.
+// position floor(j * N / M); offsets count tokens of that mixed stream (and L is its length). set_extra()
+// swaps the function (a new curriculum stage generates documents for its seq_len) and keeps the corpus
+// where it was: the position's offset moves to the same token of the same corpus document in the new
+// stream (or to the next corpus document when it was inside an extra one). With lanes the offset
+// (B*o, the tokens consumed) is such a stream offset too: corpus_point() is the corpus point at stream
+// offset `offset`, so a re-mix keeps about the same fraction of the epoch done, each lane continuing
+// from about the same fraction of its new length. Both maps are pure functions of the position and
+// the extra documents, so a resumed run re-mixes exactly as the straight one. With B = 1 (one lane,
+// the stream itself) the next batch starts at exactly that token. Without extra documents the stream
+// is the corpus'.
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -79,6 +98,8 @@ struct Batch {
   int64_t seqs = 0, seq_len = 0;      // B, T
   int64_t tokens() const { return static_cast<int64_t>(ids.size()); }
   int64_t predicted() const;  // targets that are not kIgnore (what a mean loss divides by)
+  // Sequences [first, first + n) as a batch of their own (a micro-batch of a step).
+  Batch sequences(int64_t first, int64_t n) const;
 };
 
 struct Position {
@@ -104,7 +125,9 @@ class Loader {
   Loader(std::shared_ptr<const TokenizedDocs> docs, int64_t seq_len, uint64_t seed, Position start = {},
          ExtraDocs extra = {});
 
-  Batch next(int64_t B);  // B sequences of seq_len() tokens; advances the position by B * seq_len()
+  // B sequences of seq_len() tokens, one from each of B lanes (see Lanes); the lanes are defined by B,
+  // so a step split into micro-batches takes next(B) once and splits it (Batch::sequences).
+  Batch next(int64_t B);
   Position position() const { return pos_; }
   void seek(Position p);              // throws if p.offset is not inside the epoch
   void set_seq_len(int64_t seq_len);  // re-pack from the current position on
@@ -129,6 +152,7 @@ class Loader {
     std::span<const int32_t> doc(const TokenizedDocs& corpus, int64_t entry) const;
   };
   const Plan& plan(uint64_t epoch) const;
+  Batch next_consecutive(int64_t B);  // the small-epoch case (see Lanes)
 
   std::shared_ptr<const TokenizedDocs> docs_;
   int64_t seq_len_;

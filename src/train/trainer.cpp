@@ -555,11 +555,18 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
       }
       const auto t0 = Clock::now();
       // The step's micro-batches, fetched first: the loss is normalised by their total target count.
+      // One batch of all B sequences (the loader's lanes are defined by B), then split: accumulation
+      // sees exactly the sequences of the unaccumulated step.
       std::vector<Batch> mb;
       int64_t n_valid = 0;
-      for (int64_t b = 0; b < S.batch_seqs; b += micro) {
-        mb.push_back(loader.next(micro));
-        n_valid += mb.back().predicted();
+      {
+        Batch whole = loader.next(S.batch_seqs);
+        if (micro == S.batch_seqs) {
+          mb.push_back(std::move(whole));
+        } else {
+          for (int64_t b = 0; b < S.batch_seqs; b += micro) mb.push_back(whole.sequences(b, micro));
+        }
+        for (const Batch& b : mb) n_valid += b.predicted();
       }
       m->params().zero_grads();
       for (auto& s : bal.scores) s.clear();

@@ -45,14 +45,15 @@ std::vector<Where> reference_stream(const TokenizedDocs& D, const Loader& L, uin
   return s;
 }
 
-// Checks a batch against the reference stream from index `at`; returns the index after it.
-size_t check_batch(const Batch& b, const TokenizedDocs& D, const std::vector<Where>& ref, size_t at) {
+// Checks a batch against the reference stream: sequence r from reference index starts[r] on.
+void check_rows(const Batch& b, const TokenizedDocs& D, const std::vector<Where>& ref, const std::vector<size_t>& starts) {
   const int64_t B = b.seqs, T = b.seq_len, R = B * T;
   EXPECT_EQ(b.tokens(), R);
   EXPECT_EQ(static_cast<int64_t>(b.targets.size()), R);
+  ASSERT_EQ(static_cast<int64_t>(starts.size()), B);
   std::vector<int64_t> want_cu;
   for (int64_t r = 0; r < R; ++r) {
-    const Where& w = ref.at(at + static_cast<size_t>(r));
+    const Where& w = ref.at(starts[static_cast<size_t>(r / T)] + static_cast<size_t>(r % T));
     const auto doc = D.doc(w.doc);
     EXPECT_EQ(b.ids[static_cast<size_t>(r)], doc[static_cast<size_t>(w.pos)]) << "row " << r;
     const int32_t want_t = w.pos + 1 < w.len ? doc[static_cast<size_t>(w.pos + 1)] : kIgnore;
@@ -65,32 +66,145 @@ size_t check_batch(const Batch& b, const TokenizedDocs& D, const std::vector<Whe
   const auto seqs = lm::model::Seqs::packed(b.cu_seqlens);
   EXPECT_EQ(seqs.rows(), R);
   for (int64_t n = 0; n < seqs.num_seqs(); ++n) EXPECT_GT(seqs.seq_len(n), 0);
-  return at + static_cast<size_t>(R);
+}
+
+// Consecutive sequences from reference index `at` (held-out batches); returns the index after them.
+size_t check_batch(const Batch& b, const TokenizedDocs& D, const std::vector<Where>& ref, size_t at) {
+  std::vector<size_t> starts;
+  for (int64_t r = 0; r < b.seqs; ++r) starts.push_back(at + static_cast<size_t>(r * b.seq_len));
+  check_rows(b, D, ref, starts);
+  return at + static_cast<size_t>(b.seqs * b.seq_len);
+}
+
+// The lane layout written out independently of the loader: where each sequence of the next batch
+// starts in the reference stream (epochs back to back, epoch e of L[e] tokens), and the position after.
+struct LaneModel {
+  std::vector<int64_t> L;  // tokens of epoch e
+  Position pos;
+  size_t base(uint64_t e) const {
+    size_t s = 0;
+    for (uint64_t i = 0; i < e; ++i) s += static_cast<size_t>(L.at(i));
+    return s;
+  }
+  std::vector<size_t> next(int64_t B, int64_t T) {
+    std::vector<size_t> starts;
+    int64_t Lg = L.at(pos.epoch) / B;
+    if (Lg < T) {  // small epoch: consecutive
+      size_t at = base(pos.epoch) + pos.offset;
+      for (int64_t r = 0; r < B; ++r) starts.push_back(at + static_cast<size_t>(r * T));
+      at += static_cast<size_t>(B * T);
+      pos = {};
+      while (at >= base(pos.epoch + 1)) ++pos.epoch;
+      pos.offset = at - base(pos.epoch);
+      return starts;
+    }
+    int64_t o = (static_cast<int64_t>(pos.offset) + B - 1) / B;
+    if (o + T > Lg) {
+      ++pos.epoch, o = 0;
+      Lg = L.at(pos.epoch) / B;
+      EXPECT_GE(Lg, T) << "the model covers a small epoch only at the start of a batch";
+    }
+    for (int64_t r = 0; r < B; ++r) starts.push_back(base(pos.epoch) + static_cast<size_t>(r * Lg + o));
+    pos.offset = static_cast<uint64_t>(B * (o + T));
+    if (pos.offset >= static_cast<uint64_t>(L[pos.epoch])) ++pos.epoch, pos.offset = 0;
+    return starts;
+  }
+};
+
+LaneModel lane_model(const Loader& L, uint64_t epochs) {
+  LaneModel m;
+  for (uint64_t e = 0; e < epochs; ++e) m.L.push_back(L.epoch_tokens(e));
+  return m;
 }
 
 TEST(Data, PackingInvariantsOverEpochs) {
   for (const auto& [n, max_len, T, B] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>{
-           {37, 50, 16, 3}, {5, 400, 32, 2}, {3, 4, 64, 4} /* an epoch is smaller than a batch */, {1, 1, 1, 1}}) {
+           {37, 50, 16, 3}, {5, 400, 32, 2}, {3, 4, 64, 4} /* an epoch is smaller than a batch */, {1, 1, 1, 1},
+           {60, 90, 8, 7}}) {
     auto D = toy_docs(n, max_len, static_cast<uint64_t>(n));
     Loader L(D, T, 1234);
+    const int64_t Lt = D->tokens(), Lg = Lt / B;
+    const bool lanes = Lg >= T;
     // At least 3 epochs and 20 batches.
-    const int64_t batches = std::max<int64_t>(20, 3 * D->tokens() / (B * T) + 1);
-    const auto ref = reference_stream(*D, L, static_cast<uint64_t>(batches * B * T / D->tokens() + 2));
-    size_t at = 0;
-    std::vector<int64_t> seen(static_cast<size_t>(D->tokens()), 0);  // epoch-0 tokens by source index
+    const int64_t per_epoch = lanes ? Lg / T : 0;
+    const int64_t batches = std::max<int64_t>(20, lanes ? 3 * per_epoch + 1 : 3 * Lt / (B * T) + 1);
+    const auto epochs = static_cast<uint64_t>(lanes ? batches / per_epoch + 2 : batches * B * T / Lt + 2);
+    const auto ref = reference_stream(*D, L, epochs);
+    LaneModel model = lane_model(L, epochs);
+    std::vector<int64_t> seen(static_cast<size_t>(Lt), 0);  // epoch-0 tokens by stream offset
     for (int64_t i = 0; i < batches; ++i) {
       const Batch b = L.next(B);
-      for (int64_t r = 0; r < B * T && at + static_cast<size_t>(r) < static_cast<size_t>(D->tokens()); ++r) {
-        const Where& w = ref[at + static_cast<size_t>(r)];
-        ++seen[static_cast<size_t>(D->offsets[static_cast<size_t>(w.doc)] + w.pos)];
-      }
-      at = check_batch(b, *D, ref, at);
+      const auto starts = model.next(B, T);
+      for (const size_t s : starts)
+        for (size_t t = s; t < s + static_cast<size_t>(T) && t < static_cast<size_t>(Lt); ++t) ++seen[t];
+      check_rows(b, *D, ref, starts);
+      EXPECT_EQ(L.position(), model.pos) << "batch " << i;
       // The position is always normalised into its epoch.
-      EXPECT_LT(L.position().offset, static_cast<uint64_t>(D->tokens()));
+      EXPECT_LT(L.position().offset, static_cast<uint64_t>(Lt));
     }
-    for (const int64_t c : seen) EXPECT_EQ(c, 1);  // no token lost or duplicated in epoch 0
+    // Epoch 0: consecutive, every token exactly once; lanes, every token of the lanes' first
+    // floor(Lg / T) * T exactly once, the rest (lane tails, the last L - B*Lg) never.
+    for (int64_t t = 0; t < Lt; ++t) {
+      const bool read = !lanes || (t / Lg < B && t % Lg < per_epoch * T);
+      EXPECT_EQ(seen[static_cast<size_t>(t)], read ? 1 : 0) << "stream offset " << t;
+    }
     EXPECT_GE(L.position().epoch, 2u);
   }
+}
+
+TEST(Data, BatchRowsComeFromBLanes) {
+  auto D = toy_docs(200, 40, 8);  // ~4000 tokens, documents of at most 40
+  const int64_t B = 8, T = 16;
+  Loader L(D, T, 31);
+  const auto ref = reference_stream(*D, L, 3);
+  const int64_t Lt = D->tokens(), Lg = Lt / B, per_epoch = Lg / T;
+  ASSERT_GE(per_epoch, 3);
+  for (uint64_t e = 0; e < 2; ++e) {
+    std::vector<int64_t> seen(static_cast<size_t>(Lt), 0);
+    for (int64_t i = 0; i < per_epoch; ++i) {
+      EXPECT_EQ(L.position(), (Position{e, static_cast<uint64_t>(B * T * i)})) << "offset = B * lane offset";
+      const Batch b = L.next(B);
+      std::set<int64_t> docs;
+      for (int64_t r = 0; r < B; ++r) {
+        // Sequence r starts at stream offset r*Lg + i*T of epoch e.
+        const size_t s = e * static_cast<size_t>(Lt) + static_cast<size_t>(r * Lg + i * T);
+        const Where& w = ref[s];
+        EXPECT_EQ(b.ids[static_cast<size_t>(r * T)], D->doc(w.doc)[static_cast<size_t>(w.pos)]) << "row " << r;
+        for (int64_t t = 0; t < T; ++t) ++seen[static_cast<size_t>(r * Lg + i * T + t)];
+        docs.insert(w.doc);
+      }
+      EXPECT_EQ(static_cast<int64_t>(docs.size()), B) << "documents are at most 40 tokens, lanes ~500 apart";
+    }
+    // Every token of the epoch's lanes exactly once; the rest of the epoch never.
+    for (int64_t t = 0; t < Lt; ++t)
+      EXPECT_EQ(seen[static_cast<size_t>(t)], t / Lg < B && t % Lg < per_epoch * T ? 1 : 0) << "offset " << t;
+    // Dropping the remainder: the next batch starts the next epoch.
+    EXPECT_EQ(L.next(B).ids[0], D->doc(L.epoch_order(e + 1)[0])[0]);
+    L.seek(Position{e + 1, 0});
+  }
+}
+
+TEST(Data, MicroBatchesSplitABatch) {
+  auto D = toy_docs(50, 30, 12);
+  Loader L(D, 16, 2);
+  const Batch b = L.next(6);
+  Batch joined;
+  for (int64_t s = 0; s < 6; s += 2) {
+    const Batch m = b.sequences(s, 2);
+    EXPECT_EQ(m.seqs, 2);
+    EXPECT_EQ(m.seq_len, 16);
+    EXPECT_EQ(lm::model::Seqs::packed(m.cu_seqlens).rows(), 32);
+    for (const int64_t c : std::vector<int64_t>(m.cu_seqlens.begin(), m.cu_seqlens.end() - 1))
+      joined.cu_seqlens.push_back(c + s * 16);
+    joined.ids.insert(joined.ids.end(), m.ids.begin(), m.ids.end());
+    joined.targets.insert(joined.targets.end(), m.targets.begin(), m.targets.end());
+  }
+  joined.cu_seqlens.push_back(96);
+  EXPECT_EQ(joined.ids, b.ids);
+  EXPECT_EQ(joined.targets, b.targets);
+  EXPECT_EQ(joined.cu_seqlens, b.cu_seqlens);
+  EXPECT_EQ(b.sequences(0, 6).ids, b.ids);
+  EXPECT_THROW(b.sequences(5, 2), lm::Error);
 }
 
 TEST(Data, EpochsAreShuffledDifferentlyAndDeterministically) {
@@ -147,11 +261,16 @@ TEST(Data, ResumeReproducesTheBatches) {
 TEST(Data, RepackAtAnotherSeqLenContinuesTheStream) {
   auto D = toy_docs(30, 80, 6);
   Loader a(D, 16, 4);
-  const auto ref = reference_stream(*D, a, 6);
-  size_t at = 0;
-  for (int i = 0; i < 5; ++i) at = check_batch(a.next(2), *D, ref, at);
-  a.set_seq_len(64);  // curriculum stage: same stream, longer sequences
-  for (int i = 0; i < 5; ++i) at = check_batch(a.next(2), *D, ref, at);
+  const auto ref = reference_stream(*D, a, 12);
+  LaneModel model = lane_model(a, 12);
+  for (int i = 0; i < 5; ++i) check_rows(a.next(2), *D, ref, model.next(2, 16));
+  a.set_seq_len(64);  // curriculum stage: same position, longer sequences
+  for (int i = 0; i < 5; ++i) check_rows(a.next(2), *D, ref, model.next(2, 64));
+  // Another B: the same position, lanes of the new B (at lane offset ceil(offset / B)).
+  for (int i = 0; i < 8; ++i) {
+    check_rows(a.next(3), *D, ref, model.next(3, 64));
+    EXPECT_EQ(a.position(), model.pos);
+  }
   // A fresh loader at the saved position with the new length gives the same batches.
   Loader b(D, 16, 4);
   for (int i = 0; i < 5; ++i) b.next(2);
@@ -210,22 +329,26 @@ TEST(Data, ExtraDocumentsAreSpreadThroughEachEpoch) {
     }
     EXPECT_LE(max_gap, (40 + x.num_docs() - 1) / x.num_docs());  // evenly spread
   }
-  // The batches read that stream; a document's last token predicts nothing.
+  // The batches read that stream in lanes (epochs of different lengths); a document's last token
+  // predicts nothing.
+  LaneModel model = lane_model(L, 4);
   std::vector<Batch> straight;
-  size_t at = 0;
   Position saved;
-  for (int i = 0; at + 48 <= ref.size(); ++i) {
+  for (int i = 0; model.pos.epoch < 3; ++i) {
     if (i == 9) saved = L.position();
     straight.push_back(L.next(3));
     const Batch& b = straight.back();
+    const auto starts = model.next(3, 16);
+    ASSERT_EQ(L.position(), model.pos) << "batch " << i;
     for (size_t r = 0; r < 48; ++r) {
-      ASSERT_EQ(b.ids[r], ref[at + r]) << "batch " << i << " row " << r;
+      const size_t at = starts[r / 16] + r % 16;
+      ASSERT_EQ(b.ids[r], ref[at]) << "batch " << i << " row " << r;
       // Same document: same value / 100 (corpus documents are 1000 apart, extra ones 100).
-      const bool last = at + r + 1 == ref.size() || ref[at + r + 1] / 100 != ref[at + r] / 100;
-      EXPECT_EQ(b.targets[r], last ? kIgnore : ref[at + r + 1]) << "batch " << i << " row " << r;
+      const bool last = at + 1 == ref.size() || ref[at + 1] / 100 != ref[at] / 100;
+      EXPECT_EQ(b.targets[r], last ? kIgnore : ref[at + 1]) << "batch " << i << " row " << r;
     }
-    at += 48;
   }
+  ASSERT_GT(straight.size(), 20u);
   // Resume: a new loader at a saved position gives the same batches.
   Loader R(D, 16, 5, saved, extra);
   for (size_t i = 9; i < straight.size(); ++i) EXPECT_EQ(R.next(3).ids, straight[i].ids) << i;
