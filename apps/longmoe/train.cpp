@@ -1,5 +1,6 @@
 // `longmoe train --config RUN.json [--resume] [overrides]`: the trainer (src/train/trainer.hpp).
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 
 #include "apps/longmoe/commands.hpp"
@@ -26,6 +27,25 @@ int run(const Args& a) {
     if (!a.balance.empty()) j["balance"]["kind"] = a.balance;
     if (!a.estimator.empty()) j["balance"]["estimator"] = a.estimator;
     cfg = lm::train::RunConfig::from_json(j, a.config + " (with command-line overrides)");
+  }
+  if (a.resume) {
+    // A resumed run continues with the configuration it was started with (run.json in its folder,
+    // command-line overrides included), not with whatever --config says now; an explicit override
+    // that contradicts it is an error rather than a silent change of the run.
+    const std::filesystem::path saved = std::filesystem::path(cfg.out) / "run.json";
+    if (std::filesystem::exists(saved)) {
+      lm::train::RunConfig s = lm::train::RunConfig::load(saved.string());
+      lm::io::json want = s.to_json();
+      if (!a.model.empty()) want["model"] = a.model;
+      if (a.seed >= 0) want["seed"] = a.seed;
+      if (!a.balance.empty()) want["balance"]["kind"] = a.balance;
+      if (!a.estimator.empty()) want["balance"]["estimator"] = a.estimator;
+      LM_CHECK(want == s.to_json(), "--resume: the command-line overrides contradict the run being resumed ({}); "
+               "drop them to continue it as it was started", saved.string());
+      s.out = cfg.out;
+      s.max_steps = cfg.max_steps;
+      cfg = s;
+    }
   }
   lm::train::TrainOptions opt;
   opt.resume = a.resume;
