@@ -76,6 +76,39 @@ TEST(Generate, CheckpointDirectoryRoundTrip) {
   EXPECT_THROW(load_model_dir(dir + "/missing"), Error);
 }
 
+// A training run folder (config.json at its root, checkpoints under ckpt/, `latest` naming the newest)
+// loads as its latest checkpoint; a `latest` that names no checkpoint is a clear error.
+TEST(Generate, RunFolderLoadsItsLatestCheckpoint) {
+  const auto& tok = tokenizer();
+  const auto cfg = config(tok.vocab_size());
+  model::Model<float> m(cfg);
+  m.params().init(5);
+  const std::string run = tmpdir("run"), ck = run + "/ckpt/step-00000007";
+  std::filesystem::create_directories(ck);
+  io::save_checkpoint(ck, m.params().named(), uint64_t(1) << 30);
+  cfg.save(ck + "/config.json");
+  cfg.save(run + "/config.json");  // the trainer keeps one at the run root too
+  {
+    std::ofstream f(ck + "/tokenizer.model", std::ios::binary);
+    f << tok.model_bytes();
+  }
+  {
+    std::ofstream f(run + "/latest");
+    f << "ckpt/step-00000007\n";
+  }
+  LoadedModel lm = load_model_dir(run);
+  EXPECT_EQ(std::filesystem::path(lm.dir).filename(), "step-00000007");
+  const auto ids = tok.encode("hello world river");
+  Session a(m, SessionOptions{64, 0, 0}), b(*lm.model, SessionOptions{64, 0, 0});
+  Sequence sa = a.new_sequence(), sb = b.new_sequence();
+  EXPECT_EQ(a.prefill(sa, ids), b.prefill(sb, ids));
+  {
+    std::ofstream f(run + "/latest");
+    f << "ckpt/step-00000009\n";
+  }
+  EXPECT_THROW(load_model_dir(run), Error);
+}
+
 TEST(Generate, ChatTemplate) {
   const auto& tok = tokenizer();
   const auto ids = chat_tokens(tok, {{"system", "be brief"}, {"user", "hello"}});
