@@ -1,7 +1,11 @@
 // `longmoe train --config RUN.json [--resume] [overrides]`: the trainer (src/train/trainer.hpp).
 #include <cstdio>
+#include <cmath>
 #include <filesystem>
 #include <memory>
+#include <string>
+
+#include <fmt/format.h>
 
 #include "apps/longmoe/commands.hpp"
 #include "core/error.hpp"
@@ -56,12 +60,19 @@ int run(const Args& a) {
                 r.checkpoint.c_str());
     return 130;
   }
-  std::printf("final: held-out ppl %.2f (unigram ppl %.2f), train loss %.4f, %.0f tokens/s, checkpoint %s\n",
-              r.heldout_ppl, r.unigram_ppl, r.final_train_loss, r.tokens_per_s, r.checkpoint.c_str());
+  // Held-out perplexity is measured at stage ends; a run stopped by --max-steps inside its first
+  // stage has none.
+  const std::string ppl = r.stage_heldout_ppl.empty() ? std::string("n/a (no stage finished)")
+                                                      : fmt::format("{:.2f}", r.heldout_ppl);
+  std::printf("final: held-out ppl %s (unigram ppl %.2f), train loss %.4f, %.0f tokens/s, checkpoint %s\n",
+              ppl.c_str(), r.unigram_ppl, r.final_train_loss, r.tokens_per_s, r.checkpoint.c_str());
   if (!r.maxvio_worst.empty()) {
     const auto b = lm::train::summarize_balance(r, 0.3, 50);
-    std::printf("balance: worst-layer MaxVio first below 0.3 at step %ld; after step 50: median %.3f, max %.3f\n",
-                static_cast<long>(b.first_step_below), b.median_after, b.max_after);
+    std::string line = b.first_step_below > 0 ? fmt::format("first below 0.3 at step {}", b.first_step_below)
+                                              : std::string("never below 0.3");
+    if (!std::isnan(b.median_after))
+      line += fmt::format("; after step 50: median {:.3f}, max {:.3f}", b.median_after, b.max_after);
+    std::printf("balance: worst-layer MaxVio %s\n", line.c_str());
   }
   return 0;
 }
