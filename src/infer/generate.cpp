@@ -2,7 +2,6 @@
 #include "infer/generate.hpp"
 
 #include <filesystem>
-#include <fstream>
 
 #include "core/error.hpp"
 #include "io/checkpoint.hpp"
@@ -15,18 +14,7 @@ LoadedModel load_model_dir(const std::string& path, bool need_tokenizer) {
   LoadedModel lm;
   lm.name = fs::path(path).lexically_normal().filename().string();
   if (lm.name.empty() || lm.name == ".") lm.name = fs::path(path).lexically_normal().parent_path().filename().string();
-  // A training run folder (runs/NAME with a 'latest' file) stands for its newest checkpoint.
-  std::string dir = path;
-  const bool has_weights = fs::exists(fs::path(path) / "model.safetensors") ||
-                           fs::exists(fs::path(path) / "model.safetensors.index.json");
-  if (!has_weights && fs::exists(fs::path(path) / "latest")) {
-    std::ifstream in(fs::path(path) / "latest");
-    std::string rel;
-    std::getline(in, rel);
-    dir = (fs::path(path) / rel).string();
-    LM_CHECK(!rel.empty() && fs::exists(fs::path(dir) / "config.json"),
-             "{}: 'latest' names '{}', which is not a checkpoint directory", path, rel);
-  }
+  const std::string dir = io::resolve_checkpoint(path);
   lm.dir = dir;
   lm.config = model::ModelConfig::load(dir);
   lm.model = std::make_unique<model::Model<float>>(lm.config);

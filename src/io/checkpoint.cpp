@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <set>
 
 #include "io/json.hpp"
@@ -27,6 +28,23 @@ void fsync_dir(const fs::path& dir) {
 }
 
 }  // namespace
+
+std::string resolve_checkpoint(const std::string& path) {
+  const auto is_checkpoint = [](const fs::path& d) {
+    return fs::exists(d / "config.json") && (fs::exists(d / kSingleFileName) || fs::exists(d / kIndexFileName));
+  };
+  const fs::path p(path);
+  if (is_checkpoint(p)) return p.string();
+  if (fs::exists(p / "latest")) {
+    std::ifstream in(p / "latest");
+    std::string rel;
+    std::getline(in, rel);
+    const fs::path c = p / rel;
+    LM_CHECK(!rel.empty() && is_checkpoint(c), "'{}': 'latest' names '{}', which is not a checkpoint", path, rel);
+    return c.string();
+  }
+  fail("'{}' is neither a checkpoint folder (config.json + model.safetensors) nor a run folder with 'latest'", path);
+}
 
 Checkpoint Checkpoint::open(const std::string& path) {
   std::error_code ec;

@@ -19,6 +19,10 @@ namespace lm::io {
 inline constexpr const char* kSingleFileName = "model.safetensors";
 inline constexpr const char* kIndexFileName = "model.safetensors.index.json";
 
+// A checkpoint folder (config.json + model.safetensors or its index) is returned as it is; a training
+// run folder (a `latest` file naming ckpt/step-N) stands for its newest checkpoint. Throws otherwise.
+std::string resolve_checkpoint(const std::string& path);
+
 class Checkpoint {
  public:
   // `path`: a directory (its index if present, else its model.safetensors), an index .json file,

@@ -33,6 +33,10 @@ std::optional<T> get_optional(const json& j, const std::string& key, const std::
   }
 }
 
+// Throws unless `j` is an object whose keys are all in `known` (the error lists them): a misspelt
+// option must not be silently ignored.
+void check_known_fields(const json& j, std::initializer_list<const char*> known, const std::string& ctx);
+
 template <class T>
 T get_or(const json& j, const std::string& key, const T& dflt, const std::string& ctx) {
   auto v = get_optional<T>(j, key, ctx);

@@ -1,13 +1,8 @@
 // AdamW + Muon (optim.hpp has the update rules, the group rules and the determinism argument).
 #include "train/optim.hpp"
 
-#include <cblas.h>
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
-#include <exception>
-#include <mutex>
 #include <set>
 
 #include "core/error.hpp"
@@ -92,37 +87,13 @@ NormResult array_norm(const ParamStore<float>& ps, bool grads) {
        step >= 0 ? fmt::format(" at optimiser step {}", step) : std::string());
 }
 
-// Runs f(i) for i in [0, n) on the OpenMP threads, each call's GEMMs on OpenBLAS's single-threaded
-// path (also when n == 1), so results do not depend on the thread count.
-// Debian's OpenBLAS 0.3.21 (OpenMP flavour) does not fall back to one thread inside a parallel
-// region: each call takes its threaded path and the calls queue on its shared thread buffers
-// (measured 10-25x slower than the same work single-threaded; setting the workers' own nthreads ICV
-// does not help). Its global thread count is set to 1 for the region and restored afterwards;
-// openblas_set_num_threads also sets the caller's OpenMP thread count, which is restored too.
+// f(i) for i in [0, n) on the OpenMP threads (parallel_for_dynamic, which keeps each call's GEMMs on
+// OpenBLAS's single-threaded path), and single-threaded BLAS also when n == 1 or with one thread, so
+// the results do not depend on the thread count.
 template <class F>
 void for_each_task(int64_t n, F&& f) {
-  if (n <= 0) return;
-  const int threads = num_threads();
-  if (threads == 1 || omp_in_parallel()) {  // one thread: BLAS is single-threaded already
-    for (int64_t i = 0; i < n; ++i) f(i);
-    return;
-  }
-  const int blas_prev = openblas_get_num_threads();
-  openblas_set_num_threads(1);
-  std::exception_ptr err;
-  std::mutex mu;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t i = 0; i < n; ++i) {
-    try {
-      f(i);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(mu);
-      if (!err) err = std::current_exception();
-    }
-  }
-  openblas_set_num_threads(blas_prev);
-  omp_set_num_threads(threads);
-  if (err) std::rethrow_exception(err);
+  const BlasSerialScope serial;
+  parallel_for_dynamic(n, f);
 }
 
 // Rows per attention head for the projections Muon orthogonalises per head, else 0.
@@ -152,16 +123,10 @@ const char* group_name(Group g) {
 }
 
 OptimConfig OptimConfig::from_json(const io::json& j, const std::string& ctx) {
-  LM_CHECK(j.is_object(), "{}: expected a JSON object, got {}", ctx, j.type_name());
-  static const std::set<std::string> known = {
-      "kind", "lr", "lr_adamw", "lr_muon", "beta1", "beta2", "eps", "weight_decay", "decay_embeddings", "clip",
-      "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_rms", "muon_per_head"};
-  for (const auto& [k, v] : j.items()) {
-    (void)v;
-    LM_CHECK(known.count(k), "{}: unknown field '{}' (known: kind, lr, lr_adamw, lr_muon, beta1, beta2, eps, "
-             "weight_decay, decay_embeddings, clip, muon_momentum, muon_nesterov, muon_ns_steps, muon_rms, "
-             "muon_per_head)", ctx, k);
-  }
+  io::check_known_fields(j, {"kind", "lr", "lr_adamw", "lr_muon", "beta1", "beta2", "eps", "weight_decay",
+                             "decay_embeddings", "clip", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_rms",
+                             "muon_per_head"},
+                         ctx);
   OptimConfig c;
   c.kind = io::get_or<std::string>(j, "kind", c.kind, ctx);
   if (auto lr = io::get_optional<double>(j, "lr", ctx)) c.lr_adamw = c.lr_muon = *lr;

@@ -3,7 +3,6 @@
 
 #include <cmath>
 #include <numbers>
-#include <set>
 #include <string_view>
 
 #include "core/error.hpp"
@@ -11,13 +10,7 @@
 namespace lm::train {
 
 ScheduleConfig ScheduleConfig::from_json(const io::json& j, const std::string& ctx) {
-  LM_CHECK(j.is_object(), "{}: expected a JSON object, got {}", ctx, j.type_name());
-  static const std::set<std::string> known = {"kind", "warmup", "min_lr_ratio", "decay_fraction", "decay_shape"};
-  for (const auto& [k, v] : j.items()) {
-    (void)v;
-    LM_CHECK(known.count(k), "{}: unknown field '{}' (known: kind, warmup, min_lr_ratio, decay_fraction, "
-             "decay_shape)", ctx, k);
-  }
+  io::check_known_fields(j, {"kind", "warmup", "min_lr_ratio", "decay_fraction", "decay_shape"}, ctx);
   ScheduleConfig c;
   c.kind = io::get_or<std::string>(j, "kind", c.kind, ctx);
   c.warmup = io::get_or(j, "warmup", c.warmup, ctx);

@@ -62,33 +62,24 @@ const char* balance_name(Balance b) {
   return "?";
 }
 
-void check_known(const json& j, std::initializer_list<const char*> known, const std::string& ctx) {
-  LM_CHECK(j.is_object(), "{}: expected a JSON object", ctx);
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    bool ok = false;
-    for (const char* k : known) ok = ok || it.key() == k;
-    LM_CHECK(ok, "{}: unknown field '{}'", ctx, it.key());
-  }
-}
-
 }  // namespace
 
 RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
-  check_known(j,
+  io::check_known_fields(j,
               {"model", "data", "tokenizer", "out", "seed", "optimizer", "balance", "stages", "log_every",
                "eval_every", "eval_batches", "save_every", "keep_checkpoints", "max_steps", "comment"},
               ctx);
   RunConfig c;
   c.model = io::get_required<std::string>(j, "model", ctx);
   const json& d = j.at("data");
-  check_known(d, {"path", "format", "heldout_fraction", "passkey_fraction"}, ctx + " data");
+  io::check_known_fields(d, {"path", "format", "heldout_fraction", "passkey_fraction"}, ctx + " data");
   c.data = io::get_required<std::string>(d, "path", ctx + " data");
   c.data_format = io::get_or<std::string>(d, "format", "auto", ctx + " data");
   c.heldout_fraction = io::get_or<double>(d, "heldout_fraction", 0.05, ctx + " data");
   c.passkey_fraction = io::get_or<double>(d, "passkey_fraction", 0.0, ctx + " data");
   if (j.contains("tokenizer")) {
     const json& t = j["tokenizer"];
-    check_known(t, {"vocab_size", "model"}, ctx + " tokenizer");
+    io::check_known_fields(t, {"vocab_size", "model"}, ctx + " tokenizer");
     c.tokenizer_vocab = io::get_or<int>(t, "vocab_size", 4096, ctx + " tokenizer");
     c.tokenizer = io::get_or<std::string>(t, "model", "", ctx + " tokenizer");
   }
@@ -97,7 +88,7 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   if (j.contains("optimizer")) c.optim = OptimConfig::from_json(j["optimizer"], ctx + " optimizer");
   if (j.contains("balance")) {
     const json& b = j["balance"];
-    check_known(b, {"kind", "estimator", "bins", "gamma", "aux_coef"}, ctx + " balance");
+    io::check_known_fields(b, {"kind", "estimator", "bins", "gamma", "aux_coef"}, ctx + " balance");
     c.balance = parse_balance(io::get_or<std::string>(b, "kind", "qb", ctx + " balance"), ctx);
     c.qb_estimator = io::get_or<std::string>(b, "estimator", "exact", ctx + " balance");
     c.qb_bins = io::get_or<int64_t>(b, "bins", 256, ctx + " balance");
@@ -109,7 +100,7 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   for (size_t i = 0; i < j["stages"].size(); ++i) {
     const json& s = j["stages"][i];
     const std::string sctx = ctx + " stages[" + std::to_string(i) + "]";
-    check_known(s, {"seq_len", "tokens", "batch_seqs", "micro_seqs", "schedule"}, sctx);
+    io::check_known_fields(s, {"seq_len", "tokens", "batch_seqs", "micro_seqs", "schedule"}, sctx);
     StageConfig st;
     st.seq_len = io::get_required<int64_t>(s, "seq_len", sctx);
     st.tokens = io::get_required<int64_t>(s, "tokens", sctx);
@@ -181,21 +172,6 @@ void RunConfig::validate(const std::string& ctx) const {
              "{}: stages[{}]: batch_seqs ({}) must be a multiple of micro_seqs ({})", ctx, i, s.batch_seqs,
              s.micro_seqs);
   }
-}
-
-std::string resolve_checkpoint(const std::string& path) {
-  const fs::path p(path);
-  if (fs::exists(p / "config.json") && fs::exists(p / "model.safetensors")) return p.string();
-  if (fs::exists(p / "latest")) {
-    std::ifstream in(p / "latest");
-    std::string rel;
-    std::getline(in, rel);
-    const fs::path c = p / rel;
-    LM_CHECK(!rel.empty() && fs::exists(c / "model.safetensors"), "'{}': 'latest' names '{}', which is not a checkpoint",
-             path, rel);
-    return c.string();
-  }
-  fail("'{}' is neither a checkpoint folder (config.json + model.safetensors) nor a run folder with 'latest'", path);
 }
 
 // ---- the run ---------------------------------------------------------------------------------

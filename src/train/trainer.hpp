@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "io/checkpoint.hpp"
 #include "io/json.hpp"
 #include "ops/moe/balance.hpp"
 #include "train/optim.hpp"
@@ -101,8 +102,6 @@ BalanceSummary summarize_balance(const TrainResult& r, double below, int64_t aft
 
 TrainResult train(const RunConfig& cfg, const TrainOptions& opt);
 
-// Newest complete checkpoint of a run directory (via `latest`), or `path` itself when it already is
-// a checkpoint folder (holds config.json and model.safetensors). Throws when neither.
-std::string resolve_checkpoint(const std::string& path);
+using io::resolve_checkpoint;  // a run folder -> its newest checkpoint (io/checkpoint.hpp)
 
 }  // namespace lm::train
