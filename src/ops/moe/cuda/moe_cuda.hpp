@@ -56,4 +56,20 @@ void moe_gather(const void* x, const int32_t* rows, void* xs, int64_t m, int64_t
 void moe_combine(const void* eo, const float* topk_w, const int32_t* pos, void* y, int64_t m, int64_t k, int64_t d,
                  void* stream = nullptr);
 
+// ---- backward pieces (route_bwd.cu), as the CPU ops in ops/moe/router.hpp and permute.hpp --------------
+// d_eo [M, d] bf16: d_eo[pos[i·k + t]] = topk_w[i, t] · dy[i];  d_topk_w [m, k] fp32 = <eo[pos[i·k+t]], dy[i]>
+// (fp32 dot). eo bf16 [M, d]; dy F32 or BF16 [m, d] (dy_bf16 tells).
+void moe_combine_backward(const void* eo, const float* topk_w, const int32_t* pos, const void* dy, bool dy_bf16,
+                          void* d_eo, float* d_topk_w, int64_t m, int64_t k, int64_t d, void* stream = nullptr);
+// dx [m, d] (=|+=) Σ_t dxs[pos[i·k + t]] in slot order, fp32 sums; dxs bf16 [M, d]; dx F32 or BF16 (dx_bf16);
+// accumulate only for F32.
+void moe_gather_backward(const void* dxs, const int32_t* pos, void* dx, bool dx_bf16, int64_t m, int64_t k,
+                         int64_t d, bool accumulate = false, void* stream = nullptr);
+// d_logits [m, n] from d_topk_w [m, k] with the selection fixed (ops::router_backward): only the selected
+// experts' unbiased scores carry gradient. logits fp32 [m, n]; d_logits F32 or BF16 (out_bf16), written
+// (zeros for the non-selected experts).
+void router_backward(const float* logits, const int32_t* topk_idx, const float* d_topk_w, void* d_logits,
+                     bool out_bf16, int64_t m, int64_t n, int64_t k, bool renormalize, float scaling,
+                     void* stream = nullptr);
+
 }  // namespace lm::ops::cuda

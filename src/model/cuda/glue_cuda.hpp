@@ -1,0 +1,50 @@
+#pragma once
+// Elementwise glue of the GPU model (model/cuda/gpu_model.cpp): casts, residual adds, the MLA k/v assembly,
+// the sigmoid output gate and the fused AdamW update. Plain C++ (no CUDA types); device pointers; stream is a
+// cudaStream_t as void*.
+//
+// Legend: n elements, rows tokens, H MLA heads, Dn/Dr/Dv nope/rope/value head dims, R kv_lora_rank,
+//         Dq = Dn + Dr, Dkv = Dn + Dv.
+#include <cstdint>
+
+namespace lm::model::cuda {
+
+// y bf16 [n] = x fp32 [n]
+void cast_f32_bf16(const float* x, void* y, int64_t n, void* stream = nullptr);
+// y fp32 [n] += x fp32 [n]
+void add_f32(float* y, const float* x, int64_t n, void* stream = nullptr);
+
+// k [rows, H, Dq] = per head [kv_nope | k_r], v [rows, H, Dv] = per head kv_value; kv bf16 [rows, H, Dkv];
+// ckr fp32 [rows, R + Dr] (k_r = its columns R..R+Dr, shared by the heads). k, v bf16.
+void mla_split_kv(const void* kv, const float* ckr, void* k, void* v, int64_t rows, int64_t H, int64_t Dn,
+                  int64_t Dr, int64_t Dv, int64_t R, void* stream = nullptr);
+// The adjoint: dkv [rows, H, Dkv] = per head [dk_nope | dv]; dckr bf16 [rows, R + Dr] columns R.. = Σ_h dk_rope
+// (fp32 sum); columns < R untouched.
+void mla_merge_dkv(const void* dk, const void* dv, void* dkv, void* dckr, int64_t rows, int64_t H, int64_t Dn,
+                   int64_t Dr, int64_t Dv, int64_t R, void* stream = nullptr);
+
+// og = o ⊙ σ(g) (all bf16 [n]); backward from d_og fp32: d_o = d_og σ(g), d_g = d_og o σ(g)(1 − σ(g)) (bf16).
+void sigmoid_gate_forward(const void* o, const void* g, void* og, int64_t n, void* stream = nullptr);
+void sigmoid_gate_backward(const void* o, const void* g, const float* d_og, void* d_o, void* d_g, int64_t n,
+                           void* stream = nullptr);
+
+// dst [batch, cols, rows] = per batch the transpose of src [batch, rows, cols] (bf16): the expert weights in the
+// layout of the backward's grouped products.
+void transpose_bf16(const void* src, void* dst, int64_t batch, int64_t rows, int64_t cols, void* stream = nullptr);
+
+// AdamW on n fp32 master weights w with moments m, v and gradient g, then the bf16 copy wb = bf16(w):
+//   m = b1 m + (1−b1) g;  v = b2 v + (1−b2) g²;  w −= lr (m/bc1 / (sqrt(v/bc2) + eps) + wd w)
+// bc1 = 1 − b1^t, bc2 = 1 − b2^t.
+struct AdamW {
+  float lr = 1e-3f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.f, bc1 = 1.f, bc2 = 1.f;
+};
+void adamw_update(float* w, const float* g, float* m, float* v, void* wb, int64_t n, const AdamW& a,
+                  void* stream = nullptr);
+
+// Quantile Balancing on the GPU (ops/moe/balance.hpp, exact estimator): from the step's unbiased scores
+// s [m, n] fp32 and the cutoff alpha [m] (router_forward's, from the bias the step routed with), writes
+// b_new [n] = −β + mean(β) with β_j the (q+1)-th largest of s_ij − α_i (q = m·k/n, interpolated).
+void qb_update(const float* s, const float* alpha, float* b_new, int64_t m, int64_t n, int64_t k,
+               void* stream = nullptr);
+
+}  // namespace lm::model::cuda

@@ -1,0 +1,972 @@
+// The decoder on one GPU (gpu_model.hpp): the walk of model.cpp and the sublayers of kda_mixer.cpp, mla.cpp,
+// ffn.cpp and moe.cpp, with device buffers and the CUDA kernels of ops/*/cuda.
+//
+// Legend: rows tokens, d hidden, V vocabulary, L layers, bs attn_res_block_size; KDA H heads, K = V head dim,
+//         HK = H·K; MLA Hm heads, Dn/Dr/Dv head dims, Dq = Dn + Dr, Dkv = Dn + Dv, R kv_lora_rank, Q q_lora_rank;
+//         MoE E experts, k per token, I expert width, l latent width, M = rows·k permuted rows.
+// dtypes: GEMM operands bf16 (weights: the bf16 copy of the fp32 master); GEMM outputs that feed reductions
+// or the residual are fp32; the residual stream, AttnRes sources and their gradients fp32; gradients that
+// feed a weight-gradient GEMM bf16; weight gradients accumulate in fp32.
+#include "model/cuda/gpu_model.hpp"
+
+#include "core/error.hpp"
+
+#ifndef LONGMOE_HAVE_CUDA
+
+namespace lm::model::cuda {
+bool available() { return false; }
+struct GpuModel::Impl {};
+[[noreturn]] static void no_cuda() { throw Error("longmoe was built without CUDA (nvcc was not found at build time)"); }
+GpuModel::GpuModel(const ModelConfig&, std::function<bool(const ParamSpec&)>) { no_cuda(); }
+GpuModel::~GpuModel() = default;
+const ModelConfig& GpuModel::config() const { no_cuda(); }
+int64_t GpuModel::num_params() const { no_cuda(); }
+size_t GpuModel::device_bytes() const { no_cuda(); }
+void GpuModel::upload(const ParamStore<float>&) { no_cuda(); }
+void GpuModel::download(ParamStore<float>&) const { no_cuda(); }
+void GpuModel::download_grads(ParamStore<float>&) const { no_cuda(); }
+void GpuModel::zero_grads() { no_cuda(); }
+GpuModel::LossStats GpuModel::forward_backward(const int32_t*, const int32_t*, const Seqs&, int64_t) { no_cuda(); }
+GpuModel::LossStats GpuModel::loss(const int32_t*, const int32_t*, const Seqs&) { no_cuda(); }
+void GpuModel::adamw(const AdamWStep&) { no_cuda(); }
+void GpuModel::balance() { no_cuda(); }
+std::vector<float> GpuModel::final_hidden() const { no_cuda(); }
+std::vector<std::pair<std::string, double>> GpuModel::detail_profile() const { no_cuda(); }
+}  // namespace lm::model::cuda
+
+#else
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/half.hpp"
+#include "model/cuda/glue_cuda.hpp"
+#include "ops/attention/cuda/attention_cuda.hpp"
+#include "ops/attnres/cuda/attnres_cuda.hpp"
+#include "ops/cross_entropy/cuda/cross_entropy_cuda.hpp"
+#include "ops/embedding/cuda/embedding_cuda.hpp"
+#include "ops/gemm/cuda/gemm_cuda.hpp"
+#include "ops/glu/cuda/glu_cuda.hpp"
+#include "ops/kda/cuda/kda_cuda.hpp"
+#include "ops/kda/cuda/short_conv_cuda.hpp"
+#include "ops/moe/cuda/moe_cuda.hpp"
+#include "ops/rmsnorm/cuda/rmsnorm_cuda.hpp"
+
+namespace lm::model::cuda {
+
+namespace oc = lm::ops::cuda;
+namespace kc = lm::kda::cuda;
+
+namespace {
+
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(fmt::format("gpu model: {}: {}", what, cudaGetErrorString(e)));
+}
+
+constexpr double kLoraEps = 1e-6;  // the MLA q_a / kv_a norms (as mla.cpp)
+
+// A device buffer that only grows (activations are reused between steps of the same shape).
+struct DBuf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  DBuf() = default;
+  DBuf(const DBuf&) = delete;
+  DBuf& operator=(const DBuf&) = delete;
+  ~DBuf() {
+    if (p) cudaFree(p);
+  }
+  void* ensure(size_t n) {
+    if (n > bytes) {
+      if (p) ck(cudaFree(p), "cudaFree");
+      p = nullptr;
+      ck(cudaMalloc(&p, n), fmt::format("cudaMalloc of {:.1f} MiB", n / 1048576.0).c_str());
+      bytes = n;
+    }
+    return p;
+  }
+};
+
+template <class T = void>
+T* as(void* p) {
+  return static_cast<T*>(p);
+}
+
+}  // namespace
+
+bool available() { return kc::device_count() > 0; }
+
+struct GpuModel::Impl {
+  ModelConfig c;
+  int64_t d, V, L;
+  // ---- parameters ------------------------------------------------------------------------------
+  struct Slot {
+    size_t off = 0;  // elements into the flat arrays
+    int64_t numel = 0;
+  };
+  std::map<std::string, Slot> slots;
+  std::vector<ParamSpec> specs;
+  size_t P = 0;                     // elements (with alignment gaps)
+  size_t decay_end = 0, train_end = 0;  // [0, decay_end) decays, [decay_end, train_end) trains without decay
+  DBuf master, grad, mom1, mom2, wbf;
+  // Transposed bf16 expert weights per MoE layer, W13ᵀ [E, l, 2I] then W2ᵀ [E, I, l], for the backward's
+  // grouped products dxs = dab · W13_e and dh = d_eo · W2_e (refreshed with the bf16 copy).
+  DBuf wT;
+  std::vector<size_t> wT_off;  // per layer, elements into wT (MoE layers only)
+  // ---- activations ---------------------------------------------------------------------------
+  std::map<std::string, DBuf> act;  // "L3.qp", "block2", scratch "s.dy" ...
+  DBuf ids_d, tgt_d;
+  std::vector<int32_t> ids_h;
+  std::vector<std::vector<int32_t>> offsets_h;  // per layer, MoE expert offsets of the last forward
+  int64_t rows = 0;
+  Seqs seqs;
+  int64_t nblocks = 0;  // AttnRes closed blocks of the last forward
+  Profile* prof = nullptr;
+  bool profiling = false;
+
+  explicit Impl(const ModelConfig& cfg, const std::function<bool(const ParamSpec&)>& decays)
+      : c(cfg), d(cfg.hidden_size), V(cfg.vocab_size), L(cfg.num_hidden_layers) {
+    c.validate("model config");
+    LM_CHECK(available(), "no usable CUDA device");
+    specs = param_specs(c);
+    layout(decays);
+    master.ensure(P * 4), grad.ensure(P * 4), mom1.ensure(P * 4), mom2.ensure(P * 4), wbf.ensure(P * 2);
+    ck(cudaMemset(master.p, 0, P * 4), "memset"), ck(cudaMemset(grad.p, 0, P * 4), "memset");
+    ck(cudaMemset(mom1.p, 0, P * 4), "memset"), ck(cudaMemset(mom2.p, 0, P * 4), "memset");
+    ck(cudaMemset(wbf.p, 0, P * 2), "memset");
+    size_t t = 0;
+    wT_off.assign(L, 0);
+    const size_t per = static_cast<size_t>(c.num_experts) * 3 * c.moe_intermediate_size * c.expert_width();
+    for (int64_t i = 0; i < L; ++i)
+      if (c.is_moe(i)) wT_off[i] = t, t += per;
+    if (t) wT.ensure(t * 2);
+  }
+
+  // W13ᵀ, W2ᵀ of every MoE layer from the bf16 copy.
+  void refresh_transposed() {
+    const int64_t E = c.num_experts, I = c.moe_intermediate_size, l = c.expert_width();
+    for (int64_t i = 0; i < L; ++i) {
+      if (!c.is_moe(i)) continue;
+      const std::string X = P_(i) + ".block_sparse_moe.experts.0.";
+      uint16_t* t13 = as<uint16_t>(wT.p) + wT_off[i];
+      transpose_bf16(W(X + "w1.weight"), t13, E, 2 * I, l);
+      transpose_bf16(W(X + "w2.weight"), t13 + E * l * 2 * I, E, l, I);
+    }
+  }
+
+  // Places every tensor: decaying ones first, then the other trainable ones, then the QB biases, so AdamW is
+  // two launches. Groups that one GEMM reads as a single matrix are placed back to back.
+  void layout(const std::function<bool(const ParamSpec&)>& decays) {
+    std::map<std::string, const ParamSpec*> by_name;
+    for (const auto& s : specs) by_name[s.name] = &s;
+    auto decay_of = [&](const ParamSpec& s) { return decays ? decays(s) : s.shape.size() >= 2; };
+    size_t cur = 0;
+    auto align = [&] { cur = (cur + 63) / 64 * 64; };
+    auto place = [&](const std::string& n) {
+      const ParamSpec* s = by_name.at(n);
+      slots[n] = Slot{cur, s->numel()};
+      cur += static_cast<size_t>(s->numel());
+    };
+    auto placed = [&](const std::string& n) { return slots.count(n) != 0; };
+    auto ends_with = [](const std::string& s, const std::string& t) {
+      return s.size() >= t.size() && s.compare(s.size() - t.size(), t.size(), t) == 0;
+    };
+    for (int pass = 0; pass < 3; ++pass) {
+      for (const auto& s : specs) {
+        const int grp = !s.trainable ? 2 : decay_of(s) ? 0 : 1;
+        if (grp != pass || placed(s.name)) continue;
+        align();
+        if (s.component == Component::RoutedExpert) {
+          // The whole layer: W13 [E, 2I, l] then W2 [E, l, I].
+          auto w = [&](int64_t e, int j) {
+            return fmt::format("model.layers.{}.block_sparse_moe.experts.{}.w{}.weight", s.layer, e, j);
+          };
+          for (int64_t e = 0; e < c.num_experts; ++e) place(w(e, 1)), place(w(e, 3));
+          align();
+          for (int64_t e = 0; e < c.num_experts; ++e) place(w(e, 2));
+        } else if (ends_with(s.name, ".gate_proj.weight") && s.component != Component::Mla) {
+          place(s.name);
+          place(fmt::format("{}.up_proj.weight", std::string_view(s.name).substr(0, s.name.size() - 17)));
+        } else {
+          place(s.name);
+        }
+      }
+      align();
+      if (pass == 0) decay_end = cur;
+      if (pass == 1) train_end = cur;
+    }
+    P = cur;
+  }
+
+  // ---- parameter pointers ----------------------------------------------------------------------
+  const Slot& slot(const std::string& n) const {
+    auto it = slots.find(n);
+    LM_CHECK(it != slots.end(), "gpu model: no parameter '{}'", n);
+    return it->second;
+  }
+  bool has(const std::string& n) const { return slots.count(n) != 0; }
+  float* M(const std::string& n) const { return as<float>(master.p) + slot(n).off; }
+  float* G(const std::string& n) const { return as<float>(grad.p) + slot(n).off; }
+  void* W(const std::string& n) const { return as<uint16_t>(wbf.p) + slot(n).off; }
+
+  // ---- activations ---------------------------------------------------------------------------
+  template <class T = void>
+  T* buf(const std::string& key, size_t bytes) {
+    return static_cast<T*>(act[key].ensure(std::max<size_t>(bytes, 256)));
+  }
+  template <class T = void>
+  T* get(const std::string& key) {
+    auto it = act.find(key);
+    LM_CHECK(it != act.end() && it->second.p, "gpu model: activation '{}' missing (no forward yet?)", key);
+    return static_cast<T*>(it->second.p);
+  }
+  static std::string K(int64_t i, const char* n) { return fmt::format("L{}.{}", i, n); }
+
+  // ---- timing --------------------------------------------------------------------------------
+  struct Timer {
+    Impl& m;
+    double* acc;
+    std::chrono::steady_clock::time_point t0;
+    Timer(Impl& im, int kind, bool bwd) : m(im), acc(nullptr) {
+      if (!m.profiling || !m.prof) return;
+      ck(cudaDeviceSynchronize(), "sync");
+      acc = bwd ? &m.prof->bwd[kind] : &m.prof->fwd[kind];
+      t0 = std::chrono::steady_clock::now();
+    }
+    ~Timer() {
+      if (!acc) return;
+      cudaDeviceSynchronize();
+      *acc += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+  };
+
+  // Finer sections inside a layer (profiling only): "kda.core.bwd", "moe.experts.bwd", ...
+  std::map<std::string, double> detail;
+  struct Sec {
+    Impl& m;
+    const char* name;
+    std::chrono::steady_clock::time_point t0;
+    Sec(Impl& im, const char* n) : m(im), name(n) {
+      if (!m.profiling) return;
+      ck(cudaDeviceSynchronize(), "sync");
+      t0 = std::chrono::steady_clock::now();
+    }
+    ~Sec() {
+      if (!m.profiling) return;
+      cudaDeviceSynchronize();
+      m.detail[name] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+  };
+
+  float eps() const { return static_cast<float>(c.rms_norm_eps); }
+  std::string P_(int64_t i) const { return fmt::format("model.layers.{}", i); }
+
+  // ================================ KDA mixer (kda_mixer.cpp) ===================================
+  kc::Problem kda_problem() const {
+    kc::Problem p;
+    p.B = seqs.B, p.T = seqs.T, p.H = c.kda_num_heads, p.K = c.kda_head_dim, p.V = c.kda_head_dim;
+    if (!seqs.cu.empty()) p.cu_seqlens = seqs.cu.data(), p.N = seqs.num_seqs();
+    if (c.kda_gate_lower_bound) p.gate = kda::GateParams{kda::GateForm::LowerBound, *c.kda_gate_lower_bound};
+    else p.gate = kda::GateParams{kda::GateForm::Softplus, 0.0};
+    p.gate_dtype = kc::GateDType::BF16;
+    return p;
+  }
+  kc::ConvShape conv_shape(int64_t C) const {
+    kc::ConvShape s;
+    s.B = seqs.B, s.T = seqs.T, s.C = C, s.W = c.kda_conv_kernel;
+    if (!seqs.cu.empty()) s.cu_seqlens = seqs.cu.data(), s.N = seqs.num_seqs();
+    return s;
+  }
+
+  // y [rows, d] fp32 (=|+=) mixer(xn).
+  void kda_forward(int64_t i, const void* xn, float* y, bool accumulate) {
+    const int64_t H = c.kda_num_heads, Kd = c.kda_head_dim, HK = H * Kd, n = rows;
+    const std::string A = P_(i) + ".self_attn.";
+    auto bf = [&](const char* nm, int64_t w) { return buf(K(i, nm), size_t(n) * w * 2); };
+    void *qp = bf("qp", HK), *kp = bf("kp", HK), *vp = bf("vp", HK), *qc = bf("qc", HK), *kc_ = bf("kc", HK),
+         *vc = bf("vc", HK), *fa = bf("fa", Kd), *f = bf("f", HK), *braw = bf("braw", H), *go = bf("gate_o", HK),
+         *o = bf("o", HK), *on = bf("on", HK);
+    float* orstd = buf<float>(K(i, "orstd"), size_t(n) * H * 4);
+    std::optional<Sec> sec(std::in_place, *this, "kda.proj.fwd");
+    oc::linear_fwd(xn, W(A + "q_proj.weight"), qp, DType::BF16, n, d, HK);
+    oc::linear_fwd(xn, W(A + "k_proj.weight"), kp, DType::BF16, n, d, HK);
+    oc::linear_fwd(xn, W(A + "v_proj.weight"), vp, DType::BF16, n, d, HK);
+    sec.emplace(*this, "kda.conv.fwd");
+    const kc::ConvShape cs = conv_shape(HK);
+    kc::short_conv_forward(qp, M(A + "q_conv1d.weight"), qc, cs);
+    kc::short_conv_forward(kp, M(A + "k_conv1d.weight"), kc_, cs);
+    kc::short_conv_forward(vp, M(A + "v_conv1d.weight"), vc, cs);
+    sec.emplace(*this, "kda.proj.fwd");
+    oc::linear_fwd(xn, W(A + "f_a_proj.weight"), fa, DType::BF16, n, d, Kd);
+    oc::linear_fwd(fa, W(A + "f_b_proj.weight"), f, DType::BF16, n, Kd, HK);
+    oc::linear_fwd(xn, W(A + "b_proj.weight"), braw, DType::BF16, n, d, H);
+    if (c.kda_full_rank_gate) {
+      oc::linear_fwd(xn, W(A + "g_proj.weight"), go, DType::BF16, n, d, HK);
+    } else {
+      void* ga = bf("ga", Kd);
+      oc::linear_fwd(xn, W(A + "g_a_proj.weight"), ga, DType::BF16, n, d, Kd);
+      oc::linear_fwd(ga, W(A + "g_b_proj.weight"), go, DType::BF16, n, Kd, HK);
+    }
+    kc::Inputs in;
+    in.q = qc, in.k = kc_, in.v = vc, in.g_raw = f, in.beta_raw = braw;
+    in.A_log = M(A + "A_log"), in.dt_bias = M(A + "dt_bias");
+    sec.emplace(*this, "kda.core.fwd");
+    kc::forward(kda_problem(), in, o, nullptr);
+    sec.emplace(*this, "kda.onorm.fwd");
+    oc::rmsnorm_gated_forward(o, go, M(A + "o_norm.weight"), on, orstd, n * H, Kd, eps());
+    sec.emplace(*this, "kda.proj.fwd");
+    oc::linear_fwd(on, W(A + "o_proj.weight"), y, DType::F32, n, HK, d, accumulate);
+  }
+
+  // dxn [rows, d] fp32 written from dy bf16 [rows, d].
+  void kda_backward(int64_t i, const void* dy, float* dxn) {
+    const int64_t H = c.kda_num_heads, Kd = c.kda_head_dim, HK = H * Kd, n = rows;
+    const std::string A = P_(i) + ".self_attn.";
+    const void* xn = get(K(i, "xn"));
+    void *qp = get(K(i, "qp")), *kp = get(K(i, "kp")), *vp = get(K(i, "vp")), *qc = get(K(i, "qc")),
+         *kc_ = get(K(i, "kc")), *vc = get(K(i, "vc")), *fa = get(K(i, "fa")), *f = get(K(i, "f")),
+         *braw = get(K(i, "braw")), *go = get(K(i, "gate_o")), *o = get(K(i, "o")), *on = get(K(i, "on"));
+    float* orstd = get<float>(K(i, "orstd"));
+    float* d_on = buf<float>("s.d_on", size_t(n) * HK * 4);
+    std::optional<Sec> sec(std::in_place, *this, "kda.proj.bwd");
+    oc::linear_bwd(on, W(A + "o_proj.weight"), dy, d_on, DType::F32, G(A + "o_proj.weight"), n, HK, d);
+    void *d_o = buf("s.d_o", size_t(n) * HK * 2), *d_gate = buf("s.d_gate", size_t(n) * HK * 2);
+    sec.emplace(*this, "kda.onorm.bwd");
+    oc::rmsnorm_gated_backward(o, go, M(A + "o_norm.weight"), orstd, d_on, d_o, d_gate, G(A + "o_norm.weight"), n * H,
+                               Kd, eps());
+    sec.emplace(*this, "kda.proj.bwd");
+    if (c.kda_full_rank_gate) {
+      oc::linear_bwd(xn, W(A + "g_proj.weight"), d_gate, dxn, DType::F32, G(A + "g_proj.weight"), n, d, HK, false);
+    } else {
+      void* d_ga = buf("s.d_ga", size_t(n) * Kd * 2);
+      oc::linear_bwd(get(K(i, "ga")), W(A + "g_b_proj.weight"), d_gate, d_ga, DType::BF16, G(A + "g_b_proj.weight"), n,
+                     Kd, HK);
+      oc::linear_bwd(xn, W(A + "g_a_proj.weight"), d_ga, dxn, DType::F32, G(A + "g_a_proj.weight"), n, d, Kd, false);
+    }
+    void *dq = buf("s.dq", size_t(n) * HK * 2), *dk = buf("s.dk", size_t(n) * HK * 2),
+         *dv = buf("s.dv", size_t(n) * HK * 2), *df = buf("s.df", size_t(n) * HK * 2),
+         *dbraw = buf("s.dbraw", size_t(n) * H * 2);
+    float *dA = buf<float>("s.dA", size_t(H) * 4), *ddt = buf<float>("s.ddt", size_t(HK) * 4);
+    kc::Inputs in;
+    in.q = qc, in.k = kc_, in.v = vc, in.g_raw = f, in.beta_raw = braw;
+    in.A_log = M(A + "A_log"), in.dt_bias = M(A + "dt_bias");
+    kc::Grads gr;
+    gr.dq = dq, gr.dk = dk, gr.dv = dv, gr.dg_raw = df, gr.dbeta_raw = dbraw, gr.dA_log = dA, gr.ddt_bias = ddt;
+    sec.emplace(*this, "kda.core.bwd");
+    kc::backward(kda_problem(), in, d_o, nullptr, gr);
+    add_f32(G(A + "A_log"), dA, H), add_f32(G(A + "dt_bias"), ddt, HK);
+    sec.emplace(*this, "kda.proj.bwd");
+    oc::linear_bwd(xn, W(A + "b_proj.weight"), dbraw, dxn, DType::F32, G(A + "b_proj.weight"), n, d, H, true);
+    void* d_fa = buf("s.d_fa", size_t(n) * Kd * 2);
+    oc::linear_bwd(fa, W(A + "f_b_proj.weight"), df, d_fa, DType::BF16, G(A + "f_b_proj.weight"), n, Kd, HK);
+    oc::linear_bwd(xn, W(A + "f_a_proj.weight"), d_fa, dxn, DType::F32, G(A + "f_a_proj.weight"), n, d, Kd, true);
+    const kc::ConvShape cs = conv_shape(HK);
+    void* dp = buf("s.dp", size_t(n) * HK * 2);
+    struct Branch {
+      const char *proj, *conv;
+      void *pre, *dpost;
+    };
+    for (const Branch& b : {Branch{"q_proj", "q_conv1d", qp, dq}, Branch{"k_proj", "k_conv1d", kp, dk},
+                            Branch{"v_proj", "v_conv1d", vp, dv}}) {
+      const std::string cw = A + b.conv + ".weight", pw = A + b.proj + ".weight";
+      sec.emplace(*this, "kda.conv.bwd");
+      kc::short_conv_backward(b.pre, M(cw), b.dpost, dp, G(cw), cs);
+      sec.emplace(*this, "kda.proj.bwd");
+      oc::linear_bwd(xn, W(pw), dp, dxn, DType::F32, G(pw), n, d, HK, true);
+    }
+  }
+
+  // ================================ gated MLA (mla.cpp) =========================================
+  oc::AttnShape attn_shape() const {
+    oc::AttnShape a;
+    a.B = seqs.B, a.T = seqs.T, a.H = c.num_attention_heads, a.Hkv = a.H;
+    a.Dk = c.qk_nope_head_dim + c.qk_rope_head_dim, a.Dv = c.v_head_dim;
+    if (!seqs.cu.empty()) a.cu_seqlens = seqs.cu.data(), a.N = seqs.num_seqs();
+    return a;
+  }
+
+  void mla_forward(int64_t i, const void* xn, float* y, bool accumulate) {
+    const int64_t H = c.num_attention_heads, Dn = c.qk_nope_head_dim, Dr = c.qk_rope_head_dim, Dv = c.v_head_dim,
+                  R = c.kv_lora_rank, Q = c.q_lora_rank.value_or(0), Dq = Dn + Dr, Dkv = Dn + Dv, RD = R + Dr,
+                  n = rows;
+    const std::string A = P_(i) + ".self_attn.";
+    void* q = buf(K(i, "q"), size_t(n) * H * Dq * 2);
+    if (Q) {
+      float* qa = buf<float>(K(i, "qa"), size_t(n) * Q * 4);
+      void* qan = buf(K(i, "qan"), size_t(n) * Q * 2);
+      float* qrs = buf<float>(K(i, "qa_rstd"), size_t(n) * 4);
+      oc::linear_fwd(xn, W(A + "q_a_proj.weight"), qa, DType::F32, n, d, Q);
+      oc::rmsnorm_forward(qa, DType::F32, M(A + "q_a_layernorm.weight"), qan, qrs, n, Q, float(kLoraEps));
+      oc::linear_fwd(qan, W(A + "q_b_proj.weight"), q, DType::BF16, n, Q, H * Dq);
+    } else {
+      oc::linear_fwd(xn, W(A + "q_proj.weight"), q, DType::BF16, n, d, H * Dq);
+    }
+    float* ckr = buf<float>(K(i, "ckr"), size_t(n) * RD * 4);
+    void* cn = buf(K(i, "cn"), size_t(n) * R * 2);
+    float* crs = buf<float>(K(i, "c_rstd"), size_t(n) * 4);
+    oc::linear_fwd(xn, W(A + "kv_a_proj_with_mqa.weight"), ckr, DType::F32, n, d, RD);
+    oc::rmsnorm_forward(ckr, DType::F32, M(A + "kv_a_layernorm.weight"), cn, crs, n, R, float(kLoraEps), RD, R);
+    void* kv = buf(K(i, "kv"), size_t(n) * H * Dkv * 2);
+    oc::linear_fwd(cn, W(A + "kv_b_proj.weight"), kv, DType::BF16, n, R, H * Dkv);
+    void *k = buf(K(i, "k"), size_t(n) * H * Dq * 2), *v = buf(K(i, "v"), size_t(n) * H * Dv * 2);
+    mla_split_kv(kv, ckr, k, v, n, H, Dn, Dr, Dv, R);
+    void* o = buf(K(i, "o"), size_t(n) * H * Dv * 2);
+    float* lse = buf<float>(K(i, "lse"), size_t(n) * H * 4);
+    oc::attention_forward(attn_shape(), q, k, v, o, lse);
+    const void* o_in = o;
+    if (c.mla_use_output_gate) {
+      void *graw = buf(K(i, "graw"), size_t(n) * H * Dv * 2), *og = buf(K(i, "og"), size_t(n) * H * Dv * 2);
+      oc::linear_fwd(xn, W(A + "g_proj.weight"), graw, DType::BF16, n, d, H * Dv);
+      sigmoid_gate_forward(o, graw, og, n * H * Dv);
+      o_in = og;
+    }
+    oc::linear_fwd(o_in, W(A + "o_proj.weight"), y, DType::F32, n, H * Dv, d, accumulate);
+  }
+
+  void mla_backward(int64_t i, const void* dy, float* dxn) {
+    const int64_t H = c.num_attention_heads, Dn = c.qk_nope_head_dim, Dr = c.qk_rope_head_dim, Dv = c.v_head_dim,
+                  R = c.kv_lora_rank, Q = c.q_lora_rank.value_or(0), Dq = Dn + Dr, Dkv = Dn + Dv, RD = R + Dr,
+                  HV = H * Dv, n = rows;
+    const std::string A = P_(i) + ".self_attn.";
+    const void* xn = get(K(i, "xn"));
+    void *o = get(K(i, "o")), *q = get(K(i, "q")), *k = get(K(i, "k")), *v = get(K(i, "v"));
+    float* d_og = buf<float>("s.d_og", size_t(n) * HV * 4);
+    const bool gated = c.mla_use_output_gate;
+    oc::linear_bwd(gated ? get(K(i, "og")) : o, W(A + "o_proj.weight"), dy, d_og, DType::F32, G(A + "o_proj.weight"), n,
+                   HV, d);
+    void* d_o = buf("s.d_o", size_t(n) * HV * 2);
+    bool dx_written = false;
+    if (gated) {
+      void* d_g = buf("s.d_g", size_t(n) * HV * 2);
+      sigmoid_gate_backward(o, get(K(i, "graw")), d_og, d_o, d_g, n * HV);
+      oc::linear_bwd(xn, W(A + "g_proj.weight"), d_g, dxn, DType::F32, G(A + "g_proj.weight"), n, d, HV, false);
+      dx_written = true;
+    } else {
+      cast_f32_bf16(d_og, d_o, n * HV);
+    }
+    void *dq = buf("s.dq", size_t(n) * H * Dq * 2), *dk = buf("s.dk", size_t(n) * H * Dq * 2),
+         *dv = buf("s.dv", size_t(n) * HV * 2);
+    oc::attention_backward(attn_shape(), q, k, v, o, get<float>(K(i, "lse")), d_o, dq, dk, dv);
+    void *dkv = buf("s.dkv", size_t(n) * H * Dkv * 2), *dckr = buf("s.dckr", size_t(n) * RD * 2);
+    mla_merge_dkv(dk, dv, dkv, dckr, n, H, Dn, Dr, Dv, R);
+    float* dcn = buf<float>("s.dcn", size_t(n) * R * 4);
+    oc::linear_bwd(get(K(i, "cn")), W(A + "kv_b_proj.weight"), dkv, dcn, DType::F32, G(A + "kv_b_proj.weight"), n, R,
+                   H * Dkv);
+    oc::rmsnorm_backward(get(K(i, "ckr")), DType::F32, M(A + "kv_a_layernorm.weight"), get<float>(K(i, "c_rstd")), dcn,
+                         DType::F32, dckr, DType::BF16, G(A + "kv_a_layernorm.weight"), n, R, float(kLoraEps), RD, R,
+                         false, RD);
+    oc::linear_bwd(xn, W(A + "kv_a_proj_with_mqa.weight"), dckr, dxn, DType::F32, G(A + "kv_a_proj_with_mqa.weight"), n,
+                   d, RD, dx_written);
+    if (Q) {
+      float* dqan = buf<float>("s.dqan", size_t(n) * Q * 4);
+      void* dqa = buf("s.dqa", size_t(n) * Q * 2);
+      oc::linear_bwd(get(K(i, "qan")), W(A + "q_b_proj.weight"), dq, dqan, DType::F32, G(A + "q_b_proj.weight"), n, Q,
+                     H * Dq);
+      oc::rmsnorm_backward(get(K(i, "qa")), DType::F32, M(A + "q_a_layernorm.weight"), get<float>(K(i, "qa_rstd")), dqan,
+                           DType::F32, dqa, DType::BF16, G(A + "q_a_layernorm.weight"), n, Q, float(kLoraEps));
+      oc::linear_bwd(xn, W(A + "q_a_proj.weight"), dqa, dxn, DType::F32, G(A + "q_a_proj.weight"), n, d, Q, true);
+    } else {
+      oc::linear_bwd(xn, W(A + "q_proj.weight"), dq, dxn, DType::F32, G(A + "q_proj.weight"), n, d, H * Dq, true);
+    }
+  }
+
+  // ================================ FFNs (ffn.cpp, moe.cpp) =====================================
+  ops::GluParams glu() const { return glu_params(c); }
+
+  // Dense GLU FFN under `prefix` (gate_proj and up_proj adjacent: one [2I, din] weight) over x [n, din] bf16.
+  void ffn_forward(const std::string& key, const std::string& prefix, const void* x, int64_t n, int64_t din, int64_t I,
+                   float* y, bool accumulate) {
+    void *ab = buf(key + ".ab", size_t(n) * 2 * I * 2), *h = buf(key + ".h", size_t(n) * I * 2);
+    oc::linear_fwd(x, W(prefix + ".gate_proj.weight"), ab, DType::BF16, n, din, 2 * I);
+    oc::glu_forward(ab, h, n, I, glu());
+    oc::linear_fwd(h, W(prefix + ".down_proj.weight"), y, DType::F32, n, I, din, accumulate);
+  }
+  void ffn_backward(const std::string& key, const std::string& prefix, const void* x, int64_t n, int64_t din,
+                    int64_t I, const void* dy, float* dx, bool accumulate_dx) {
+    void *ab = get(key + ".ab"), *h = get(key + ".h");
+    float* dh = buf<float>("s.ffn_dh", size_t(n) * I * 4);
+    void* dab = buf("s.ffn_dab", size_t(n) * 2 * I * 2);
+    oc::linear_bwd(h, W(prefix + ".down_proj.weight"), dy, dh, DType::F32, G(prefix + ".down_proj.weight"), n, I, din);
+    oc::glu_backward(ab, dh, DType::F32, dab, n, I, glu());
+    // gate_proj's slot starts the stacked [2I, din] weight and its gradient.
+    oc::linear_bwd(x, W(prefix + ".gate_proj.weight"), dab, dx, DType::F32, G(prefix + ".gate_proj.weight"), n, din,
+                   2 * I, accumulate_dx);
+  }
+
+  void moe_forward(int64_t i, const void* yn, float* y) {
+    const int64_t E = c.num_experts, k = c.num_experts_per_token, I = c.moe_intermediate_size, l = c.expert_width(),
+                  n = rows, Mr = n * k;
+    const bool latent = c.has_latent_moe();
+    const std::string B = P_(i) + ".block_sparse_moe.";
+    float* logits = buf<float>(K(i, "logits"), size_t(n) * E * 4);
+    std::optional<Sec> sec(std::in_place, *this, "moe.route.fwd");
+    oc::linear_fwd(yn, W(B + "gate.weight"), logits, DType::F32, n, d, E);
+    int32_t* topk_idx = buf<int32_t>(K(i, "topk_idx"), size_t(Mr) * 4);
+    float* topk_w = buf<float>(K(i, "topk_w"), size_t(Mr) * 4);
+    oc::RouterOut ro;
+    ro.topk_idx = topk_idx, ro.topk_w = topk_w;
+    ro.scores = buf<float>(K(i, "scores"), size_t(n) * E * 4);
+    ro.alpha = buf<float>(K(i, "alpha"), size_t(n) * 4);
+    oc::router_forward(logits, M(B + "gate.e_score_correction_bias"), n, E, k, c.moe_renormalize,
+                       static_cast<float>(c.routed_scaling_factor), ro);
+    const void* z = yn;
+    sec.emplace(*this, "moe.latent.fwd");
+    if (latent) {
+      void* zb = buf(K(i, "z"), size_t(n) * l * 2);
+      oc::linear_fwd(yn, W(B + "routed_expert_down_proj.weight"), zb, DType::BF16, n, d, l);
+      z = zb;
+    }
+    int32_t *off = buf<int32_t>(K(i, "offsets"), size_t(E + 1) * 4), *prow = buf<int32_t>(K(i, "prow"), size_t(Mr) * 4),
+            *ppos = buf<int32_t>(K(i, "ppos"), size_t(Mr) * 4);
+    sec.emplace(*this, "moe.route.fwd");
+    oc::moe_permute(topk_idx, n, k, E, off, prow, ppos);
+    auto& offh = offsets_h[i];
+    offh.resize(E + 1);
+    ck(cudaMemcpy(offh.data(), off, size_t(E + 1) * 4, cudaMemcpyDeviceToHost), "offsets to host");
+    void *xs = buf(K(i, "xs"), size_t(Mr) * l * 2), *ab = buf(K(i, "eab"), size_t(Mr) * 2 * I * 2),
+         *h = buf(K(i, "eh"), size_t(Mr) * I * 2), *eo = buf(K(i, "eo"), size_t(Mr) * l * 2);
+    oc::moe_gather(z, prow, xs, n, k, l);
+    const std::string X = B + "experts.0.";
+    const ops::GluParams gp = glu();
+    oc::GluArgs ga;
+    ga.swiglu = gp.kind == ops::GluKind::SwiGLU;
+    ga.beta1 = static_cast<float>(gp.beta1), ga.beta2 = static_cast<float>(gp.beta2);
+    sec.emplace(*this, "moe.experts.fwd");
+    oc::grouped_gemm_glu(xs, W(X + "w1.weight"), h, ab, off, Mr, I, l, E, ga);
+    oc::grouped_gemm(h, W(X + "w2.weight"), eo, off, Mr, l, I, E);
+    sec.emplace(*this, "moe.combine.fwd");
+    void* u = buf(K(i, "u"), size_t(n) * l * 2);
+    oc::moe_combine(eo, topk_w, ppos, u, n, k, l);
+    sec.emplace(*this, "moe.latent.fwd");
+    if (latent) {
+      const void* un = u;
+      if (c.latent_moe_use_norm) {
+        void* unb = buf(K(i, "un"), size_t(n) * l * 2);
+        float* urs = buf<float>(K(i, "u_rstd"), size_t(n) * 4);
+        oc::rmsnorm_forward(u, DType::BF16, M(B + "routed_expert_norm.weight"), unb, urs, n, l, eps());
+        un = unb;
+      }
+      oc::linear_fwd(un, W(B + "routed_expert_up_proj.weight"), y, DType::F32, n, l, d, true);
+    } else {
+      throw Error("gpu model: MoE without a latent projection (Kimi Linear) is not supported on the GPU yet");
+    }
+    sec.emplace(*this, "moe.shared.fwd");
+    if (c.num_shared_experts > 0)
+      ffn_forward(K(i, "shared"), B + "shared_experts", yn, n, d, c.shared_intermediate_size(), y, true);
+  }
+
+  void moe_backward(int64_t i, const void* dy, float* dyn) {
+    const int64_t E = c.num_experts, k = c.num_experts_per_token, I = c.moe_intermediate_size, l = c.expert_width(),
+                  n = rows, Mr = n * k;
+    const std::string B = P_(i) + ".block_sparse_moe.";
+    const void* yn = get(K(i, "yn"));
+    // u -> latent norm -> up projection.
+    float* dun = buf<float>("s.dun", size_t(n) * l * 4);
+    float* du = buf<float>("s.du", size_t(n) * l * 4);
+    const std::string up = B + "routed_expert_up_proj.weight";
+    std::optional<Sec> sec(std::in_place, *this, "moe.latent.bwd");
+    if (c.latent_moe_use_norm) {
+      oc::linear_bwd(get(K(i, "un")), W(up), dy, dun, DType::F32, G(up), n, l, d);
+      oc::rmsnorm_backward(get(K(i, "u")), DType::BF16, M(B + "routed_expert_norm.weight"), get<float>(K(i, "u_rstd")),
+                           dun, DType::F32, du, DType::F32, G(B + "routed_expert_norm.weight"), n, l, eps());
+    } else {
+      oc::linear_bwd(get(K(i, "u")), W(up), dy, du, DType::F32, G(up), n, l, d);
+    }
+    void* d_eo = buf("s.d_eo", size_t(Mr) * l * 2);
+    float* d_topk_w = buf<float>("s.d_topk_w", size_t(Mr) * 4);
+    const int32_t* ppos = get<int32_t>(K(i, "ppos"));
+    sec.emplace(*this, "moe.combine.bwd");
+    oc::moe_combine_backward(get(K(i, "eo")), get<float>(K(i, "topk_w")), ppos, du, false, d_eo, d_topk_w, n, k, l);
+    // Routed experts.
+    const std::string X = B + "experts.0.";
+    float *g13 = G(X + "w1.weight"), *g2 = G(X + "w2.weight");
+    const auto* xs = static_cast<const uint16_t*>(get(K(i, "xs")));
+    const auto* h = static_cast<const uint16_t*>(get(K(i, "eh")));
+    const int32_t* off_d = get<int32_t>(K(i, "offsets"));
+    const uint16_t* t13 = as<uint16_t>(wT.p) + wT_off[i];
+    const uint16_t* t2 = t13 + E * l * 2 * I;
+    void* dh = buf("s.e_dh", size_t(Mr) * I * 2);
+    void* dab = buf("s.e_dab", size_t(Mr) * 2 * I * 2);
+    void* dxs = buf("s.dxs", size_t(Mr) * l * 2);
+    const auto& off = offsets_h[i];
+    const auto* deo = static_cast<const uint16_t*>(d_eo);
+    const auto* dabp = static_cast<const uint16_t*>(dab);
+    sec.emplace(*this, "moe.experts.bwd");
+    // Input gradients with the forward's grouped kernel on the transposed weights; weight gradients (reductions
+    // over each expert's rows) as concurrent cuBLAS products.
+    oc::grouped_gemm(d_eo, t2, dh, off_d, Mr, I, l, E);  // dh_e = d_eo_e · W2_e
+    std::vector<oc::GemmGroup> wgrad;
+    for (int64_t e = 0; e < E; ++e) {  // dW2_e += d_eo_eᵀ · h_e
+      const int64_t r0 = off[e], me = off[e + 1] - r0;
+      wgrad.push_back({l, I, me, deo + r0 * l, l, h + r0 * I, I, g2 + e * l * I, I});
+    }
+    oc::gemm_bf16_grouped(true, false, wgrad, 1.f, 1.f, DType::F32);
+    sec.emplace(*this, "moe.glu.bwd");
+    oc::glu_backward(get(K(i, "eab")), dh, DType::BF16, dab, Mr, I, glu());
+    sec.emplace(*this, "moe.experts.bwd");
+    oc::grouped_gemm(dab, t13, dxs, off_d, Mr, l, 2 * I, E);  // dxs_e = dab_e · W13_e
+    wgrad.clear();
+    for (int64_t e = 0; e < E; ++e) {  // dW13_e += dab_eᵀ · xs_e
+      const int64_t r0 = off[e], me = off[e + 1] - r0;
+      wgrad.push_back({2 * I, l, me, dabp + r0 * 2 * I, 2 * I, xs + r0 * l, l, g13 + e * 2 * I * l, l});
+    }
+    oc::gemm_bf16_grouped(true, false, wgrad, 1.f, 1.f, DType::F32);
+    sec.emplace(*this, "moe.route.bwd");
+    void* d_logits = buf("s.d_logits", size_t(n) * E * 2);
+    oc::router_backward(get<float>(K(i, "logits")), get<int32_t>(K(i, "topk_idx")), d_topk_w, d_logits, true, n, E, k,
+                        c.moe_renormalize, static_cast<float>(c.routed_scaling_factor));
+    oc::linear_bwd(yn, W(B + "gate.weight"), d_logits, dyn, DType::F32, G(B + "gate.weight"), n, d, E, false);
+    sec.emplace(*this, "moe.gather.bwd");
+    void* dz = buf("s.dz", size_t(n) * l * 2);
+    oc::moe_gather_backward(dxs, ppos, dz, true, n, k, l);
+    sec.emplace(*this, "moe.latent.bwd");
+    oc::linear_bwd(yn, W(B + "routed_expert_down_proj.weight"), dz, dyn, DType::F32,
+                   G(B + "routed_expert_down_proj.weight"), n, d, l, true);
+    sec.emplace(*this, "moe.shared.bwd");
+    if (c.num_shared_experts > 0)
+      ffn_backward(K(i, "shared"), B + "shared_experts", yn, n, d, c.shared_intermediate_size(), dy, dyn, true);
+  }
+
+  // ================================ the stack (model.cpp) =======================================
+  void mixer_forward(int64_t i, const void* xn, float* y, bool accumulate) {
+    if (c.is_kda(i)) {
+      Timer t(*this, Profile::Kda, false);
+      kda_forward(i, xn, y, accumulate);
+    } else {
+      Timer t(*this, Profile::Mla, false);
+      mla_forward(i, xn, y, accumulate);
+    }
+  }
+  void ffn_fwd(int64_t i, const void* yn, float* y) {
+    if (c.is_moe(i)) {
+      Timer t(*this, Profile::Moe, false);
+      moe_forward(i, yn, y);
+    } else {
+      Timer t(*this, Profile::DenseFfn, false);
+      ffn_forward(K(i, "mlp"), P_(i) + ".mlp", yn, rows, d, c.intermediate_size, y, true);
+    }
+  }
+  void norm_fwd(const float* x, const std::string& w, const std::string& key_y, const std::string& key_rstd) {
+    Timer t(*this, Profile::Norm, false);
+    oc::rmsnorm_forward(x, DType::F32, M(w), buf(key_y, size_t(rows) * d * 2),
+                        buf<float>(key_rstd, size_t(rows) * 4), rows, d, eps());
+  }
+  void read(const std::vector<const float*>& src, const std::string& w, const std::string& g, float* h) {
+    Timer t(*this, Profile::AttnRes, false);
+    oc::attnres_forward(src.data(), static_cast<int64_t>(src.size()), rows, d, M(w), M(g), eps(), h);
+  }
+  void copy(float* dst, const float* src) {
+    ck(cudaMemcpyAsync(dst, src, size_t(rows) * d * 4, cudaMemcpyDeviceToDevice, nullptr), "copy");
+  }
+
+  void forward(const int32_t* ids, const int32_t* targets, const Seqs& s) {
+    rows = s.rows();
+    LM_CHECK(rows > 0, "gpu model: empty batch");
+    for (int64_t t = 0; t < rows; ++t) {
+      LM_CHECK(ids[t] >= 0 && ids[t] < V, "gpu model: token id {} at position {} is outside the vocabulary [0, {})",
+               ids[t], t, V);
+      if (targets)
+        LM_CHECK(targets[t] < V, "gpu model: target {} at position {} is outside the vocabulary [0, {})", targets[t], t,
+                 V);
+    }
+    seqs = s;
+    ids_h.assign(ids, ids + rows);
+    ck(cudaMemcpy(ids_d.ensure(size_t(rows) * 4), ids, size_t(rows) * 4, cudaMemcpyHostToDevice), "ids");
+    if (targets)
+      ck(cudaMemcpy(tgt_d.ensure(size_t(rows) * 4), targets, size_t(rows) * 4, cudaMemcpyHostToDevice), "targets");
+    offsets_h.assign(L, {});
+    const size_t RD4 = size_t(rows) * d * 4;
+    float* prefix = buf<float>("prefix", RD4);
+    {
+      Timer t(*this, Profile::Embedding, false);
+      oc::embedding_forward(as<int32_t>(ids_d.p), rows, W("model.embed_tokens.weight"), d, prefix);
+    }
+    if (c.has_attn_res()) {
+      const int64_t bs = *c.attn_res_block_size;
+      std::vector<const float*> blocks;
+      nblocks = 0;
+      for (int64_t i = 0; i < L; ++i) {
+        const std::string Pi = P_(i);
+        float* prefix_in = buf<float>(K(i, "prefix_in"), RD4);
+        copy(prefix_in, prefix);
+        const float* x_in = prefix_in;
+        if (!blocks.empty()) {
+          std::vector<const float*> src = blocks;
+          src.push_back(prefix);
+          float* xi = buf<float>(K(i, "x_in"), RD4);
+          read(src, Pi + ".self_attention_res_proj.weight", Pi + ".self_attention_res_norm.weight", xi);
+          x_in = xi;
+        }
+        const bool reset = i % bs == 0;
+        if (reset) {
+          float* blk = buf<float>(fmt::format("block{}", nblocks++), RD4);
+          copy(blk, prefix);
+          blocks.push_back(blk);
+        }
+        norm_fwd(x_in, Pi + ".input_layernorm.weight", K(i, "xn"), K(i, "rstd1"));
+        mixer_forward(i, get(K(i, "xn")), prefix, !reset);
+        float* mid = buf<float>(K(i, "prefix_mid"), RD4);
+        copy(mid, prefix);
+        std::vector<const float*> src = blocks;
+        src.push_back(prefix);
+        float* y_in = buf<float>(K(i, "y_in"), RD4);
+        read(src, Pi + ".mlp_res_proj.weight", Pi + ".mlp_res_norm.weight", y_in);
+        norm_fwd(y_in, Pi + ".post_attention_layernorm.weight", K(i, "yn"), K(i, "rstd2"));
+        ffn_fwd(i, get(K(i, "yn")), prefix);
+      }
+      float* residual = buf<float>("residual", RD4);
+      copy(residual, prefix);
+      std::vector<const float*> src = blocks;
+      src.push_back(residual);
+      read(src, "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight",
+           buf<float>("h_final", RD4));
+    } else {
+      for (int64_t i = 0; i < L; ++i) {
+        const std::string Pi = P_(i);
+        float* x_in = buf<float>(K(i, "x_in"), RD4);
+        copy(x_in, prefix);
+        norm_fwd(x_in, Pi + ".input_layernorm.weight", K(i, "xn"), K(i, "rstd1"));
+        mixer_forward(i, get(K(i, "xn")), prefix, true);
+        float* y_in = buf<float>(K(i, "y_in"), RD4);
+        copy(y_in, prefix);
+        norm_fwd(y_in, Pi + ".post_attention_layernorm.weight", K(i, "yn"), K(i, "rstd2"));
+        ffn_fwd(i, get(K(i, "yn")), prefix);
+      }
+      copy(buf<float>("h_final", RD4), prefix);
+    }
+    norm_fwd(get<float>("h_final"), "model.norm.weight", "hn", "rstd_f");
+  }
+
+  // ---- backward ------------------------------------------------------------------------------
+  void norm_bwd(const float* x, const std::string& w, const float* rstd, const float* dy, float* dx) {
+    Timer t(*this, Profile::Norm, true);
+    oc::rmsnorm_backward(x, DType::F32, M(w), rstd, dy, DType::F32, dx, DType::F32, G(w), rows, d, eps());
+  }
+  void read_bwd(const std::vector<const float*>& src, const std::vector<float*>& dsrc, const std::string& w,
+                const std::string& g, const float* dh) {
+    Timer t(*this, Profile::AttnRes, true);
+    oc::attnres_backward(src.data(), static_cast<int64_t>(src.size()), rows, d, M(w), M(g), eps(), dh, dsrc.data(),
+                         G(w), G(g));
+  }
+  // d(layer part) fp32 -> bf16 for the GEMMs.
+  const void* to_bf16(const float* x) {
+    void* y = buf("s.dy_bf", size_t(rows) * d * 2);
+    cast_f32_bf16(x, y, rows * d);
+    return y;
+  }
+  void mixer_bwd(int64_t i, const float* dy, float* dxn) {
+    const void* dyb = to_bf16(dy);
+    if (c.is_kda(i)) {
+      Timer t(*this, Profile::Kda, true);
+      kda_backward(i, dyb, dxn);
+    } else {
+      Timer t(*this, Profile::Mla, true);
+      mla_backward(i, dyb, dxn);
+    }
+  }
+  void ffn_bwd(int64_t i, const float* dy, float* dyn) {
+    const void* dyb = to_bf16(dy);
+    if (c.is_moe(i)) {
+      Timer t(*this, Profile::Moe, true);
+      moe_backward(i, dyb, dyn);
+    } else {
+      Timer t(*this, Profile::DenseFfn, true);
+      ffn_backward(K(i, "mlp"), P_(i) + ".mlp", get(K(i, "yn")), rows, d, c.intermediate_size, dyb, dyn, false);
+    }
+  }
+
+  void backward(const float* d_hn) {
+    const size_t RD4 = size_t(rows) * d * 4;
+    float* dh_final = buf<float>("s.dh_final", RD4);
+    float* dnorm = buf<float>("s.dnorm", RD4);
+    float* dx_in = buf<float>("s.dx_in", RD4);
+    norm_bwd(get<float>("h_final"), "model.norm.weight", get<float>("rstd_f"), d_hn, dh_final);
+    float* d_prefix = buf<float>("s.d_prefix", RD4);
+    if (c.has_attn_res()) {
+      const int64_t bs = *c.attn_res_block_size;
+      ck(cudaMemsetAsync(d_prefix, 0, RD4, nullptr), "memset");
+      std::vector<const float*> blocks;
+      std::vector<float*> d_blocks;
+      for (int64_t j = 0; j < nblocks; ++j) {
+        blocks.push_back(get<float>(fmt::format("block{}", j)));
+        float* db = buf<float>(fmt::format("s.d_block{}", j), RD4);
+        ck(cudaMemsetAsync(db, 0, RD4, nullptr), "memset");
+        d_blocks.push_back(db);
+      }
+      auto sources = [&](int64_t nb, const float* partial, float* d_partial, std::vector<const float*>& src,
+                         std::vector<float*>& dsrc) {
+        src.assign(blocks.begin(), blocks.begin() + nb);
+        dsrc.assign(d_blocks.begin(), d_blocks.begin() + nb);
+        src.push_back(partial), dsrc.push_back(d_partial);
+      };
+      std::vector<const float*> src;
+      std::vector<float*> dsrc;
+      sources(nblocks, get<float>("residual"), d_prefix, src, dsrc);
+      read_bwd(src, dsrc, "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight", dh_final);
+      int64_t nb = nblocks;
+      for (int64_t i = L - 1; i >= 0; --i) {
+        const std::string Pi = P_(i);
+        const bool reset = i % bs == 0;
+        const int64_t nb_mlp = nb, nb_attn = reset ? nb - 1 : nb;
+        ffn_bwd(i, d_prefix, dnorm);
+        float* dy_in = buf<float>("s.dy_in", RD4);
+        norm_bwd(get<float>(K(i, "y_in")), Pi + ".post_attention_layernorm.weight", get<float>(K(i, "rstd2")), dnorm,
+                 dy_in);
+        sources(nb_mlp, get<float>(K(i, "prefix_mid")), d_prefix, src, dsrc);
+        read_bwd(src, dsrc, Pi + ".mlp_res_proj.weight", Pi + ".mlp_res_norm.weight", dy_in);
+        mixer_bwd(i, d_prefix, dnorm);
+        const float* x_in = nb_attn == 0 ? get<float>(K(i, "prefix_in")) : get<float>(K(i, "x_in"));
+        norm_bwd(x_in, Pi + ".input_layernorm.weight", get<float>(K(i, "rstd1")), dnorm, dx_in);
+        if (reset) std::swap(d_prefix, d_blocks[nb_attn]);  // the block pushed here was prefix_in
+        if (nb_attn == 0) {
+          add_f32(d_prefix, dx_in, rows * d);
+        } else {
+          sources(nb_attn, get<float>(K(i, "prefix_in")), d_prefix, src, dsrc);
+          read_bwd(src, dsrc, Pi + ".self_attention_res_proj.weight", Pi + ".self_attention_res_norm.weight", dx_in);
+        }
+        nb = nb_attn;
+      }
+    } else {
+      copy(d_prefix, dh_final);
+      for (int64_t i = L - 1; i >= 0; --i) {
+        const std::string Pi = P_(i);
+        ffn_bwd(i, d_prefix, dnorm);
+        norm_bwd(get<float>(K(i, "y_in")), Pi + ".post_attention_layernorm.weight", get<float>(K(i, "rstd2")), dnorm,
+                 dx_in);
+        add_f32(d_prefix, dx_in, rows * d);
+        mixer_bwd(i, d_prefix, dnorm);
+        norm_bwd(get<float>(K(i, "x_in")), Pi + ".input_layernorm.weight", get<float>(K(i, "rstd1")), dnorm, dx_in);
+        add_f32(d_prefix, dx_in, rows * d);
+      }
+    }
+    Timer t(*this, Profile::Embedding, true);
+    oc::embedding_backward(ids_h.data(), rows, d_prefix, V, d, G("model.embed_tokens.weight"));
+  }
+};
+
+// ================================ public API ========================================================
+
+GpuModel::GpuModel(const ModelConfig& c, std::function<bool(const ParamSpec&)> decays)
+    : p_(std::make_unique<Impl>(c, decays)) {
+  p_->prof = &profile;
+}
+GpuModel::~GpuModel() = default;
+const ModelConfig& GpuModel::config() const { return p_->c; }
+int64_t GpuModel::num_params() const {
+  int64_t n = 0;
+  for (const auto& s : p_->specs) n += s.numel();
+  return n;
+}
+size_t GpuModel::device_bytes() const {
+  size_t b = p_->P * (4 * 4 + 2) + p_->wT.bytes;
+  for (const auto& [k, v] : p_->act) b += v.bytes;
+  return b;
+}
+
+void GpuModel::upload(const ParamStore<float>& ps) {
+  for (const auto& prm : ps.all()) {
+    const auto& s = p_->slot(prm.spec.name);
+    ck(cudaMemcpy(p_->M(prm.spec.name), prm.w(), size_t(s.numel) * 4, cudaMemcpyHostToDevice), "upload");
+  }
+  cast_f32_bf16(as<float>(p_->master.p), p_->wbf.p, static_cast<int64_t>(p_->P));
+  p_->refresh_transposed();
+  ck(cudaDeviceSynchronize(), "upload");
+}
+void GpuModel::download(ParamStore<float>& ps) const {
+  ck(cudaDeviceSynchronize(), "download");
+  for (auto& prm : ps.all())
+    ck(cudaMemcpy(prm.w(), p_->M(prm.spec.name), size_t(p_->slot(prm.spec.name).numel) * 4, cudaMemcpyDeviceToHost),
+       "download");
+}
+void GpuModel::download_grads(ParamStore<float>& ps) const {
+  LM_CHECK(ps.has_grads(), "download_grads: the store has no gradients");
+  ck(cudaDeviceSynchronize(), "download");
+  for (auto& prm : ps.all())
+    if (prm.g())
+      ck(cudaMemcpy(prm.g(), p_->G(prm.spec.name), size_t(p_->slot(prm.spec.name).numel) * 4,
+                    cudaMemcpyDeviceToHost),
+         "download grads");
+}
+void GpuModel::zero_grads() { ck(cudaMemsetAsync(p_->grad.p, 0, p_->P * 4, nullptr), "zero grads"); }
+
+GpuModel::LossStats GpuModel::forward_backward(const int32_t* ids, const int32_t* targets, const Seqs& s,
+                                               int64_t n_valid_total) {
+  LM_CHECK(targets, "forward_backward: targets are required");
+  Impl& m = *p_;
+  m.profiling = profiling;
+  int64_t n_here = 0;
+  for (int64_t t = 0; t < s.rows(); ++t) n_here += targets[t] >= 0;
+  m.forward(ids, targets, s);
+  const int64_t n_norm = n_valid_total > 0 ? n_valid_total : n_here;
+  float* d_hn = m.buf<float>("s.d_hn", size_t(m.rows) * m.d * 4);
+  oc::CeResult r;
+  {
+    Impl::Timer t(m, Profile::LmHead, true);
+    r = oc::cross_entropy_forward_backward(m.get("hn"), m.W("lm_head.weight"), as<int32_t>(m.tgt_d.p), m.rows, m.d,
+                                           m.V, n_norm > 0 ? 1.f / static_cast<float>(n_norm) : 0.f, d_hn,
+                                           m.G("lm_head.weight"));
+  }
+  m.backward(d_hn);
+  return LossStats{r.loss_sum, r.n_valid};
+}
+
+GpuModel::LossStats GpuModel::loss(const int32_t* ids, const int32_t* targets, const Seqs& s) {
+  LM_CHECK(targets, "loss: targets are required");
+  Impl& m = *p_;
+  m.profiling = profiling;
+  m.forward(ids, targets, s);
+  Impl::Timer t(m, Profile::LmHead, false);
+  const oc::CeResult r = oc::cross_entropy_forward(m.get("hn"), m.W("lm_head.weight"), as<int32_t>(m.tgt_d.p), m.rows,
+                                                   m.d, m.V);
+  return LossStats{r.loss_sum, r.n_valid};
+}
+
+void GpuModel::adamw(const AdamWStep& a) {
+  Impl& m = *p_;
+  AdamW k;
+  k.lr = static_cast<float>(a.lr), k.b1 = static_cast<float>(a.beta1), k.b2 = static_cast<float>(a.beta2);
+  k.eps = static_cast<float>(a.eps);
+  k.bc1 = static_cast<float>(1.0 - std::pow(a.beta1, static_cast<double>(a.step)));
+  k.bc2 = static_cast<float>(1.0 - std::pow(a.beta2, static_cast<double>(a.step)));
+  auto run = [&](size_t b, size_t e, float wd) {
+    k.wd = wd;
+    adamw_update(as<float>(m.master.p) + b, as<float>(m.grad.p) + b, as<float>(m.mom1.p) + b, as<float>(m.mom2.p) + b,
+                 as<uint16_t>(m.wbf.p) + b, static_cast<int64_t>(e - b), k);
+  };
+  run(0, m.decay_end, static_cast<float>(a.weight_decay));
+  run(m.decay_end, m.train_end, 0.f);
+  m.refresh_transposed();
+}
+
+void GpuModel::balance() {
+  Impl& m = *p_;
+  for (int64_t i = 0; i < m.L; ++i) {
+    if (!m.c.is_moe(i)) continue;
+    const std::string b = m.P_(i) + ".block_sparse_moe.gate.e_score_correction_bias";
+    qb_update(m.get<float>(Impl::K(i, "scores")), m.get<float>(Impl::K(i, "alpha")), m.M(b), m.rows, m.c.num_experts,
+              m.c.num_experts_per_token);
+  }
+}
+
+std::vector<std::pair<std::string, double>> GpuModel::detail_profile() const {
+  return {p_->detail.begin(), p_->detail.end()};
+}
+
+std::vector<float> GpuModel::final_hidden() const {
+  Impl& m = *p_;
+  std::vector<uint16_t> b(size_t(m.rows) * m.d);
+  ck(cudaMemcpy(b.data(), m.get("hn"), b.size() * 2, cudaMemcpyDeviceToHost), "final hidden");
+  std::vector<float> r(b.size());
+  for (size_t i = 0; i < b.size(); ++i) r[i] = bf16_to_f32(b[i]);
+  return r;
+}
+
+}  // namespace lm::model::cuda
+
+#endif

@@ -1,0 +1,47 @@
+#pragma once
+// Dense GEMMs on the GPU through cuBLAS (bf16 inputs, fp32 accumulation), row-major, for the model's linear
+// layers and the chunked cross-entropy. Plain C++ (no CUDA types): device pointers and a cudaStream_t as void*.
+//
+// Legend: M, N, K the product dims; row-major A [M, K] (or [K, M] when ta), B [K, N] (or [N, K] when tb),
+//         C [M, N]; lda, ldb, ldc row strides in elements (0: the dense stride).
+//   C = alpha · op(A) · op(B) + beta · C,   op(X) = Xᵀ when its flag is set.
+// A and B are bf16; C is bf16 or fp32 (c_type). Accumulation is fp32 either way.
+#include <cstdint>
+#include <vector>
+
+#include "core/dtype.hpp"
+
+namespace lm::ops::cuda {
+
+void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A, int64_t lda,
+               const void* B, int64_t ldb, float beta, void* C, int64_t ldc, DType c_type, void* stream = nullptr);
+
+// Grouped: C_g = alpha · op(A_g) · op(B_g) + beta · C_g for every group g, each with its own sizes and pointers
+// (row-major, strides as above; same transposes, alpha, beta and C dtype for all). One cuBLAS launch
+// (cublasGemmGroupedBatchedEx) instead of one per group; groups with M, N or K of 0 are skipped.
+struct GemmGroup {
+  int64_t M = 0, N = 0, K = 0;
+  const void* A = nullptr;
+  int64_t lda = 0;
+  const void* B = nullptr;
+  int64_t ldb = 0;
+  void* C = nullptr;
+  int64_t ldc = 0;
+};
+void gemm_bf16_grouped(bool ta, bool tb, const std::vector<GemmGroup>& groups, float alpha, float beta, DType c_type,
+                       void* stream = nullptr);
+
+// nn.Linear convention, W [out, in] bf16:
+//   y [rows, out] (=|+=) x [rows, in] · Wᵀ
+void linear_fwd(const void* x, const void* W, void* y, DType y_type, int64_t rows, int64_t in, int64_t out,
+                bool accumulate = false, void* stream = nullptr, int64_t ldx = 0, int64_t ldy = 0);
+//   dx [rows, in] (=|+=) dy [rows, out] · W      (dx nullable)
+//   dW [out, in] fp32 += dyᵀ · x                  (dW nullable)
+void linear_bwd(const void* x, const void* W, const void* dy, void* dx, DType dx_type, float* dW, int64_t rows,
+                int64_t in, int64_t out, bool accumulate_dx = false, void* stream = nullptr, int64_t ldx = 0,
+                int64_t lddy = 0, int64_t lddx = 0);
+
+// The cuBLAS handle of the calling thread, bound to `stream` (a cublasHandle_t as void*).
+void* blas_handle(void* stream = nullptr);
+
+}  // namespace lm::ops::cuda

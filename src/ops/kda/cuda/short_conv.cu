@@ -1,0 +1,366 @@
+// Depthwise causal short convolution + SiLU of the KDA mixer on the GPU (kda::short_conv_* on the CPU).
+//
+// Legend: rows = B·T packed tokens, C channels, W taps (<= 8), N sequences (B, or varlen cu_seqlens),
+//         TT tokens per thread, VEC channels per thread (4 when C % 4 == 0, else 1).
+//         x, y, dy, dx bf16 [rows, C]; w fp32 [C, W]; dw fp32 [C, W] (+=); partial fp32 [P, C, W] scratch.
+//   pre[t, c] = Σ_k w[c, k] · x[t − (W−1) + k, c] (zero before the sequence start), y = silu(pre)
+//   dpre = dy · silu'(pre);  dx[τ] = Σ_k w[k] · dpre[τ + (W−1) − k] (same sequence);  dw[k] = Σ_t dpre[t] · x[t − (W−1) + k]
+// Each thread walks TT consecutive tokens of VEC channels with the last W inputs in a register ring, so every
+// x is read ~once. Backward: the thread recomputes dpre for W−1 tokens past its range (dx needs the future
+// taps) and scatters w[k]·dpre[t] into a ring of pending dx rows; a row is final once the stream has moved
+// W−1 past it. dw: per-thread sums, reduced over the block's threads in a fixed order into one partial per
+// grid row P, then the P partials summed in order per (c, k): deterministic, no atomics.
+// Sequences: a thread finds its sequence by binary search over cu_seqlens (copied to the device) and
+// re-searches when it crosses a boundary, zeroing the input ring (the new sequence starts from zeros).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "ops/kda/cuda/cuda_error.hpp"
+#include "ops/kda/cuda/short_conv_cuda.hpp"
+
+namespace lm::kda::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+[[noreturn]] void fail(const std::string& m) { throw Error("short conv cuda: " + m); }
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+constexpr int kTT = 32;     // tokens per thread
+constexpr int kBX = 32;     // threads along channels
+constexpr int kBY = 8;      // threads along time: a block covers kBX·VEC channels × kBY·kTT tokens
+constexpr int kMaxW = 8;
+
+struct Seg {
+  int64_t begin, end;
+};
+
+// The sequence holding row t (t < rows). Varlen: the last n with cu[n] <= t, so empty sequences are skipped.
+__device__ __forceinline__ Seg seg_of(int64_t t, int64_t T, const int64_t* cu, int N) {
+  if (!cu) {
+    const int64_t b = t - t % T;
+    return {b, b + T};
+  }
+  int lo = 0, hi = N;  // cu[lo] <= t < cu[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (cu[mid] <= t) lo = mid;
+    else hi = mid;
+  }
+  return {cu[lo], cu[lo + 1]};
+}
+
+template <int VEC>
+__device__ __forceinline__ void load_vec(const bf16* p, float* f) {
+  if constexpr (VEC == 4) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+    f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
+  } else {
+    f[0] = __bfloat162float(p[0]);
+  }
+}
+template <int VEC>
+__device__ __forceinline__ void store_vec(bf16* p, const float* f) {
+  if constexpr (VEC == 4) {
+    uint2 u;
+    *reinterpret_cast<__nv_bfloat162*>(&u.x) = __floats2bfloat162_rn(f[0], f[1]);
+    *reinterpret_cast<__nv_bfloat162*>(&u.y) = __floats2bfloat162_rn(f[2], f[3]);
+    *reinterpret_cast<uint2*>(p) = u;
+  } else {
+    p[0] = __float2bfloat16_rn(f[0]);
+  }
+}
+
+__device__ __forceinline__ float sigmoidf_(float z) { return 1.f / (1.f + __expf(-z)); }
+
+// Ring xr[k] = inputs at t − (W−1) + k; fills slots 0..W−2 for a walk starting at t0 in sequence sg.
+template <int W, int VEC>
+__device__ __forceinline__ void preload(const bf16* x, int C, int c0, int64_t t0, const Seg& sg, float (&xr)[W][VEC]) {
+#pragma unroll
+  for (int k = 0; k < W - 1; ++k) {
+    const int64_t p = t0 - (W - 1) + k;
+    if (p >= sg.begin) {
+      load_vec<VEC>(x + p * C + c0, xr[k]);
+    } else {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) xr[k][v] = 0.f;
+    }
+  }
+}
+
+template <int W, int VEC>
+__global__ void __launch_bounds__(kBX* kBY) conv_fwd_kernel(const bf16* x, const float* w, bf16* y, int64_t rows,
+                                                              int C, int64_t T, const int64_t* cu, int N, int silu) {
+  const int c0 = (blockIdx.x * kBX + threadIdx.x) * VEC;
+  if (c0 >= C) return;
+  float wr[VEC][W];
+#pragma unroll
+  for (int v = 0; v < VEC; ++v)
+#pragma unroll
+    for (int k = 0; k < W; ++k) wr[v][k] = w[int64_t(c0 + v) * W + k];
+  const int64_t nby = (rows + kBY * kTT - 1) / (kBY * kTT);
+  for (int64_t by = blockIdx.y; by < nby; by += gridDim.y) {
+    const int64_t t0 = (by * kBY + threadIdx.y) * kTT;
+    if (t0 >= rows) continue;
+    const int64_t t1 = min(t0 + kTT, rows);
+    Seg sg = seg_of(t0, T, cu, N);
+    float xr[W][VEC];
+    preload<W, VEC>(x, C, c0, t0, sg, xr);
+    for (int64_t t = t0; t < t1; ++t) {
+      if (t >= sg.end) {  // a new sequence starts at t: everything in the ring is from earlier ones
+        sg = seg_of(t, T, cu, N);
+#pragma unroll
+        for (int k = 0; k < W - 1; ++k)
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) xr[k][v] = 0.f;
+      }
+      load_vec<VEC>(x + t * C + c0, xr[W - 1]);
+      float out[VEC];
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        float pre = 0.f;
+#pragma unroll
+        for (int k = 0; k < W; ++k) pre = fmaf(wr[v][k], xr[k][v], pre);
+        out[v] = silu ? pre * sigmoidf_(pre) : pre;
+      }
+      store_vec<VEC>(y + t * C + c0, out);
+#pragma unroll
+      for (int k = 0; k < W - 1; ++k)
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) xr[k][v] = xr[k + 1][v];
+    }
+  }
+}
+
+// partial [gridDim.y, C, W]: this block row's dw sums (fixed order: per thread, then threadIdx.y ascending).
+template <int W, int VEC>
+__global__ void __launch_bounds__(kBX* kBY)
+    conv_bwd_kernel(const bf16* x, const float* w, const bf16* dy, bf16* dx, float* partial, int64_t rows, int C,
+                    int64_t T, const int64_t* cu, int N, int silu) {
+  const int c0 = (blockIdx.x * kBX + threadIdx.x) * VEC;
+  const bool active = c0 < C;
+  float wr[VEC][W];
+  float dwp[VEC][W];
+#pragma unroll
+  for (int v = 0; v < VEC; ++v)
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      wr[v][k] = active ? w[int64_t(c0 + v) * W + k] : 0.f;
+      dwp[v][k] = 0.f;
+    }
+  const int64_t nby = (rows + kBY * kTT - 1) / (kBY * kTT);
+  for (int64_t by = blockIdx.y; by < nby && active; by += gridDim.y) {
+    const int64_t t0 = (by * kBY + threadIdx.y) * kTT;
+    if (t0 >= rows) continue;
+    const int64_t t1 = min(t0 + kTT, rows);           // rows whose dx this thread writes
+    const int64_t tend = min(t1 + (W - 1), rows);      // dpre needed up to here
+    Seg sg = seg_of(t0, T, cu, N);
+    float xr[W][VEC], acc[W][VEC];  // acc[j]: pending dx of row t − (W−1) + j
+    preload<W, VEC>(x, C, c0, t0, sg, xr);
+#pragma unroll
+    for (int k = 0; k < W; ++k)
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[k][v] = 0.f;
+    for (int64_t t = t0; t < tend; ++t) {
+      if (t >= sg.end) {
+        sg = seg_of(t, T, cu, N);
+#pragma unroll
+        for (int k = 0; k < W - 1; ++k)
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) xr[k][v] = 0.f;
+      }
+      load_vec<VEC>(x + t * C + c0, xr[W - 1]);
+      float g[VEC];
+      load_vec<VEC>(dy + t * C + c0, g);
+      if (silu) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          float pre = 0.f;
+#pragma unroll
+          for (int k = 0; k < W; ++k) pre = fmaf(wr[v][k], xr[k][v], pre);
+          const float s = sigmoidf_(pre);
+          g[v] *= s * (1.f + pre * (1.f - s));
+        }
+      }
+      if (t < t1) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v)
+#pragma unroll
+          for (int k = 0; k < W; ++k) dwp[v][k] = fmaf(g[v], xr[k][v], dwp[v][k]);
+      }
+      // Row t − (W−1) + k receives w[k]·dpre[t] when it lies in t's sequence.
+#pragma unroll
+      for (int k = 0; k < W; ++k)
+        if (t - (W - 1) + k >= sg.begin)
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) acc[k][v] = fmaf(wr[v][k], g[v], acc[k][v]);
+      if (t - (W - 1) >= t0) store_vec<VEC>(dx + (t - (W - 1)) * C + c0, acc[0]);
+#pragma unroll
+      for (int k = 0; k < W - 1; ++k)
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) xr[k][v] = xr[k + 1][v], acc[k][v] = acc[k + 1][v];
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[W - 1][v] = 0.f;
+    }
+    // The stream stopped at the last row (tend == rows): its final W−1 rows get no more contributions.
+#pragma unroll
+    for (int j = 0; j < W - 1; ++j) {
+      const int64_t tau = tend - (W - 1) + j;
+      if (tau >= t0 && tau < t1) store_vec<VEC>(dx + tau * C + c0, acc[j]);
+    }
+  }
+  if (!partial) return;  // block-uniform: no dw wanted
+  __shared__ float red[kBY][kBX][VEC * W + 1];  // +1: odd stride, no bank conflicts
+#pragma unroll
+  for (int v = 0; v < VEC; ++v)
+#pragma unroll
+    for (int k = 0; k < W; ++k) red[threadIdx.y][threadIdx.x][v * W + k] = dwp[v][k];
+  __syncthreads();
+  // Threads of row y == 0 sum the kBY rows in order and write the block's partial.
+  if (threadIdx.y == 0 && active) {
+    float* out = partial + (int64_t(blockIdx.y) * C + c0) * W;
+    for (int e = 0; e < VEC * W; ++e) {
+      float s = 0.f;
+      for (int r = 0; r < kBY; ++r) s += red[r][threadIdx.x][e];
+      out[e] = s;
+    }
+  }
+}
+
+// dw[e] += Σ_p partial[p, e] in p order (double), e over C·W.
+__global__ void dw_reduce_kernel(const float* partial, float* dw, int P, int64_t CW) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < CW; e += int64_t(gridDim.x) * blockDim.x) {
+    double s = 0;
+    for (int p = 0; p < P; ++p) s += partial[int64_t(p) * CW + e];
+    dw[e] += float(s);
+  }
+}
+
+int64_t check_shape(const ConvShape& s, const char* who) {
+  const std::string w(who);
+  if (s.W < 1 || s.W > kMaxW) fail(w + ": W must be in [1, 8], got " + std::to_string(s.W));
+  if (s.B < 1 || s.T < 0 || s.C < 1) fail(w + ": need B >= 1, T >= 0, C >= 1");
+  if (s.C > (int64_t(1) << 30)) fail(w + ": C too large");
+  if (s.cu_seqlens) {
+    const int64_t* cu = s.cu_seqlens;
+    if (s.B != 1) fail(w + ": varlen (cu_seqlens) needs B == 1");
+    if (s.N < 1 || s.N > (int64_t(1) << 30)) fail(w + ": varlen needs N >= 1 sequences");
+    if (cu[0] != 0) fail(w + ": cu_seqlens must start at 0");
+    for (int64_t n = 0; n < s.N; ++n)
+      if (cu[n + 1] < cu[n]) fail(w + ": cu_seqlens must be non-decreasing");
+    if (cu[s.N] != s.T) fail(w + ": cu_seqlens must end at T");
+  }
+  return s.B * s.T;
+}
+
+bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
+
+// Device copy of the host cu_seqlens (null without varlen), freed by the caller with cudaFreeAsync.
+int64_t* upload_cu(const ConvShape& s, cudaStream_t st) {
+  if (!s.cu_seqlens) return nullptr;
+  void* p = nullptr;
+  const size_t bytes = size_t(s.N + 1) * sizeof(int64_t);
+  check(cudaMallocAsync(&p, bytes, st), "cu_seqlens alloc");
+  // Pageable source: the call returns once the host array has been consumed.
+  check(cudaMemcpyAsync(p, s.cu_seqlens, bytes, cudaMemcpyHostToDevice, st), "cu_seqlens copy");
+  return static_cast<int64_t*>(p);
+}
+
+dim3 grid_of(int64_t rows, int64_t C, int vec) {
+  const int64_t gx = (C / vec + kBX - 1) / kBX;
+  const int64_t gy = std::min<int64_t>((rows + kBY * kTT - 1) / (kBY * kTT), 65535);
+  return dim3(unsigned(gx), unsigned(gy));
+}
+
+template <int W, int VEC>
+void launch_fwd(const bf16* x, const float* w, bf16* y, int64_t rows, const ConvShape& s, const int64_t* cu, bool silu,
+                cudaStream_t st) {
+  conv_fwd_kernel<W, VEC><<<grid_of(rows, s.C, VEC), dim3(kBX, kBY), 0, st>>>(x, w, y, rows, int(s.C), s.T, cu,
+                                                                              int(s.N), silu);
+}
+
+template <int W, int VEC>
+void launch_bwd(const bf16* x, const float* w, const bf16* dy, bf16* dx, float* partial, int64_t rows,
+                const ConvShape& s, const int64_t* cu, bool silu, cudaStream_t st) {
+  conv_bwd_kernel<W, VEC><<<grid_of(rows, s.C, VEC), dim3(kBX, kBY), 0, st>>>(x, w, dy, dx, partial, rows, int(s.C),
+                                                                              s.T, cu, int(s.N), silu);
+}
+
+// Calls FN<W, VEC>(args...) for the runtime W (1..8) and VEC (1 or 4).
+#define LM_CONV_DISPATCH(FN, W_, VEC_, ...)                          \
+  do {                                                               \
+    switch (W_ * 16 + VEC_) {                                        \
+      case 1 * 16 + 1: FN<1, 1>(__VA_ARGS__); break;                 \
+      case 2 * 16 + 1: FN<2, 1>(__VA_ARGS__); break;                 \
+      case 3 * 16 + 1: FN<3, 1>(__VA_ARGS__); break;                 \
+      case 4 * 16 + 1: FN<4, 1>(__VA_ARGS__); break;                 \
+      case 5 * 16 + 1: FN<5, 1>(__VA_ARGS__); break;                 \
+      case 6 * 16 + 1: FN<6, 1>(__VA_ARGS__); break;                 \
+      case 7 * 16 + 1: FN<7, 1>(__VA_ARGS__); break;                 \
+      case 8 * 16 + 1: FN<8, 1>(__VA_ARGS__); break;                 \
+      case 1 * 16 + 4: FN<1, 4>(__VA_ARGS__); break;                 \
+      case 2 * 16 + 4: FN<2, 4>(__VA_ARGS__); break;                 \
+      case 3 * 16 + 4: FN<3, 4>(__VA_ARGS__); break;                 \
+      case 4 * 16 + 4: FN<4, 4>(__VA_ARGS__); break;                 \
+      case 5 * 16 + 4: FN<5, 4>(__VA_ARGS__); break;                 \
+      case 6 * 16 + 4: FN<6, 4>(__VA_ARGS__); break;                 \
+      case 7 * 16 + 4: FN<7, 4>(__VA_ARGS__); break;                 \
+      case 8 * 16 + 4: FN<8, 4>(__VA_ARGS__); break;                 \
+      default: fail("unsupported W");                                \
+    }                                                                \
+  } while (0)
+
+}  // namespace
+
+void short_conv_forward(const void* x, const float* w, void* y, const ConvShape& s, bool silu, void* stream) {
+  const int64_t rows = check_shape(s, "short_conv_forward");
+  if (rows == 0) return;
+  if (!x || !w || !y) fail("short_conv_forward: null argument");
+  if (x == y) fail("short_conv_forward: y must not alias x");
+  const auto st = static_cast<cudaStream_t>(stream);
+  const int vec = (s.C % 4 == 0 && aligned8(x) && aligned8(y)) ? 4 : 1;
+  int64_t* cu = upload_cu(s, st);
+  const int W = int(s.W);
+  LM_CONV_DISPATCH(launch_fwd, W, vec, static_cast<const bf16*>(x), w, static_cast<bf16*>(y), rows, s, cu, silu, st);
+  check(cudaGetLastError(), "short_conv_forward launch");
+  if (cu) check(cudaFreeAsync(cu, st), "cu_seqlens free");
+}
+
+void short_conv_backward(const void* x, const float* w, const void* dy, void* dx, float* dw, const ConvShape& s,
+                         bool silu, void* stream) {
+  const int64_t rows = check_shape(s, "short_conv_backward");
+  if (rows == 0) return;
+  if (!x || !w || !dy || !dx) fail("short_conv_backward: null argument");
+  if (dx == x) fail("short_conv_backward: dx must not alias x (it is re-read)");
+  const auto st = static_cast<cudaStream_t>(stream);
+  const int vec = (s.C % 4 == 0 && aligned8(x) && aligned8(dy) && aligned8(dx)) ? 4 : 1;
+  const dim3 grid = grid_of(rows, s.C, vec);
+  const int64_t CW = s.C * s.W;
+  int64_t* cu = upload_cu(s, st);
+  float* partial = nullptr;
+  if (dw) check(cudaMallocAsync(reinterpret_cast<void**>(&partial), size_t(grid.y) * CW * sizeof(float), st),
+                "dw partial alloc");
+  const int W = int(s.W);
+  LM_CONV_DISPATCH(launch_bwd, W, vec, static_cast<const bf16*>(x), w, static_cast<const bf16*>(dy),
+                   static_cast<bf16*>(dx), partial, rows, s, cu, silu, st);
+  check(cudaGetLastError(), "short_conv_backward launch");
+  if (dw) {
+    const int threads = 256;
+    const int blocks = int(std::min<int64_t>((CW + threads - 1) / threads, 4096));
+    dw_reduce_kernel<<<blocks, threads, 0, st>>>(partial, dw, int(grid.y), CW);
+    check(cudaGetLastError(), "short_conv dw reduce launch");
+    check(cudaFreeAsync(partial, st), "dw partial free");
+  }
+  if (cu) check(cudaFreeAsync(cu, st), "cu_seqlens free");
+}
+
+}  // namespace lm::kda::cuda

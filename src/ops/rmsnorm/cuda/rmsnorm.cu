@@ -1,0 +1,399 @@
+// RMSNorm on the GPU (ops/rmsnorm/cuda/rmsnorm_cuda.hpp): plain forward/backward with dtype and stride
+// options, and the gated per-head KDA output form. The formulas of ops/rmsnorm/rmsnorm.cpp, in fp32.
+//
+// Legend: rows independent vectors, D normalised width, ld* row strides in elements, TPR threads per row
+//         (a power of two in [32, 256], about D / 8), R = 256 / TPR rows per block at a time, V elements per
+//         vector access (4 when D, the strides and every pointer allow it, else 1), nb fixed row blocks of the
+//         backward (<= kMaxBlocks), s = sigmoid(gate).
+// Forward: one row per TPR-thread group; pass 1 sums x², pass 2 re-reads x (from L1/L2) and writes y.
+// Backward: nb blocks, each a contiguous row range; per row one group reduction of (Σx², Σ w·dy·x), then a
+//   pass writing dx (and dgate). The dw partials Σ dy·n accumulate in shared memory [R, D] (each thread owns
+//   its columns, so no atomics), are summed over the R groups in order into scratch [nb, D], and a second
+//   kernel adds Σ_b in block order (in double) to dw. nb depends on rows and D only, so dw is reproducible.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "ops/kda/cuda/cuda_error.hpp"
+#include "ops/rmsnorm/cuda/rmsnorm_cuda.hpp"
+
+namespace lm::ops::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 1024;  // about one wave of 256-thread blocks on an H200 (132 SMs x 8)
+constexpr size_t kDefaultSmem = 48 * 1024;
+
+[[noreturn]] void fail(const std::string& m) { throw Error("rmsnorm cuda: " + m); }
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// ---- device helpers ---------------------------------------------------------------------------------
+
+// V consecutive elements at p[i] as float; `bf` picks bf16 or fp32 storage (uniform over a launch, so the
+// branch costs nothing next to the memory traffic and spares a template axis per tensor).
+template <int V>
+__device__ __forceinline__ void load(const void* p, bool bf, int64_t i, float (&v)[V]) {
+  if constexpr (V == 4) {
+    if (bf) {
+      const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const bf16*>(p) + i);
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+      v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+    } else {
+      const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
+      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    }
+  } else {
+    static_assert(V == 1, "V is 1 or 4");
+    v[0] = bf ? __bfloat162float(static_cast<const bf16*>(p)[i]) : static_cast<const float*>(p)[i];
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store(void* p, bool bf, int64_t i, const float (&v)[V]) {
+  if constexpr (V == 4) {
+    if (bf) {
+      uint2 u;
+      *reinterpret_cast<__nv_bfloat162*>(&u.x) = __floats2bfloat162_rn(v[0], v[1]);
+      *reinterpret_cast<__nv_bfloat162*>(&u.y) = __floats2bfloat162_rn(v[2], v[3]);
+      *reinterpret_cast<uint2*>(static_cast<bf16*>(p) + i) = u;
+    } else {
+      *reinterpret_cast<float4*>(static_cast<float*>(p) + i) = make_float4(v[0], v[1], v[2], v[3]);
+    }
+  } else {
+    if (bf)
+      static_cast<bf16*>(p)[i] = __float2bfloat16_rn(v[0]);
+    else
+      static_cast<float*>(p)[i] = v[0];
+  }
+}
+
+__device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + expf(-z)); }
+
+// Sum of (a, b) over the TPR threads of a row group, returned to all of them. Every thread of the block must
+// call it (it may synchronise the block). Fixed butterfly and warp order: deterministic.
+template <int TPR>
+__device__ __forceinline__ float2 group_sum(float2 v, float2* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    v.x += __shfl_xor_sync(0xffffffffu, v.x, o);
+    v.y += __shfl_xor_sync(0xffffffffu, v.y, o);
+  }
+  if constexpr (TPR > 32) {
+    constexpr int W = TPR / 32;
+    const int warp = threadIdx.x >> 5, first = warp / W * W;
+    if ((threadIdx.x & 31) == 0) red[warp] = v;
+    __syncthreads();
+    float2 s = red[first];
+#pragma unroll
+    for (int i = 1; i < W; ++i) s.x += red[first + i].x, s.y += red[first + i].y;
+    __syncthreads();  // red is reused by the next call
+    return s;
+  } else {
+    return v;
+  }
+}
+
+// ---- kernels ----------------------------------------------------------------------------------------
+
+// y = bf16((x·rstd)·w), or the gated out = bf16(((x·rstd)·w)·s) (x bf16 then).
+template <int TPR, int V, bool GATED>
+__global__ void __launch_bounds__(kThreads) fwd_kernel(const void* x, bool xbf, const bf16* gate, const float* w,
+                                                       bf16* y, float* rstd, int64_t rows, int D, int64_t ldx,
+                                                       int64_t ldy, float eps) {
+  __shared__ float2 red[kThreads / 32];
+  constexpr int R = kThreads / TPR;
+  const int lane = threadIdx.x % TPR;
+  const int64_t r = int64_t(blockIdx.x) * R + threadIdx.x / TPR;
+  const bool ok = r < rows;
+  float ss = 0.f;
+  if (ok)
+    for (int c = lane * V; c < D; c += TPR * V) {
+      float xv[V];
+      load<V>(x, xbf, r * ldx + c, xv);
+#pragma unroll
+      for (int k = 0; k < V; ++k) ss += xv[k] * xv[k];
+    }
+  ss = group_sum<TPR>(make_float2(ss, 0.f), red).x;
+  if (!ok) return;
+  const float rs = 1.f / sqrtf(ss / float(D) + eps);
+  if (rstd && lane == 0) rstd[r] = rs;
+  for (int c = lane * V; c < D; c += TPR * V) {
+    float xv[V], wv[V], o[V];
+    load<V>(x, xbf, r * ldx + c, xv);
+    load<V>(w, false, c, wv);
+#pragma unroll
+    for (int k = 0; k < V; ++k) o[k] = (xv[k] * rs) * wv[k];  // the reference's order: n first, then · w
+    if constexpr (GATED) {
+      float gv[V];
+      load<V>(gate, true, r * ldx + c, gv);
+#pragma unroll
+      for (int k = 0; k < V; ++k) o[k] *= sigmoid(gv[k]);
+    }
+    store<V>(y, true, r * ldy + c, o);
+  }
+}
+
+struct BwdArgs {
+  const void* x;
+  const float* w;
+  const float* rstd;   // nullable: recomputed from x
+  const void* dy;      // plain: dy (ldy); gated: dout, fp32 [rows, D]
+  const bf16* gate;    // gated only
+  void* dx;
+  bf16* dgate;         // gated only
+  float* part;         // [nb, D] dw partials, or null
+  int64_t rows, ldx, ldy, lddx;
+  int D;
+  float eps;
+  bool xbf, dybf, dxbf, acc;
+};
+
+// Plain: dy as given. Gated: dy = dout·s, and dgate = dout·(n·w)·s·(1-s). Then
+// dx = rstd·(w·dy − n·c) with c = rstd·Σ(w·dy·x) / D, and the block's dw partial += dy·n.
+template <int TPR, int V, bool GATED>
+__global__ void __launch_bounds__(kThreads) bwd_kernel(BwdArgs a) {
+  extern __shared__ float4 smem_dw[];  // [R, D] dw partials of this block (when a.part)
+  __shared__ float2 red[kThreads / 32];
+  constexpr int R = kThreads / TPR;
+  const int g = threadIdx.x / TPR, lane = threadIdx.x % TPR, D = a.D;
+  float* mine = reinterpret_cast<float*>(smem_dw) + int64_t(g) * D;
+  if (a.part)
+    for (int c = lane * V; c < D; c += TPR * V)
+#pragma unroll
+      for (int k = 0; k < V; ++k) mine[c + k] = 0.f;
+  const int64_t b = blockIdx.x, nb = gridDim.x;
+  const int64_t r_begin = b * a.rows / nb, r_end = (b + 1) * a.rows / nb;
+  // Same trip count for every group of the block (group_sum synchronises it).
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += R) {
+    const int64_t r = r0 + g;
+    const bool ok = r < r_end;
+    float ss = 0.f, gx = 0.f;
+    if (ok)
+      for (int c = lane * V; c < D; c += TPR * V) {
+        float xv[V], dyv[V], wv[V];
+        load<V>(a.x, a.xbf, r * a.ldx + c, xv);
+        load<V>(a.dy, a.dybf, r * a.ldy + c, dyv);
+        load<V>(a.w, false, c, wv);
+        if constexpr (GATED) {
+          float gv[V];
+          load<V>(a.gate, true, r * a.ldx + c, gv);
+#pragma unroll
+          for (int k = 0; k < V; ++k) dyv[k] *= sigmoid(gv[k]);
+        }
+#pragma unroll
+        for (int k = 0; k < V; ++k) ss += xv[k] * xv[k], gx += wv[k] * dyv[k] * xv[k];
+      }
+    const float2 s = group_sum<TPR>(make_float2(ss, gx), red);
+    if (!ok) continue;
+    const float rs = a.rstd ? a.rstd[r] : 1.f / sqrtf(s.x / float(D) + a.eps);
+    const float cc = s.y * rs / float(D);
+    // Every element is read before it is written by the same thread: dx may alias dy (or y alias x).
+    for (int c = lane * V; c < D; c += TPR * V) {
+      float xv[V], dyv[V], wv[V], dxv[V];
+      load<V>(a.x, a.xbf, r * a.ldx + c, xv);
+      load<V>(a.dy, a.dybf, r * a.ldy + c, dyv);
+      load<V>(a.w, false, c, wv);
+      if constexpr (GATED) {
+        float gv[V], dg[V];
+        load<V>(a.gate, true, r * a.ldx + c, gv);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const float sg = sigmoid(gv[k]), n = xv[k] * rs;
+          dg[k] = dyv[k] * (n * wv[k]) * sg * (1.f - sg);
+          dyv[k] *= sg;
+        }
+        store<V>(a.dgate, true, r * a.ldx + c, dg);
+      }
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float n = xv[k] * rs;
+        dxv[k] = rs * (wv[k] * dyv[k] - n * cc);
+        if (a.part) mine[c + k] += dyv[k] * n;
+      }
+      if (a.acc) {
+        float old[V];
+        load<V>(a.dx, false, r * a.lddx + c, old);
+#pragma unroll
+        for (int k = 0; k < V; ++k) dxv[k] += old[k];
+      }
+      store<V>(a.dx, a.dxbf, r * a.lddx + c, dxv);
+    }
+  }
+  if (!a.part) return;
+  __syncthreads();
+  const float* all = reinterpret_cast<const float*>(smem_dw);
+  for (int j = threadIdx.x; j < D; j += kThreads) {
+    float s = all[j];
+    for (int i = 1; i < R; ++i) s += all[int64_t(i) * D + j];
+    a.part[b * D + j] = s;
+  }
+}
+
+// dw[j] += Σ_b part[b, j], blocks in order.
+__global__ void dw_reduce_kernel(const float* part, int64_t nb, int D, float* dw) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= D) return;
+  double s = 0;
+  for (int64_t b = 0; b < nb; ++b) s += part[b * D + j];
+  dw[j] += float(s);
+}
+
+// ---- host side --------------------------------------------------------------------------------------
+
+int pick_tpr(int64_t D) {
+  int t = 32;
+  while (t < kThreads && int64_t(t) * 8 < D) t *= 2;
+  return t;
+}
+
+template <class Fn>
+void with_tpr(int tpr, Fn&& fn) {
+  switch (tpr) {
+    case 32: fn(std::integral_constant<int, 32>{}); break;
+    case 64: fn(std::integral_constant<int, 64>{}); break;
+    case 128: fn(std::integral_constant<int, 128>{}); break;
+    default: fn(std::integral_constant<int, 256>{}); break;
+  }
+}
+template <class Fn>
+void with_vec(bool vec, Fn&& fn) {
+  if (vec)
+    fn(std::integral_constant<int, 4>{});
+  else
+    fn(std::integral_constant<int, 1>{});
+}
+
+bool is_bf16(DType t, const char* what) {
+  if (t != DType::F32 && t != DType::BF16) fail(std::string(what) + " must be F32 or BF16");
+  return t == DType::BF16;
+}
+bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+// 4-element vector access of a row-strided tensor: every row start on a vector boundary.
+bool vec_ok(const void* p, bool bf, int64_t ld) { return !p || (aligned(p, bf ? 8 : 16) && ld % 4 == 0); }
+
+void check_args(const char* who, int64_t rows, int64_t D, int64_t ldx, int64_t ldy, float eps) {
+  if (rows < 0 || D <= 0 || D > (int64_t(1) << 30))
+    fail(std::string(who) + ": need rows >= 0 and 0 < D < 2^30, got rows=" + std::to_string(rows) +
+         " D=" + std::to_string(D));
+  if (ldx < D || ldy < D)
+    fail(std::string(who) + ": row strides ldx=" + std::to_string(ldx) + " ldy=" + std::to_string(ldy) +
+         " must be >= D=" + std::to_string(D));
+  if (!(eps >= 0.f) || !std::isfinite(eps)) fail(std::string(who) + ": eps must be finite and >= 0");
+}
+
+template <bool GATED>
+void launch_forward(const void* x, bool xbf, const bf16* gate, const float* w, bf16* y, float* rstd, int64_t rows,
+                    int64_t D, int64_t ldx, int64_t ldy, float eps, bool vec, cudaStream_t s) {
+  const int tpr = pick_tpr(D);
+  const int64_t blocks = (rows + kThreads / tpr - 1) / (kThreads / tpr);
+  if (blocks >= (int64_t(1) << 31)) fail("too many rows");
+  with_vec(vec, [&](auto v) {
+    with_tpr(tpr, [&](auto t) {
+      fwd_kernel<decltype(t)::value, decltype(v)::value, GATED>
+          <<<unsigned(blocks), kThreads, 0, s>>>(x, xbf, gate, w, y, rstd, rows, int(D), ldx, ldy, eps);
+    });
+  });
+  check(cudaGetLastError(), "forward launch");
+}
+
+template <bool GATED>
+void launch_backward(BwdArgs a, float* dw, bool vec, cudaStream_t s) {
+  const int tpr = pick_tpr(a.D), R = kThreads / tpr;
+  const int64_t nb = std::min<int64_t>((a.rows + R - 1) / R, kMaxBlocks);
+  const size_t smem = dw ? size_t(R) * size_t(a.D) * sizeof(float) : 0;
+  float* part = nullptr;
+  if (dw) check(cudaMallocAsync(reinterpret_cast<void**>(&part), size_t(nb) * a.D * sizeof(float), s), "dw scratch");
+  a.part = part;
+  cudaError_t err = cudaSuccess;
+  with_vec(vec, [&](auto v) {
+    with_tpr(tpr, [&](auto t) {
+      auto* kern = bwd_kernel<decltype(t)::value, decltype(v)::value, GATED>;
+      if (smem > kDefaultSmem)
+        err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+      if (err == cudaSuccess) {
+        kern<<<unsigned(nb), kThreads, smem, s>>>(a);
+        err = cudaGetLastError();
+      }
+    });
+  });
+  if (err == cudaSuccess && dw) {
+    dw_reduce_kernel<<<unsigned((a.D + 255) / 256), 256, 0, s>>>(part, nb, a.D, dw);
+    err = cudaGetLastError();
+  }
+  if (part) {
+    const cudaError_t e2 = cudaFreeAsync(part, s);
+    if (err == cudaSuccess) err = e2;
+  }
+  check(err, "backward launch (D too large for the dw partials in shared memory?)");
+}
+
+}  // namespace
+
+void rmsnorm_forward(const void* x, DType x_type, const float* w, void* y, float* rstd, int64_t rows, int64_t D,
+                     float eps, int64_t ldx, int64_t ldy, void* stream) {
+  if (ldx == 0) ldx = D;
+  if (ldy == 0) ldy = D;
+  check_args("rmsnorm_forward", rows, D, ldx, ldy, eps);
+  const bool xbf = is_bf16(x_type, "rmsnorm_forward: x");
+  if (rows == 0) return;
+  if (!x || !w || !y) fail("rmsnorm_forward: x, w and y are required");
+  const bool vec = D % 4 == 0 && vec_ok(x, xbf, ldx) && vec_ok(y, true, ldy) && aligned(w, 16);
+  launch_forward<false>(x, xbf, nullptr, w, static_cast<bf16*>(y), rstd, rows, D, ldx, ldy, eps, vec,
+                        static_cast<cudaStream_t>(stream));
+}
+
+void rmsnorm_backward(const void* x, DType x_type, const float* w, const float* rstd, const void* dy, DType dy_type,
+                      void* dx, DType dx_type, float* dw, int64_t rows, int64_t D, float eps, int64_t ldx,
+                      int64_t ldy, bool accumulate_dx, int64_t lddx, void* stream) {
+  if (ldx == 0) ldx = D;
+  if (ldy == 0) ldy = D;
+  if (lddx == 0) lddx = D;  // the header's convention (0: D), not ldx
+  check_args("rmsnorm_backward", rows, D, ldx, ldy, eps);
+  if (lddx < D) fail("rmsnorm_backward: row stride lddx=" + std::to_string(lddx) + " must be >= D=" + std::to_string(D));
+  const bool xbf = is_bf16(x_type, "rmsnorm_backward: x"), dybf = is_bf16(dy_type, "rmsnorm_backward: dy"),
+             dxbf = is_bf16(dx_type, "rmsnorm_backward: dx");
+  if (accumulate_dx && dxbf) fail("rmsnorm_backward: accumulate_dx needs an F32 dx");
+  if (rows == 0) return;
+  if (!x || !w || !dy || !dx) fail("rmsnorm_backward: x, w, dy and dx are required");
+  const bool vec = D % 4 == 0 && vec_ok(x, xbf, ldx) && vec_ok(dy, dybf, ldy) && vec_ok(dx, dxbf, lddx) &&
+                   aligned(w, 16);
+  BwdArgs a{x, w, rstd, dy, nullptr, dx, nullptr, nullptr, rows, ldx, ldy, lddx, int(D), eps, xbf, dybf, dxbf,
+            accumulate_dx};
+  launch_backward<false>(a, dw, vec, static_cast<cudaStream_t>(stream));
+}
+
+void rmsnorm_gated_forward(const void* x, const void* gate, const float* w, void* out, float* rstd, int64_t rows,
+                           int64_t D, float eps, void* stream) {
+  check_args("rmsnorm_gated_forward", rows, D, D, D, eps);
+  if (rows == 0) return;
+  if (!x || !gate || !w || !out) fail("rmsnorm_gated_forward: x, gate, w and out are required");
+  const bool vec = D % 4 == 0 && aligned(x, 8) && aligned(gate, 8) && aligned(out, 8) && aligned(w, 16);
+  launch_forward<true>(x, true, static_cast<const bf16*>(gate), w, static_cast<bf16*>(out), rstd, rows, D, D, D, eps,
+                       vec, static_cast<cudaStream_t>(stream));
+}
+
+void rmsnorm_gated_backward(const void* x, const void* gate, const float* w, const float* rstd, const float* dout,
+                            void* dx, void* dgate, float* dw, int64_t rows, int64_t D, float eps, void* stream) {
+  check_args("rmsnorm_gated_backward", rows, D, D, D, eps);
+  if (rows == 0) return;
+  if (!x || !gate || !w || !dout || !dx || !dgate)
+    fail("rmsnorm_gated_backward: x, gate, w, dout, dx and dgate are required");
+  const bool vec = D % 4 == 0 && aligned(x, 8) && aligned(gate, 8) && aligned(dx, 8) && aligned(dgate, 8) &&
+                   aligned(dout, 16) && aligned(w, 16);
+  BwdArgs a{x, w, rstd, dout, static_cast<const bf16*>(gate), dx, static_cast<bf16*>(dgate), nullptr, rows, D, D, D,
+            int(D), eps, true, false, true, false};
+  launch_backward<true>(a, dw, vec, static_cast<cudaStream_t>(stream));
+}
+
+}  // namespace lm::ops::cuda
