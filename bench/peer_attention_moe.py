@@ -1,20 +1,21 @@
 #!/usr/bin/env python3
 """Peer figures for the CUDA attention and MoE benchmarks, measured in the same run, set beside ours.
 
-Usage: peer_attention_moe.py OURS_ATTN.txt OURS_MOE.txt [reps]
-  OURS_*.txt: the stdout of cuda_bench_attention / cuda_bench_moe ("RESULT key value" lines).
+Usage: peer_attention_moe.py [--attention OURS.txt] [--moe OURS.txt] [--reps N]
+  OURS.txt: the "RESULT key value" lines of `longmoe bench attention|moe --device cuda` (the CLI runs this
+  script itself with --peer); only the sections whose file is given are measured.
 
 Peers (bf16, median of CUDA-event timings after warm-up):
   attention: torch.nn.functional.scaled_dot_product_attention, causal, forcing the cuDNN backend (what SDPA
              picks on Hopper for these head dims; falls back to SDPA's own choice if cuDNN refuses a shape);
-             layout [B, H, T, D], its native one. FLOPs exactly as cuda_bench_attention.cu: causal pairs
+             layout [B, H, T, D], its native one. FLOPs exactly as bench/cuda/attention.cu: causal pairs
              P = B·H·T²/2, forward 2·P·(Dk+Dv), backward 2·P·(3·Dk+2·Dv).
   decode:    matmul → softmax (fp32) → matmul over the latent cache (PyTorch has no fused absorbed decode).
   grouped GEMM: torch._grouped_mm(x [M, K], W [E, K, N] (a transposed view of [E, N, K]), offs = cumulative
              row ends, int32); FLOPs 2·M·N·K.
 """
+import argparse
 import math
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -153,47 +154,55 @@ def bench_gemm(reps):
 
 
 def main():
-    ours_a = read_results(sys.argv[1]) if len(sys.argv) > 1 else {}
-    ours_m = read_results(sys.argv[2]) if len(sys.argv) > 2 else {}
-    reps = int(sys.argv[3]) if len(sys.argv) > 3 else 20
-    ours = {**ours_a, **ours_m}
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--attention", help="our attention RESULT lines")
+    ap.add_argument("--moe", help="our MoE RESULT lines")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    ours = {**(read_results(args.attention) if args.attention else {}), **(read_results(args.moe) if args.moe else {})}
+    reps = args.reps
     print(f"# torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
-    att, dec, gem = bench_attention(reps), bench_decode(reps), bench_gemm(reps)
+    att = bench_attention(reps) if args.attention else {}
+    dec = bench_decode(reps) if args.attention else {}
+    gem = bench_gemm(reps) if args.moe else {}
 
     def o(k):
         return ours.get(k, math.nan)
 
-    print("\n## Causal attention, bf16 (TFLOP/s; fwd 2P(Dk+Dv), bwd 2P(3Dk+2Dv), P = B·H·T²/2)")
-    print(f"{'shape (B,T,H,Dk/Dv)':<24} | {'ours fwd':>9} | {'SDPA fwd':>9} | {'ratio':>6} | {'ours f+b':>9} | "
-          f"{'SDPA f+b':>9} | {'ratio':>6} | ours ms fwd / f+b | SDPA ms fwd / f+b | ours bwd | mma.sync fwd / bwd | SDPA backend")
-    for key, (tf, pf, tfb, pfb, used) in att.items():
-        of, ofb = o(key + "_fwd_tflops"), o(key + "_fwdbwd_tflops")
-        shp = key[len("attn_"):].replace("_", " ")
-        print(f"{shp:<24} | {of:9.1f} | {pf:9.1f} | {of / pf:6.2f} | {ofb:9.1f} | {pfb:9.1f} | {ofb / pfb:6.2f} | "
-              f"{o(key + '_fwd_ms'):7.3f} / {o(key + '_fwdbwd_ms'):7.3f} | {tf:7.3f} / {tfb:7.3f} | "
-              f"{o(key + '_bwd_tflops'):8.1f} | {o(key + '_fwd_mma_tflops'):8.1f} / {o(key + '_bwd_mma_tflops'):6.1f} | "
-              f"{used}")
-    print("\nbackward alone (TFLOP/s, incl. row statistics and dQ conversion): wgmma 64-key / 128-key; "
-          "SDPA backward = (f+b) - fwd")
-    for key, (tf, pf, tfb, pfb, used) in att.items():
-        B, T, H, Dk, Dv = [int(x) for x in key[len("attn_B"):].replace("_T", " ").replace("_H", " ").replace("_", " ").split()]
-        fb = 2 * B * H * T * T / 2 * (3 * Dk + 2 * Dv)
-        print(f"{key[len('attn_'):]:<24} | {o(key + '_bwd_wgmma64_tflops'):6.1f} / {o(key + '_bwd_wgmma128_tflops'):6.1f} | "
-              f"SDPA {fb / (tfb - tf) / 1e9:6.1f}")
+    if att:
+        print("\n## Causal attention, bf16 (TFLOP/s; fwd 2P(Dk+Dv), bwd 2P(3Dk+2Dv), P = B·H·T²/2)")
+        print(f"{'shape (B,T,H,Dk/Dv)':<24} | {'ours fwd':>9} | {'SDPA fwd':>9} | {'ratio':>6} | {'ours f+b':>9} | "
+              f"{'SDPA f+b':>9} | {'ratio':>6} | ours ms fwd / f+b | SDPA ms fwd / f+b | ours bwd | mma.sync fwd / bwd | SDPA backend")
+        for key, (tf, pf, tfb, pfb, used) in att.items():
+            of, ofb = o(key + "_fwd_tflops"), o(key + "_fwdbwd_tflops")
+            shp = key[len("attn_"):].replace("_", " ")
+            print(f"{shp:<24} | {of:9.1f} | {pf:9.1f} | {of / pf:6.2f} | {ofb:9.1f} | {pfb:9.1f} | {ofb / pfb:6.2f} | "
+                  f"{o(key + '_fwd_ms'):7.3f} / {o(key + '_fwdbwd_ms'):7.3f} | {tf:7.3f} / {tfb:7.3f} | "
+                  f"{o(key + '_bwd_tflops'):8.1f} | {o(key + '_fwd_mma_tflops'):8.1f} / {o(key + '_bwd_mma_tflops'):6.1f} | "
+                  f"{used}")
+        print("\nbackward alone (TFLOP/s, incl. row statistics and dQ conversion): wgmma; "
+              "SDPA backward = (f+b) - fwd")
+        for key, (tf, pf, tfb, pfb, used) in att.items():
+            B, T, H, Dk, Dv = [int(x) for x in key[len("attn_B"):].replace("_T", " ").replace("_H", " ").replace("_", " ").split()]
+            fb = 2 * B * H * T * T / 2 * (3 * Dk + 2 * Dv)
+            print(f"{key[len('attn_'):]:<24} | {o(key + '_bwd_wgmma_tflops'):6.1f} | "
+                  f"SDPA {fb / (tfb - tf) / 1e9:6.1f}")
 
-    print("\n## Absorbed MLA decode over the 576-wide latent cache (bytes = cache read once)")
-    print(f"{'H, Tc':<16} | {'ours us':>8} | {'ours TB/s':>9} | {'torch us':>8} | {'torch TB/s':>10} | speed-up")
-    for key, (tus, ttb) in dec.items():
-        ous, otb = o(key + "_us"), o(key + "_tbps")
-        print(f"{key[len('decode_'):]:<16} | {ous:8.1f} | {otb:9.2f} | {tus:8.1f} | {ttb:10.2f} | {tus / ous:6.2f}")
+    if dec:
+        print("\n## Absorbed MLA decode over the 576-wide latent cache (bytes = cache read once)")
+        print(f"{'H, Tc':<16} | {'ours us':>8} | {'ours TB/s':>9} | {'torch us':>8} | {'torch TB/s':>10} | speed-up")
+        for key, (tus, ttb) in dec.items():
+            ous, otb = o(key + "_us"), o(key + "_tbps")
+            print(f"{key[len('decode_'):]:<16} | {ous:8.1f} | {otb:9.2f} | {tus:8.1f} | {ttb:10.2f} | {tus / ous:6.2f}")
 
-    print("\n## Grouped expert GEMM, bf16 (TFLOP/s = 2MNK / time)")
-    print(f"{'case':<24} | {'ours':>7} | {'ours GLU-fused':>14} | {'torch._grouped_mm':>17} | {'ratio':>6} | "
-          f"variants o0e0 / o1e0 / o0e1 / o1e1 | peer layout")
-    for key, (t, tfl, label) in gem.items():
-        ours_t, ours_g = o(f"gemm_{key}_tflops"), o(f"gemm_{key}_glu_tflops")
-        var = " / ".join(f"{o(f'gemm_{key}_o{a}e{b}_tflops'):5.0f}" for b in (0, 1) for a in (0, 1))
-        print(f"{key:<24} | {ours_t:7.1f} | {ours_g:14.1f} | {tfl:17.1f} | {ours_t / tfl:6.2f} | {var:<35} | {label}")
+    if gem:
+        print("\n## Grouped expert GEMM, bf16 (TFLOP/s = 2MNK / time)")
+        print(f"{'case':<24} | {'ours':>7} | {'ours GLU-fused':>14} | {'torch._grouped_mm':>17} | {'ratio':>6} | "
+              f"variants o0e0 / o1e0 / o0e1 / o1e1 | peer layout")
+        for key, (t, tfl, label) in gem.items():
+            ours_t, ours_g = o(f"gemm_{key}_tflops"), o(f"gemm_{key}_glu_tflops")
+            var = " / ".join(f"{o(f'gemm_{key}_o{a}e{b}_tflops'):5.0f}" for b in (0, 1) for a in (0, 1))
+            print(f"{key:<24} | {ours_t:7.1f} | {ours_g:14.1f} | {tfl:17.1f} | {ours_t / tfl:6.2f} | {var:<35} | {label}")
 
     route = {k: v for k, v in ours.items() if k.startswith("route_")}
     if route:

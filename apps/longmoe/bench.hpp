@@ -29,6 +29,10 @@ inline double time_median(const std::function<void()>& f, int reps, int warmup =
   return t[t.size() / 2];
 }
 
+// The CUDA benchmarks of bench/cuda ("kda", "attention", "moe"); `peer`: run the PyTorch peer driver in the same
+// run. Throws lm::Error when built without CUDA or without a device.
+int run_cuda_bench(const std::string& what, int reps, bool prof, bool peer);
+
 // Measured fp32 GEMM rate of this machine (GFLOP/s) with all threads, square n x n x n.
 double measure_sgemm_gflops(int n = 2048, int reps = 5);
 

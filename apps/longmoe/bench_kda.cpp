@@ -1,5 +1,6 @@
 // `longmoe bench kda`: chunked KDA on the CPU, bounded vs exact diagonal tiles, forward and
-// forward+backward, against this machine's sgemm rate measured in the same run.
+// forward+backward, against this machine's sgemm rate measured in the same run. With --device cuda: the CUDA
+// kernels on the issue's shapes beside fla's figures (bench/cuda/kda.cu, run_cuda_bench).
 //
 // FLOPs (SPEC §2.1) per head, forward: 6·T·K·V + 3·T·C·K + T·C² (K = V there); forward+backward is
 // counted as 3x forward (the usual convention: the backward does about twice the forward's work).
@@ -26,6 +27,8 @@ struct Args {
   bool fused = false;
   bool no_backward = false;
   double lower_bound = -5.0;
+  std::string device = "cpu";
+  bool prof = false;
 };
 
 double flops_forward(const Args& a, int64_t T) {
@@ -56,6 +59,8 @@ Data make(const Args& a, int64_t T) {
 }
 
 int run(const Args& a) {
+  LM_CHECK(a.device == "cpu" || a.device == "cuda", "bench kda: --device must be cpu or cuda, not '{}'", a.device);
+  if (a.device == "cuda") return lm::app::run_cuda_bench("kda", std::max(a.reps, 10), a.prof, false);
   LM_CHECK(a.B > 0 && a.H > 0 && a.K > 0 && a.V > 0 && a.reps > 0, "bench kda: sizes and --reps must be positive");
   const double sgemm = lm::app::measure_sgemm_gflops();
   std::printf("KDA chunked (CPU fp32, C=64, 16-row sub-tiles), B=%ld H=%ld K=%ld V=%ld, %d threads, %s\n",
@@ -129,6 +134,9 @@ lm::app::RegisterBench reg({"kda", "Chunked KDA: bounded vs exact diagonal tiles
                               sub.add_option("--lower-bound", a->lower_bound, "Gate lower bound");
                               sub.add_flag("--fused", a->fused, "Include L2 norm, gate and beta sigmoid");
                               sub.add_flag("--no-backward", a->no_backward, "Forward only");
+                              sub.add_option("--device", a->device,
+                                             "cpu, or cuda (the CUDA kernels on fixed shapes beside fla's figures)");
+                              sub.add_flag("--prof", a->prof, "cuda: one forward + backward only (for a profiler)");
                               return [a] { return run(*a); };
                             }});
 

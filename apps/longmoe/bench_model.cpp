@@ -29,6 +29,7 @@ struct Args {
   int64_t batch = 1, seq = 1024;
   int reps = 3;
   std::string device = "cpu";
+  int accum = 1;  // cuda: micro-batches per optimizer step
 };
 
 void print_profile(const model::Profile& p, const char* what, bool bwd, int reps) {
@@ -82,13 +83,17 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::ParamCou
     targets[i] = static_cast<int32_t>(r.bits(i).v[1] % cfg.vocab_size);
   }
   const auto s = model::Seqs::batch(a.batch, a.seq);
-  std::printf("model %s on the GPU: %.3fB params, %.3fB activated (%.3fB in GEMMs); batch %ld x %ld tokens\n",
+  LM_CHECK(a.accum >= 1, "bench model: --accum must be at least 1");
+  std::printf("model %s on the GPU: %.3fB params, %.3fB activated (%.3fB in GEMMs); micro-batch %ld x %ld tokens, "
+              "%d per optimizer step\n",
               a.config.c_str(), counts.total / 1e9, counts.activated / 1e9, counts.activated_matmul / 1e9,
-              static_cast<long>(a.batch), static_cast<long>(a.seq));
+              static_cast<long>(a.batch), static_cast<long>(a.seq), a.accum);
   int64_t step = 0;
+  // One optimizer step: accum forward+backward micro-batches (gradients accumulate, the loss is their mean), then
+  // Quantile Balancing from the last micro-batch's routing and AdamW.
   auto train_step = [&] {
     m.zero_grads();
-    m.forward_backward(ids.data(), targets.data(), s);
+    for (int k = 0; k < a.accum; ++k) m.forward_backward(ids.data(), targets.data(), s, rows * a.accum);
     m.balance();
     model::cuda::AdamWStep as;
     as.lr = 1e-4, as.step = ++step;
@@ -101,12 +106,12 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::ParamCou
         kc::synchronize();
       },
       a.reps, 1);
-  const double tb = app::time_median(train_step, a.reps, 1);
+  const double tb = app::time_median(train_step, a.reps, 1) / a.accum;  // per micro-batch
   const auto fl = model::flops_per_token(cfg, a.seq, a.seq);
   const double tflops = fl.train * rows / tb / 1e12;
   std::printf("bf16 GEMM ceiling (cuBLAS 8192^3, same run): %.1f TFLOP/s\n", ceiling);
   std::printf("forward (loss)   %9.2f ms  %9.0f tokens/s\n", tf * 1e3, rows / tf);
-  std::printf("training step    %9.2f ms  %9.0f tokens/s  %.1f TFLOP/s by %.3f GFLOP/token (6 x %.3fB + attention "
+  std::printf("training, per micro-batch %9.2f ms  %9.0f tokens/s  %.1f TFLOP/s by %.3f GFLOP/token (6 x %.3fB + attention "
               "%.3f GFLOP)  MFU %.1f%%\n",
               tb * 1e3, rows / tb, tflops, fl.train / 1e9, counts.activated_matmul / 1e9,
               3 * (fl.mla_attn_fwd_train + fl.kda_attn_fwd) / 1e9, 100 * tflops / ceiling);
@@ -181,6 +186,8 @@ app::RegisterBench reg({"model", "Whole-model forward and forward+backward token
                           sub.add_option("--seq", a->seq, "Tokens per sequence");
                           sub.add_option("--reps", a->reps, "Timed repetitions (median reported)");
                           sub.add_option("--device", a->device, "cpu or cuda (a whole training step on the GPU)");
+                          sub.add_option("--accum", a->accum,
+                                         "cuda: micro-batches per optimizer step (AdamW and balancing once per step)");
                           return [a] { return run(*a); };
                         }});
 

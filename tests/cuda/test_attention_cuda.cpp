@@ -110,15 +110,13 @@ void check_case(const Case& c) {
   Dev gq(nq * 2), gk(nk * 2), gv(nv * 2), gdo(no * 2);
   up_bf16(gq, q), up_bf16(gk, k), up_bf16(gv, v), up_bf16(gdo, dO);
   const double floor = 1e-3 * rms(dv_ref);
-  // Forward / backward kernel pairs: the defaults (wgmma forward, 128-key wgmma backward), wgmma with the
-  // 64-key backward, and the mma.sync pair.
+  // Forward / backward kernel pairs: the defaults (wgmma forward, 128-key wgmma backward) and the mma.sync pair.
   struct Pair {
     oc::FwdKernel f;
     oc::BwdKernel b;
     const char* name;
   };
   for (const Pair pr : {Pair{oc::FwdKernel::Auto, oc::BwdKernel::Auto, "default"},
-                        Pair{oc::FwdKernel::Wgmma, oc::BwdKernel::Wgmma, "wgmma, bwd 64-key"},
                         Pair{oc::FwdKernel::Mma, oc::BwdKernel::Mma, "mma.sync"}}) {
     const oc::FwdKernel fk = pr.f;
     Dev go(no * 2), glse(nl * 4), gdq(nq * 2), gdk(nk * 2), gdv(nv * 2);  // poisoned

@@ -175,7 +175,9 @@ TEST(NormsCuda, RmsnormBackward) {
                       BC{19, 100, 103, 101, 102, F, B, F, false, false, true},  // scalar path, rstd recomputed
                       BC{1000, 64, 0, 0, 0, B, F, B, false, true, false},     // no dw
                       BC{20000, 64, 0, 0, 0, F, F, F, true, false, true},     // several row groups per block
-                      BC{7, 1536, 0, 0, 0, B, B, F, false, true, true}}) {
+                      BC{7, 1536, 0, 0, 0, B, B, F, false, true, true},
+                      BC{3000, 1536, 0, 0, 0, F, F, F, false, true, true},  // the model's shape, 2 rows a block
+                      BC{5, 9000, 0, 0, 0, F, F, F, false, false, true}}) {  // too wide for the register path
     const int64_t ldx = bc.ldx ? bc.ldx : bc.D, ldy = bc.ldy ? bc.ldy : bc.D, lddx = bc.lddx ? bc.lddx : bc.D;
     const Vec x = maybe_round(randn(size_t(bc.rows * ldx), uint64_t(bc.D + 11), 1.5), bc.xt);
     const Vec dy = maybe_round(randn(size_t(bc.rows * ldy), uint64_t(bc.D + 12), 1.0), bc.dyt);
@@ -289,7 +291,10 @@ TEST(NormsCuda, AttnRes) {
     int64_t N, T, d;
   };
   const float eps = 1e-6f;
-  for (const AC ac : {AC{1, 50, 256}, AC{3, 77, 2048}, AC{9, 40, 100}, AC{9, 1500, 512}}) {
+  // N <= 8 and d <= 2048 take the register path (d = 130: scalar accesses), N = 9 the loop path; T = 3000
+  // gives several tokens per backward block.
+  for (const AC ac : {AC{1, 50, 256}, AC{3, 77, 2048}, AC{9, 40, 100}, AC{9, 1500, 512}, AC{2, 33, 130},
+                      AC{8, 70, 1024}, AC{5, 3000, 1536}}) {
     const size_t n = size_t(ac.T * ac.d);
     // Sources of growing scale (as block sums grow with depth), so the norms r_j differ.
     std::vector<Vec> v, dv0;
@@ -331,6 +336,21 @@ TEST(NormsCuda, AttnRes) {
     oc::attnres_forward(gvp.data(), ac.N, ac.T, ac.d, gw.f(), gg.f(), eps, gh.f());
     oc::attnres_backward(gvp.data(), ac.N, ac.T, ac.d, gw.f(), gg.f(), eps, gdh.f(), gdvp.data(), gdw.f(), gdg.f());
     kc::synchronize();
+    // A second backward from the same state must give the same bits (deterministic dq reduction).
+    {
+      const Vec dw1 = down<float>(gdw, dw0.size()), dg1 = down<float>(gdg, dg0.size());
+      std::vector<Vec> dv1;
+      for (int64_t j = 0; j < ac.N; ++j) dv1.push_back(down<float>(*gdv[size_t(j)], n));
+      up(gdw, dw0), up(gdg, dg0);
+      for (int64_t j = 0; j < ac.N; ++j) up(*gdv[size_t(j)], dv0[size_t(j)]);
+      oc::attnres_backward(gvp.data(), ac.N, ac.T, ac.d, gw.f(), gg.f(), eps, gdh.f(), gdvp.data(), gdw.f(),
+                           gdg.f());
+      kc::synchronize();
+      EXPECT_EQ(down<float>(gdw, dw0.size()), dw1) << "dw not reproducible";
+      EXPECT_EQ(down<float>(gdg, dg0.size()), dg1) << "dgamma not reproducible";
+      for (int64_t j = 0; j < ac.N; ++j)
+        EXPECT_EQ(down<float>(*gdv[size_t(j)], n), dv1[size_t(j)]) << "dv source " << j << " not reproducible";
+    }
     const double eh = err(h_ref, down<float>(gh, n));
     double edv = 0;
     for (int64_t j = 0; j < ac.N; ++j) {

@@ -4,12 +4,13 @@
 //         Tc cached positions (decode).
 // forward:  one kernel (fwd_wgmma.cu on warpgroup MMAs; fwd.cu on mma.sync when asked for).
 // backward: row statistics (lse2, D) -> per key tile dK, dV with dQ reduced into an fp32 accumulator -> dq
-//           in bf16 (bwd_wgmma.cu with 64-key blocks, bwd_wgmma2.cu with 128-key blocks, bwd.cu on mma.sync).
+//           in bf16 (bwd_wgmma.cu with 128-key blocks, bwd.cu on mma.sync with 64).
 // decode:   split-K partials -> log-sum-exp combine.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -23,6 +24,18 @@ namespace lm::ops::cuda {
 namespace {
 
 [[noreturn]] void fail(const std::string& m) { throw Error("attention cuda: " + m); }
+
+// Heads per scheduling group (kernels.hpp, head_and_tile); LONGMOE_ATTN_HEAD_GROUP overrides both for tuning.
+// Measured on an H200 (bench attention, 4 MLA/128 shapes): head-fastest order (group = H) gave forward 427-511
+// and forward+backward 276-384 TFLOP/s; groups of 4 heads forward 447-518, one head at a time backward
+// (the backward's blocks then share Q, dO, lse and D of one head) forward+backward 367-392.
+int head_group(bool backward) {
+  static const int env = [] {
+    const char* e = std::getenv("LONGMOE_ATTN_HEAD_GROUP");
+    return e ? std::atoi(e) : 0;
+  }();
+  return env > 0 ? env : backward ? 1 : 4;
+}
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
 }
@@ -105,7 +118,7 @@ void check_shape(const AttnShape& s) {
   if (s.B * s.T * std::max(s.H, Hkv) * s.Dk >= (int64_t(1) << 31)) fail("problem too large for 32-bit row indices");
 }
 
-constexpr BwdKernel kDefaultBwd = BwdKernel::Wgmma128;  // measured 1.1-2.1x the 64-key kernel on an H200
+constexpr BwdKernel kDefaultBwd = BwdKernel::Wgmma;
 
 float scale_of(const AttnShape& s) { return s.scale > 0 ? s.scale : float(1.0 / std::sqrt(double(s.Dk))); }
 
@@ -122,6 +135,7 @@ void attention_forward(const AttnShape& s, const void* q, const void* k, const v
   p.q = q, p.k = k, p.v = v, p.o = o, p.lse = lse;
   p.seq_start = tb.seq_start, p.tiles = tb.tiles;
   p.H = int(s.H), p.G = int(s.H / Hkv);
+  p.head_group = std::min(head_group(false), p.H);
   p.sq = s.H * s.Dk, p.sk = Hkv * s.Dk, p.sv = Hkv * s.Dv, p.so = s.H * s.Dv;
   p.scale_log2 = scale_of(s) * 1.4426950408889634f;
   auto st = static_cast<cudaStream_t>(stream);
@@ -142,7 +156,7 @@ void attention_backward(const AttnShape& s_in, const void* q, const void* k, con
   sm_count();
   const int64_t Hkv = s.Hkv > 0 ? s.Hkv : s.H;
   auto st = static_cast<cudaStream_t>(stream);
-  const bool wide = s.bwd_kernel == BwdKernel::Wgmma128;  // 128-key blocks
+  const bool wide = s.bwd_kernel == BwdKernel::Wgmma;  // 128-key blocks (the mma.sync kernel takes 64)
   const Tables& tb = tables(s, wide ? 128 : 64, true);
   // Scratch: lse2, D [H, rows] (+64: the statistics loads of a tile may run past the last row), and the fp32
   // dQ accumulator [H, rows + 64, Dk] (+64 rows: a tile's bulk reductions stay inside its head's block).
@@ -158,11 +172,11 @@ void attention_backward(const AttnShape& s_in, const void* q, const void* k, con
   p.q = q, p.k = k, p.v = v, p.dout = do_, p.lse2 = lse2, p.D = D, p.dqacc = acc, p.dk = dk, p.dv = dv;
   p.seq_start = tb.seq_start, p.tiles = tb.tiles;
   p.H = int(s.H), p.G = int(s.H / Hkv), p.Hkv = int(Hkv), p.rows = int(rows);
+  p.head_group = std::min(head_group(true), p.Hkv);
   p.sq = s.H * s.Dk, p.sk = Hkv * s.Dk, p.sv = Hkv * s.Dv, p.sdo = s.H * s.Dv;
   p.scale = scale_of(s), p.scale_log2 = p.scale * 1.4426950408889634f;
   if (tb.ntiles > 0) {
     if (s.bwd_kernel == BwdKernel::Mma) detail::launch_bwd(p, int(s.Dk), int(s.Dv), tb.ntiles, st);
-    else if (wide) detail::launch_bwd_wgmma2(p, int(s.Dk), tb.ntiles, st);
     else detail::launch_bwd_wgmma(p, int(s.Dk), tb.ntiles, st);
   }
   detail::launch_dq_convert(acc, dq, int(rows), int(s.H), int(s.Dk), st);

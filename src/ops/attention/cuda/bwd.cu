@@ -61,8 +61,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_kernel(const BwdParams p
   float* sL = reinterpret_cast<float*>(smem + L::oL);
   float* sD = reinterpret_cast<float*>(smem + L::oD);
 
-  const int hk = blockIdx.x % p.Hkv;
-  const int2 tl = p.tiles[blockIdx.x / p.Hkv];
+  const int2 ht = head_and_tile(blockIdx.x, p.Hkv, gridDim.x / p.Hkv, p.head_group);
+  const int hk = ht.x;
+  const int2 tl = p.tiles[ht.y];
   const int s0 = p.seq_start[tl.x], len = p.seq_start[tl.x + 1] - s0;
   const int kt = tl.y, k0 = kt * kB, nk = min(kB, len - k0);
   const int nqt = (len + kB - 1) / kB, nsteps_h = nqt - kt, nsteps = nsteps_h * p.G;

@@ -31,8 +31,9 @@ __global__ void __launch_bounds__(kThreads, 2) attn_fwd_kernel(const FwdParams p
   bf16* sK = sQ + kBq * LDQ;
   bf16* sV = sK + kBk * LDQ;
 
-  const int h = blockIdx.x % p.H;
-  const int2 tl = p.tiles[blockIdx.x / p.H];
+  const int2 ht = head_and_tile(blockIdx.x, p.H, gridDim.x / p.H, p.head_group);
+  const int h = ht.x;
+  const int2 tl = p.tiles[ht.y];
   const int s0 = p.seq_start[tl.x], len = p.seq_start[tl.x + 1] - s0;
   const int q0 = tl.y * kBq, hk = h / p.G;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;

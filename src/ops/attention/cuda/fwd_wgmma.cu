@@ -44,8 +44,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + L::oBar);
   uint64_t *fullQ = bar, *fullK = bar + 1, *fullV = bar + 3, *empty = bar + 5;
 
-  const int h = blockIdx.x % p.H;
-  const int2 tl = p.tiles[blockIdx.x / p.H];
+  const int2 ht = head_and_tile(blockIdx.x, p.H, gridDim.x / p.H, p.head_group);
+  const int h = ht.x;
+  const int2 tl = p.tiles[ht.y];
   const int s0 = p.seq_start[tl.x], len = p.seq_start[tl.x + 1] - s0;
   const int q0 = tl.y * kBq, hk = h / p.G;
   const int nkt = (min(q0 + kBq, len) + kBk - 1) / kBk;

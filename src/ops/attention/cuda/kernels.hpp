@@ -9,6 +9,16 @@
 
 namespace lm::ops::cuda::detail {
 
+// Block b of a grid of ntiles × nheads blocks → (head, tile): heads in groups of `group`, and inside a group the
+// tile outer, the head inner. The blocks resident at one time then work on a few heads, whose K/V (forward) or
+// Q/dO (backward) stay in L2 across that head's tiles; head-fastest order (group = nheads) has every head in
+// flight at once and streams each head's tensors from HBM for every tile. Tiles stay heaviest first per group.
+__device__ __forceinline__ int2 head_and_tile(int b, int nheads, int ntiles, int group) {
+  const int per = group * ntiles, grp = b / per, rem = b - grp * per;
+  const int gs = min(group, nheads - grp * group);
+  return make_int2(grp * group + rem % gs, rem / gs);
+}
+
 struct FwdParams {
   const void *q, *k, *v;
   void* o;
@@ -16,6 +26,7 @@ struct FwdParams {
   const int* seq_start;  // [N + 1] row offsets
   const int2* tiles;     // (sequence, query tile of 128 rows)
   int H, G;
+  int head_group;          // head_and_tile's group
   int64_t sq, sk, sv, so;  // row strides in elements
   float scale_log2;        // scale · log2(e)
 };
@@ -31,6 +42,7 @@ struct BwdParams {
   const int* seq_start;
   const int2* tiles;  // (sequence, key tile of 64 rows)
   int H, G, Hkv, rows;
+  int head_group;  // head_and_tile's group (over the kv heads)
   int64_t sq, sk, sv, sdo;
   float scale, scale_log2;
 };
@@ -38,10 +50,9 @@ struct BwdParams {
 void launch_bwd_pre(const void* o, const void* dout, const float* lse, float* lse2, float* D, int rows, int H, int Dv,
                     cudaStream_t s);
 void launch_bwd(const BwdParams& p, int Dk, int Dv, int ntiles, cudaStream_t s);
-// The same on warpgroup MMAs (bwd_wgmma.cu): Dv == 128, Dk 128 or 192, dense [rows, heads, D] tensors.
+// The same on warpgroup MMAs (bwd_wgmma.cu): Dv == 128, Dk 128 or 192, dense [rows, heads, D] tensors; 128-key
+// blocks, two compute warpgroups, dQ by vector reductions; ntiles of 128 keys.
 void launch_bwd_wgmma(const BwdParams& p, int Dk, int ntiles, cudaStream_t s);
-// 128-key blocks, two compute warpgroups, dQ by vector reductions (bwd_wgmma2.cu); ntiles of 128 keys.
-void launch_bwd_wgmma2(const BwdParams& p, int Dk, int ntiles, cudaStream_t s);
 // dq [rows, H, Dk] bf16 from the fp32 accumulator [H, rows + 64, Dk].
 void launch_dq_convert(const float* dqacc, void* dq, int rows, int H, int Dk, cudaStream_t s);
 

@@ -1,22 +1,29 @@
 // Block Attention Residuals read on the GPU (ops/attnres/cuda/attnres_cuda.hpp), fp32: the formulas of
 // ops/attnres/attnres.cpp (one-shot forward and backward).
 //
-// Legend: N sources (<= 32), T tokens, d hidden, q = gamma ⊙ w, NT threads per token (blockDim, a power of
-//         two in [32, 256], about d / 8), V floats per vector access (4 when d % 4 == 0 and every pointer is
-//         16-byte aligned, else 1), nb fixed token blocks of the backward (<= kMaxBlocks).
-// One block per token at a time. Per source, one pass over its row leaves per-warp partials of (Σv², q·v)
-// [and δ·v in the backward] in shared memory; warp 0 then finishes the N scores and the softmax with lane j
-// holding source j; a last column pass writes h (forward) or dv and the dq partials (backward). Sources
-// are re-read from L1/L2 in that pass.
-// Backward: nb blocks, each a contiguous token range; dq = Σ_t Σ_j dz_j v_j / r_j accumulates per block in
-// shared memory (each thread owns its columns), is written to scratch [nb, d], and a second kernel sums it in
-// block order (double), adding dq ⊙ gamma to dw and dq ⊙ w to dgamma: reproducible for given T and d.
+// Legend: N sources (<= 32), T tokens, d hidden, q = gamma ⊙ w, NT threads per token (blockDim), V floats per
+//         vector access (4 when d % 4 == 0 and every pointer is 16-byte aligned, else 1), VPT vectors per
+//         thread and row (register path), nb fixed token blocks of the backward (<= kMaxBlocks).
+// One block per token at a time. Two paths:
+//   register path (N <= 8, d <= 512·VPT·V): thread tid owns columns (k·NT + tid)·V, k < VPT, of every row of
+//     the token. All its loads (N sources, and in the backward dh and the N dv[j]) are issued at once into
+//     registers, so each byte is read from DRAM once and the block has one memory round trip in flight per
+//     token instead of one per source and pass. Per-warp partials of (Σv², q·v[, δ·v]) go to shared memory
+//     (double-buffered by token parity: one barrier per token); every warp then finishes the N scores and
+//     the softmax itself (lane j holds source j) and the column pass runs from registers.
+//   loop path (anything else): per source one pass over its row into per-warp partials, warp 0 finishes the
+//     softmax, a last column pass re-reads the sources (L1/L2) and writes h, or dv and the dq partials.
+// Backward: nb blocks, each a contiguous token range; dq = Σ_t Σ_j dz_j v_j / r_j accumulates per block
+// (registers, or shared memory on the loop path; each thread owns its columns), is written to scratch [nb, d],
+// and a second kernel sums it over b in a fixed order (double: strided slices, then a fixed tree), adding
+// dq ⊙ gamma to dw and dq ⊙ w to dgamma: reproducible for given T and d.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "ops/attnres/cuda/attnres_cuda.hpp"
 #include "ops/kda/cuda/cuda_error.hpp"
@@ -26,10 +33,23 @@ namespace lm::ops::cuda {
 namespace {
 
 constexpr int kMaxSources = 32;  // one warp lane per source in the softmax
-constexpr int kMaxWarps = 8;     // NT <= 256
+constexpr int kMaxWarps = 8;     // loop path: NT <= 256
+constexpr int kRegMaxSources = 8;     // register path: N is a template argument up to here
+constexpr int kRegMaxThreads = 512;   // register path: NT <= 512, so ptxas may use up to 128 registers
+constexpr int kRegMaxWarps = kRegMaxThreads / 32;
 constexpr int64_t kMaxBlocks = 1024;
-constexpr int64_t kMaxGrid = 1024;  // forward: blocks loop over tokens, so q is built once per block
+constexpr int64_t kMaxGrid = 1024;  // forward loop path: blocks loop over tokens, so q is built once per block
 constexpr size_t kDefaultSmem = 48 * 1024;
+constexpr int kRedCols = 8, kRedSlices = 64;  // dq reduction block: 8 columns (one 32-byte sector) x 64 slices
+
+// Floats a thread may hold per row in the register path, by N: the backward keeps N sources, N dv rows, dh
+// and dq ((2N + 2)·E floats), the forward N sources and h; about 96 data registers at most, so the kernels
+// stay under 128 registers without spilling.
+// Scalar accesses (V = 1) need an address per element, so the backward holds at most 2 of them.
+constexpr int bwd_max_elems(int n) { return n <= 2 ? 16 : n <= 5 ? 8 : 4; }
+constexpr int fwd_max_elems(int n) { return n <= 4 ? 16 : 8; }
+constexpr int bwd_max_vpt(int v) { return v == 1 ? 2 : 4; }
+constexpr int fwd_max_vpt(int) { return 4; }
 
 [[noreturn]] void fail(const std::string& m) { throw Error("attnres cuda: " + m); }
 void check(cudaError_t e, const char* what) {
@@ -62,6 +82,11 @@ __device__ __forceinline__ void store(float* p, const float (&v)[V]) {
   else
     *p = v[0];
 }
+template <int V>
+__device__ __forceinline__ void zero(float (&v)[V]) {
+#pragma unroll
+  for (int e = 0; e < V; ++e) v[e] = 0.f;
+}
 
 // Butterfly reductions: every lane ends with the same bits (a + b == b + a), in a fixed order.
 __device__ __forceinline__ float warp_sum(float v) {
@@ -80,11 +105,191 @@ __device__ __forceinline__ void load_query(float* q, const float* w, const float
   for (int c = threadIdx.x; c < d; c += blockDim.x) q[c] = gamma[c] * w[c];
 }
 
-// ---- kernels ----------------------------------------------------------------------------------------
+// ---- register path ----------------------------------------------------------------------------------
+
+// h = Σ_j a_j v_j with every source row read once into registers. The grid is one resident wave; blocks
+// stride over tokens. q (VPT·V floats) stays in registers for the whole kernel.
+template <int V, int VPT, int NS>
+__global__ void __launch_bounds__(kRegMaxThreads) fwd_reg_kernel(Srcs v, int64_t T, int d, const float* w,
+                                                                 const float* gamma, float eps, float* h) {
+  __shared__ float2 red[2][NS][kRegMaxWarps];  // (Σv², q·v) per token parity, source and warp
+  const int tid = threadIdx.x, NT = blockDim.x, warp = tid >> 5, lane = tid & 31, nw = NT >> 5;
+  int col[VPT];
+  bool ok[VPT];
+  float q[VPT][V];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    col[k] = (k * NT + tid) * V;
+    ok[k] = col[k] < d;
+    float wv[V], gv[V];
+    zero(wv), zero(gv);
+    if (ok[k]) load<V>(w + col[k], wv), load<V>(gamma + col[k], gv);
+#pragma unroll
+    for (int e = 0; e < V; ++e) q[k][e] = gv[e] * wv[e];
+  }
+  int par = 0;
+  for (int64_t t = blockIdx.x; t < T; t += gridDim.x, par ^= 1) {
+    const int64_t off = t * d;
+    float x[NS][VPT][V];
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        zero(x[j][k]);
+        if (ok[k]) load<V>(v.p[j] + off + col[k], x[j][k]);
+      }
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+      float ss = 0.f, qv = 0.f;
+#pragma unroll
+      for (int k = 0; k < VPT; ++k)
+#pragma unroll
+        for (int e = 0; e < V; ++e) ss += x[j][k][e] * x[j][k][e], qv += q[k][e] * x[j][k][e];
+      ss = warp_sum(ss), qv = warp_sum(qv);
+      if (lane == 0) red[par][j][warp] = make_float2(ss, qv);
+    }
+    // The only barrier per token: red[par] is next written two tokens on, after every warp has passed the
+    // barrier of the token in between (and so has finished reading this one).
+    __syncthreads();
+    float z = -INFINITY;
+    if (lane < NS) {
+      float2 s = red[par][lane][0];
+      for (int i = 1; i < nw; ++i) s.x += red[par][lane][i].x, s.y += red[par][lane][i].y;
+      z = s.y * (1.f / sqrtf(s.x / float(d) + eps));
+    }
+    const float m = warp_max(z);
+    const float ex = lane < NS ? expf(z - m) : 0.f;
+    const float p = ex * (1.f / warp_sum(ex));
+    float o[VPT][V];
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+      const float aj = __shfl_sync(0xffffffffu, p, j);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k)
+#pragma unroll
+        for (int e = 0; e < V; ++e) o[k][e] = j == 0 ? aj * x[j][k][e] : o[k][e] + aj * x[j][k][e];
+    }
+#pragma unroll
+    for (int k = 0; k < VPT; ++k)
+      if (ok[k]) store<V>(h + off + col[k], o[k]);
+  }
+}
+
+// Per token, with δ = dh: a = softmax(z), dz_j = a_j (δ·v_j − δ·h) where δ·h = Σ_j a_j δ·v_j, and
+//   dv_j += a_j δ + (dz_j / r_j) q − (dz_j z_j / (r_j² d)) v_j,   dq += Σ_j (dz_j / r_j) v_j.
+// The dv[j] rows are loaded together with the sources, before the barrier, so their latency hides behind
+// the reductions; every element is read before the same thread writes it, so dh or a source may alias dv[j].
+template <int V, int VPT, int NS>
+__global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(Srcs v, DSrcs dv, int64_t T, int d,
+                                                                 const float* w, const float* gamma, float eps,
+                                                                 const float* dh, float* part) {
+  extern __shared__ float4 smem_q[];  // q [d] (read twice per token rather than held across the barrier)
+  __shared__ float red[2][3][NS][kRegMaxWarps];  // Σv², q·v, δ·v per token parity, source and warp
+  float* q = reinterpret_cast<float*>(smem_q);
+  const int tid = threadIdx.x, NT = blockDim.x, warp = tid >> 5, lane = tid & 31, nw = NT >> 5;
+  load_query(q, w, gamma, d);
+  int col[VPT];
+  bool ok[VPT];
+  float dq[VPT][V];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) col[k] = (k * NT + tid) * V, ok[k] = col[k] < d, zero(dq[k]);
+  __syncthreads();
+  const float inv_d = 1.f / float(d);
+  const int64_t b = blockIdx.x, nb = gridDim.x;
+  const int64_t t_end = (b + 1) * T / nb;
+  int par = 0;
+  for (int64_t t = b * T / nb; t < t_end; ++t, par ^= 1) {
+    const int64_t off = t * d;
+    float x[NS][VPT][V], g[NS][VPT][V], de[VPT][V];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      zero(de[k]);
+      if (ok[k]) load<V>(dh + off + col[k], de[k]);
+    }
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        zero(x[j][k]);
+        if (ok[k]) load<V>(v.p[j] + off + col[k], x[j][k]);
+      }
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+      if (const float* gp = dv.p[j])
+#pragma unroll
+        for (int k = 0; k < VPT; ++k)
+          if (ok[k]) load<V>(gp + off + col[k], g[j][k]);
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+      float ss = 0.f, qv = 0.f, dd = 0.f;
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        float qq[V];
+        zero(qq);
+        if (ok[k]) load<V>(q + col[k], qq);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const float xe = x[j][k][e];
+          ss += xe * xe, qv += qq[e] * xe, dd += de[k][e] * xe;
+        }
+      }
+      ss = warp_sum(ss), qv = warp_sum(qv), dd = warp_sum(dd);
+      if (lane == 0) red[par][0][j][warp] = ss, red[par][1][j][warp] = qv, red[par][2][j][warp] = dd;
+    }
+    __syncthreads();  // the only barrier per token (red is double-buffered, as in the forward)
+    // Every warp finishes the softmax itself (lane j: source j), in the same order: identical coefficients.
+    float z = -INFINITY, ri = 0.f, dd = 0.f;
+    if (lane < NS) {
+      float ss = red[par][0][lane][0], qv = red[par][1][lane][0];
+      dd = red[par][2][lane][0];
+      for (int i = 1; i < nw; ++i) ss += red[par][0][lane][i], qv += red[par][1][lane][i], dd += red[par][2][lane][i];
+      ri = 1.f / sqrtf(ss / float(d) + eps);
+      z = qv * ri;
+    }
+    const float m = warp_max(z);
+    const float ex = lane < NS ? expf(z - m) : 0.f;
+    const float a = ex * (1.f / warp_sum(ex));
+    const float delta_h = warp_sum(lane < NS ? a * dd : 0.f);
+    const float dz = a * (dd - delta_h);
+    const float cq = dz * ri, cv = lane < NS ? dz * z * ri * ri * inv_d : 0.f;
+    float dqa[VPT][V];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) zero(dqa[k]);
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+      const float aj = __shfl_sync(0xffffffffu, a, j), cqj = __shfl_sync(0xffffffffu, cq, j),
+                  cvj = __shfl_sync(0xffffffffu, cv, j);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k)
+#pragma unroll
+        for (int e = 0; e < V; ++e) dqa[k][e] += cqj * x[j][k][e];
+      if (float* gp = dv.p[j])
+#pragma unroll
+        for (int k = 0; k < VPT; ++k)
+          if (ok[k]) {
+            float qq[V];
+            load<V>(q + col[k], qq);
+#pragma unroll
+            for (int e = 0; e < V; ++e) g[j][k][e] += aj * de[k][e] + cqj * qq[e] - cvj * x[j][k][e];
+            store<V>(gp + off + col[k], g[j][k]);
+          }
+    }
+#pragma unroll
+    for (int k = 0; k < VPT; ++k)
+#pragma unroll
+      for (int e = 0; e < V; ++e) dq[k][e] += dqa[k][e];
+  }
+  if (!part) return;
+#pragma unroll
+  for (int k = 0; k < VPT; ++k)
+    if (ok[k]) store<V>(part + b * d + col[k], dq[k]);
+}
+
+// ---- loop path (N > 8 or very wide d) ---------------------------------------------------------------
 
 template <int V>
-__global__ void __launch_bounds__(256) fwd_kernel(Srcs v, int N, int64_t T, int d, const float* w,
-                                                  const float* gamma, float eps, float* h) {
+__global__ void __launch_bounds__(256) fwd_loop_kernel(Srcs v, int N, int64_t T, int d, const float* w,
+                                                       const float* gamma, float eps, float* h) {
   extern __shared__ float4 smem_q[];  // q [d]
   __shared__ float2 red[kMaxSources][kMaxWarps];  // (Σv², q·v) per source and warp
   __shared__ float prob[kMaxSources];
@@ -140,11 +345,10 @@ __global__ void __launch_bounds__(256) fwd_kernel(Srcs v, int N, int64_t T, int 
   }
 }
 
-// Per token, with δ = dh: a = softmax(z), dz_j = a_j (δ·v_j − δ·h) where δ·h = Σ_j a_j δ·v_j, and
-//   dv_j += a_j δ + (dz_j / r_j) q − (dz_j z_j / (r_j² d)) v_j,   dq += Σ_j (dz_j / r_j) v_j.
+// The backward of the loop path (formulas as bwd_reg_kernel); dq accumulates in shared memory.
 template <int V>
-__global__ void __launch_bounds__(256) bwd_kernel(Srcs v, DSrcs dv, int N, int64_t T, int d, const float* w,
-                                                  const float* gamma, float eps, const float* dh, float* part) {
+__global__ void __launch_bounds__(256) bwd_loop_kernel(Srcs v, DSrcs dv, int N, int64_t T, int d, const float* w,
+                                                       const float* gamma, float eps, const float* dh, float* part) {
   extern __shared__ float4 smem_qd[];  // q [d], then dq [d] (when part)
   __shared__ float red[3][kMaxSources][kMaxWarps];  // Σv², q·v, δ·v per source and warp
   __shared__ float coef[3][kMaxSources];            // a_j, dz_j / r_j, dz_j z_j / (r_j² d)
@@ -230,19 +434,82 @@ __global__ void __launch_bounds__(256) bwd_kernel(Srcs v, DSrcs dv, int N, int64
   for (int c = threadIdx.x; c < d; c += blockDim.x) part[b * d + c] = dq[c];
 }
 
-// dq[c] = Σ_b part[b, c] in block order; dw += dq ⊙ gamma, dgamma += dq ⊙ w.
-__global__ void dq_reduce_kernel(const float* part, int64_t nb, int d, const float* w, const float* gamma, float* dw,
-                                 float* dgamma) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= d) return;
-  double s = 0;
-  for (int64_t b = 0; b < nb; ++b) s += part[b * d + c];
-  const float dq = float(s);
+// dq[c] = Σ_b part[b, c]; dw += dq ⊙ gamma, dgamma += dq ⊙ w. Slice s sums b = s, s + 64, ... in order (double),
+// then the 64 slices meet in a fixed tree: a fixed order, with 64x the parallelism of one thread per column
+// (a serial 1024-long chain per column was latency-bound: tens of µs).
+__global__ void __launch_bounds__(kRedCols* kRedSlices) dq_reduce_kernel(const float* part, int64_t nb, int d,
+                                                                         const float* w, const float* gamma,
+                                                                         float* dw, float* dgamma) {
+  __shared__ double acc[kRedSlices][kRedCols];
+  const int cx = threadIdx.x % kRedCols, s = threadIdx.x / kRedCols;
+  const int c = blockIdx.x * kRedCols + cx;
+  double sum = 0;
+  if (c < d) {
+#pragma unroll 8
+    for (int64_t b = s; b < nb; b += kRedSlices) sum += part[b * d + c];
+  }
+  acc[s][cx] = sum;
+#pragma unroll
+  for (int half = kRedSlices / 2; half > 0; half >>= 1) {
+    __syncthreads();
+    if (s < half) acc[s][cx] += acc[s + half][cx];
+  }
+  if (s != 0 || c >= d) return;
+  const float dq = float(acc[0][cx]);
   if (dw) dw[c] += dq * gamma[c];
   if (dgamma) dgamma[c] += dq * w[c];
 }
 
 // ---- host side --------------------------------------------------------------------------------------
+
+template <int I>
+using Int = std::integral_constant<int, I>;
+
+template <class Fn>
+void with_vec(bool vec, Fn&& fn) {
+  if (vec)
+    fn(Int<4>{});
+  else
+    fn(Int<1>{});
+}
+template <class Fn>
+void with_vpt(int vpt, Fn&& fn) {
+  switch (vpt) {
+    case 1: fn(Int<1>{}); break;
+    case 2: fn(Int<2>{}); break;
+    default: fn(Int<4>{}); break;
+  }
+}
+template <class Fn>
+void with_sources(int n, Fn&& fn) {
+  switch (n) {
+    case 1: fn(Int<1>{}); break;
+    case 2: fn(Int<2>{}); break;
+    case 3: fn(Int<3>{}); break;
+    case 4: fn(Int<4>{}); break;
+    case 5: fn(Int<5>{}); break;
+    case 6: fn(Int<6>{}); break;
+    case 7: fn(Int<7>{}); break;
+    default: fn(Int<8>{}); break;
+  }
+}
+
+// Register-path geometry: VPT (0: use the loop path) and NT. VPT is the largest of 1, 2, 4 that the register
+// budget allows (fewer, longer-lived threads: more loads in flight each), but no more than the columns need
+// with one warp; NT covers d / V in multiples of 32.
+struct RegPlan {
+  int vpt = 0, nt = 0;
+};
+RegPlan reg_plan(int64_t N, int64_t d, int V, int max_elems, int max_vpt) {
+  if (N > kRegMaxSources) return {};
+  const int64_t n = d / V;  // vector columns (V = 4 only when d % 4 == 0)
+  int vpt = std::min(max_vpt, max_elems / V);
+  vpt = int(std::min<int64_t>(vpt, (n + 31) / 32));
+  if (vpt == 3) vpt = 4;
+  const int64_t nt = ((n + vpt - 1) / vpt + 31) / 32 * 32;
+  if (nt > kRegMaxThreads) return {};
+  return {vpt, int(nt)};
+}
 
 int pick_threads(int64_t d) {
   int t = 32;
@@ -265,10 +532,19 @@ void check_args(const char* who, const float* const* v, int64_t N, int64_t T, in
 
 // Opts the kernel in to more than the default dynamic shared memory when d needs it.
 template <class K>
-void smem_opt_in(K* kern, size_t bytes) {
-  if (bytes > kDefaultSmem)
-    check(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-          "shared memory opt-in (d too large?)");
+cudaError_t smem_opt_in(K* kern, size_t bytes) {
+  if (bytes <= kDefaultSmem) return cudaSuccess;
+  return cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+}
+
+// Blocks of `kern` resident on the whole device at once (at least 1): the forward's grid.
+template <class K>
+int64_t resident_blocks(K* kern, int threads, size_t smem) {
+  int dev = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, threads, smem) != cudaSuccess)
+    return kMaxGrid;
+  return std::max<int64_t>(1, int64_t(sms) * per_sm);
 }
 
 }  // namespace
@@ -281,18 +557,38 @@ void attnres_forward(const float* const* v, int64_t N, int64_t T, int64_t d, con
   Srcs src{};
   bool vec = d % 4 == 0 && aligned16(w) && aligned16(gamma) && aligned16(h);
   for (int64_t j = 0; j < N; ++j) src.p[j] = v[j], vec = vec && aligned16(v[j]);
-  const int nt = pick_threads(d);
-  const unsigned grid = unsigned(std::min<int64_t>(T, kMaxGrid));
-  const size_t smem = size_t(d) * sizeof(float);
   auto s = static_cast<cudaStream_t>(stream);
-  if (vec) {
-    smem_opt_in(fwd_kernel<4>, smem);
-    fwd_kernel<4><<<grid, nt, smem, s>>>(src, int(N), T, int(d), w, gamma, eps, h);
+  const RegPlan plan =
+      reg_plan(N, d, vec ? 4 : 1, fwd_max_elems(int(std::min<int64_t>(N, kRegMaxSources))), fwd_max_vpt(vec ? 4 : 1));
+  cudaError_t err = cudaSuccess;
+  if (plan.vpt) {
+    with_vec(vec, [&](auto vv) {
+      with_vpt(plan.vpt, [&](auto vp) {
+        with_sources(int(N), [&](auto ns) {
+          constexpr int V = decltype(vv)::value, VPT = decltype(vp)::value, NS = decltype(ns)::value;
+          if constexpr (V * VPT <= fwd_max_elems(NS) && VPT <= fwd_max_vpt(V)) {  // the others are never planned
+            auto* kern = fwd_reg_kernel<V, VPT, NS>;
+            const int64_t grid = std::min(T, resident_blocks(kern, plan.nt, 0));
+            kern<<<unsigned(grid), plan.nt, 0, s>>>(src, T, int(d), w, gamma, eps, h);
+            err = cudaGetLastError();
+          }
+        });
+      });
+    });
   } else {
-    smem_opt_in(fwd_kernel<1>, smem);
-    fwd_kernel<1><<<grid, nt, smem, s>>>(src, int(N), T, int(d), w, gamma, eps, h);
+    const int nt = pick_threads(d);
+    const unsigned grid = unsigned(std::min<int64_t>(T, kMaxGrid));
+    const size_t smem = size_t(d) * sizeof(float);
+    with_vec(vec, [&](auto vv) {
+      auto* kern = fwd_loop_kernel<decltype(vv)::value>;
+      err = smem_opt_in(kern, smem);
+      if (err == cudaSuccess) {
+        kern<<<grid, nt, smem, s>>>(src, int(N), T, int(d), w, gamma, eps, h);
+        err = cudaGetLastError();
+      }
+    });
   }
-  check(cudaGetLastError(), "forward launch");
+  check(err, "forward launch (d too large for shared memory?)");
 }
 
 void attnres_backward(const float* const* v, int64_t N, int64_t T, int64_t d, const float* w, const float* gamma,
@@ -309,33 +605,52 @@ void attnres_backward(const float* const* v, int64_t N, int64_t T, int64_t d, co
     vec = vec && aligned16(src.p[j]) && aligned16(dsrc.p[j]);
   }
   const bool want_dq = dw || dgamma;
-  const int nt = pick_threads(d);
   const int64_t nb = std::min<int64_t>(T, kMaxBlocks);
-  const size_t smem = size_t(want_dq ? 2 : 1) * size_t(d) * sizeof(float);
+  const RegPlan plan =
+      reg_plan(N, d, vec ? 4 : 1, bwd_max_elems(int(std::min<int64_t>(N, kRegMaxSources))), bwd_max_vpt(vec ? 4 : 1));
   auto s = static_cast<cudaStream_t>(stream);
   float* part = nullptr;
   if (want_dq) check(cudaMallocAsync(reinterpret_cast<void**>(&part), size_t(nb) * d * sizeof(float), s), "dq scratch");
   cudaError_t err = cudaSuccess;
-  auto launch = [&](auto* kern) {
-    if (smem > kDefaultSmem) err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (err == cudaSuccess) {
-      kern<<<unsigned(nb), nt, smem, s>>>(src, dsrc, int(N), T, int(d), w, gamma, eps, dh, part);
-      err = cudaGetLastError();
-    }
-  };
-  if (vec)
-    launch(bwd_kernel<4>);
-  else
-    launch(bwd_kernel<1>);
+  if (plan.vpt) {
+    const size_t smem = size_t(d) * sizeof(float);  // q
+    with_vec(vec, [&](auto vv) {
+      with_vpt(plan.vpt, [&](auto vp) {
+        with_sources(int(N), [&](auto ns) {
+          constexpr int V = decltype(vv)::value, VPT = decltype(vp)::value, NS = decltype(ns)::value;
+          if constexpr (V * VPT <= bwd_max_elems(NS) && VPT <= bwd_max_vpt(V)) {  // the others are never planned
+            auto* kern = bwd_reg_kernel<V, VPT, NS>;
+            err = smem_opt_in(kern, smem);
+            if (err == cudaSuccess) {
+              kern<<<unsigned(nb), plan.nt, smem, s>>>(src, dsrc, T, int(d), w, gamma, eps, dh, part);
+              err = cudaGetLastError();
+            }
+          }
+        });
+      });
+    });
+  } else {
+    const int nt = pick_threads(d);
+    const size_t smem = size_t(want_dq ? 2 : 1) * size_t(d) * sizeof(float);
+    with_vec(vec, [&](auto vv) {
+      auto* kern = bwd_loop_kernel<decltype(vv)::value>;
+      err = smem_opt_in(kern, smem);
+      if (err == cudaSuccess) {
+        kern<<<unsigned(nb), nt, smem, s>>>(src, dsrc, int(N), T, int(d), w, gamma, eps, dh, part);
+        err = cudaGetLastError();
+      }
+    });
+  }
   if (err == cudaSuccess && want_dq) {
-    dq_reduce_kernel<<<unsigned((d + 255) / 256), 256, 0, s>>>(part, nb, int(d), w, gamma, dw, dgamma);
+    dq_reduce_kernel<<<unsigned((d + kRedCols - 1) / kRedCols), kRedCols * kRedSlices, 0, s>>>(part, nb, int(d), w,
+                                                                                              gamma, dw, dgamma);
     err = cudaGetLastError();
   }
   if (part) {
     const cudaError_t e2 = cudaFreeAsync(part, s);
     if (err == cudaSuccess) err = e2;
   }
-  check(err, "backward launch");
+  check(err, "backward launch (d too large for shared memory?)");
 }
 
 }  // namespace lm::ops::cuda

@@ -1,15 +1,21 @@
 // RMSNorm on the GPU (ops/rmsnorm/cuda/rmsnorm_cuda.hpp): plain forward/backward with dtype and stride
 // options, and the gated per-head KDA output form. The formulas of ops/rmsnorm/rmsnorm.cpp, in fp32.
 //
-// Legend: rows independent vectors, D normalised width, ld* row strides in elements, TPR threads per row
-//         (a power of two in [32, 256], about D / 8), R = 256 / TPR rows per block at a time, V elements per
-//         vector access (4 when D, the strides and every pointer allow it, else 1), nb fixed row blocks of the
-//         backward (<= kMaxBlocks), s = sigmoid(gate).
-// Forward: one row per TPR-thread group; pass 1 sums x², pass 2 re-reads x (from L1/L2) and writes y.
-// Backward: nb blocks, each a contiguous row range; per row one group reduction of (Σx², Σ w·dy·x), then a
-//   pass writing dx (and dgate). The dw partials Σ dy·n accumulate in shared memory [R, D] (each thread owns
-//   its columns, so no atomics), are summed over the R groups in order into scratch [nb, D], and a second
-//   kernel adds Σ_b in block order (in double) to dw. nb depends on rows and D only, so dw is reproducible.
+// Legend: rows independent vectors, D normalised width, ld* row strides in elements, TPR threads per row,
+//         R rows per block at a time (one per TPR-thread group), V elements per vector access (4 when D, the
+//         strides and every pointer allow it, else 1), VPT vectors per thread and row (register path), nb
+//         fixed row blocks of the backward (<= kMaxBlocks), s = sigmoid(gate).
+// Forward: one row per TPR-thread group (TPR a power of two in [32, 256], about D / 8, R = 256 / TPR); pass 1
+//   sums x², pass 2 re-reads x (from L1/L2) and writes y.
+// Backward: nb blocks, each a contiguous row range; per row one group reduction of (Σx², Σ w·dy·x), then the
+//   dx (and dgate) pass. The dw partials Σ dy·n stay per thread (each owns its columns, so no atomics), are
+//   summed over the R groups in order into scratch [nb, D], and a second kernel adds Σ_b in a fixed order (in
+//   double) to dw. nb depends on rows and D only, so dw is reproducible. Two kernels:
+//   register path (plain, D <= 2048·V): lane l of a group owns columns (k·TPR + l)·V, k < VPT (TPR a multiple
+//     of 32 covering D / (V·VPT), VPT <= 4); x and dy (and the old dx) are read once into registers before the
+//     reduction, so each row costs one memory round trip and is never re-read; dw partials live in registers.
+//   loop path (gated, or wider D): TPR a power of two as in the forward; pass 2 re-reads x and dy from L1/L2
+//     and the dw partials accumulate in shared memory [R, D].
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -31,6 +37,8 @@ using bf16 = __nv_bfloat16;
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 1024;  // about one wave of 256-thread blocks on an H200 (132 SMs x 8)
 constexpr size_t kDefaultSmem = 48 * 1024;
+constexpr int kRegMaxThreads = 512;  // register path: TPR <= 512, so ptxas may use up to 128 registers
+constexpr int kRedCols = 8, kRedSlices = 64;  // dw reduction block: 8 columns (one 32-byte sector) x 64 slices
 
 [[noreturn]] void fail(const std::string& m) { throw Error("rmsnorm cuda: " + m); }
 void check(cudaError_t e, const char* what) {
@@ -240,13 +248,125 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(BwdArgs a) {
   }
 }
 
-// dw[j] += Σ_b part[b, j], blocks in order.
-__global__ void dw_reduce_kernel(const float* part, int64_t nb, int D, float* dw) {
-  const int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= D) return;
-  double s = 0;
-  for (int64_t b = 0; b < nb; ++b) s += part[b * D + j];
-  dw[j] += float(s);
+// Plain backward, register path (formulas as bwd_kernel). Every element is read before the same thread writes
+// it, so dx may alias dy. The group reduction goes through shared memory only when a row spans several warps;
+// red is double-buffered by iteration parity, so one barrier per row suffices. The dw partials stay in
+// registers (a thread's columns are the same for every row of its group).
+template <int V, int VPT, bool ACC>
+__global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(BwdArgs a, int tpr) {
+  extern __shared__ float4 smem_w[];  // w [D], then the running dw sum over groups [D] (when R > 1 and a.part)
+  __shared__ float2 red[2][kRegMaxThreads / 32];
+  const int D = a.D, tid = threadIdx.x, R = blockDim.x / tpr, g = tid / tpr, lt = tid - g * tpr;
+  const int warp = tid >> 5, W = tpr >> 5, first = g * W;
+  float* ws = reinterpret_cast<float*>(smem_w);
+  float* wsum = ws + D;
+  for (int c = tid; c < D; c += blockDim.x) ws[c] = a.w[c];
+  int col[VPT];
+  bool ok[VPT];
+  float dw[VPT][V];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    col[k] = (k * tpr + lt) * V, ok[k] = col[k] < D;
+#pragma unroll
+    for (int e = 0; e < V; ++e) dw[k][e] = 0.f;
+  }
+  __syncthreads();
+  const int64_t b = blockIdx.x, nb = gridDim.x;
+  const int64_t r_begin = b * a.rows / nb, r_end = (b + 1) * a.rows / nb;
+  int par = 0;
+  // Same trip count for every group of the block (the barrier below).
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += R, par ^= 1) {
+    const int64_t r = r0 + g;
+    const bool okr = r < r_end;
+    float xv[VPT][V], dyv[VPT][V], old[VPT][V];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) xv[k][e] = dyv[k][e] = old[k][e] = 0.f;
+      if (okr && ok[k]) {
+        load<V>(a.x, a.xbf, r * a.ldx + col[k], xv[k]);
+        load<V>(a.dy, a.dybf, r * a.ldy + col[k], dyv[k]);
+        if constexpr (ACC) load<V>(a.dx, false, r * a.lddx + col[k], old[k]);
+      }
+    }
+    const float rs_in = okr && a.rstd ? a.rstd[r] : 0.f;
+    float ss = 0.f, gx = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      float wv[V];
+      load<V>(ws, false, ok[k] ? col[k] : 0, wv);
+#pragma unroll
+      for (int e = 0; e < V; ++e) ss += xv[k][e] * xv[k][e], gx += wv[e] * dyv[k][e] * xv[k][e];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      gx += __shfl_xor_sync(0xffffffffu, gx, o);
+    }
+    if (W > 1) {  // block-uniform
+      if ((tid & 31) == 0) red[par][warp] = make_float2(ss, gx);
+      __syncthreads();
+      float2 s = red[par][first];
+      for (int i = 1; i < W; ++i) s.x += red[par][first + i].x, s.y += red[par][first + i].y;
+      ss = s.x, gx = s.y;
+    }
+    if (!okr) continue;
+    const float rs = a.rstd ? rs_in : 1.f / sqrtf(ss / float(D) + a.eps);
+    const float cc = gx * rs / float(D);
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      if (!ok[k]) continue;
+      float wv[V], dxv[V];
+      load<V>(ws, false, col[k], wv);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const float n = xv[k][e] * rs;
+        dxv[e] = rs * (wv[e] * dyv[k][e] - n * cc);
+        if constexpr (ACC) dxv[e] += old[k][e];
+        dw[k][e] += dyv[k][e] * n;
+      }
+      store<V>(a.dx, a.dxbf, r * a.lddx + col[k], dxv);
+    }
+  }
+  if (!a.part) return;
+  // Groups add their partials in order 0..R-1; the last one writes the block's row of part.
+  for (int i = 0; i < R; ++i) {
+    if (g == i)
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        if (!ok[k]) continue;
+        float s[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) s[e] = i == 0 ? dw[k][e] : wsum[col[k] + e] + dw[k][e];
+        if (i == R - 1)
+          store<V>(a.part, false, b * D + col[k], s);
+        else
+          store<V>(wsum, false, col[k], s);
+      }
+    if (i + 1 < R) __syncthreads();
+  }
+}
+
+// dw[j] += Σ_b part[b, j]. Slice s sums b = s, s + 64, ... in order (double), then the 64 slices meet in a
+// fixed tree: a fixed order, with 64x the parallelism of one thread per column (a serial 1024-long chain per
+// column was latency-bound: tens of µs).
+__global__ void __launch_bounds__(kRedCols* kRedSlices) dw_reduce_kernel(const float* part, int64_t nb, int D,
+                                                                         float* dw) {
+  __shared__ double acc[kRedSlices][kRedCols];
+  const int cx = threadIdx.x % kRedCols, s = threadIdx.x / kRedCols;
+  const int j = blockIdx.x * kRedCols + cx;
+  double sum = 0;
+  if (j < D) {
+#pragma unroll 8
+    for (int64_t b = s; b < nb; b += kRedSlices) sum += part[b * D + j];
+  }
+  acc[s][cx] = sum;
+#pragma unroll
+  for (int half = kRedSlices / 2; half > 0; half >>= 1) {
+    __syncthreads();
+    if (s < half) acc[s][cx] += acc[s + half][cx];
+  }
+  if (s == 0 && j < D) dw[j] += float(acc[0][cx]);
 }
 
 // ---- host side --------------------------------------------------------------------------------------
@@ -307,28 +427,81 @@ void launch_forward(const void* x, bool xbf, const bf16* gate, const float* w, b
   check(cudaGetLastError(), "forward launch");
 }
 
+// Register-path geometry of the plain backward: VPT (0: the loop path), TPR and R. VPT is what one warp
+// per row needs, up to 4 (more loads in flight per thread, fewer threads per row); TPR then covers D / V in
+// multiples of 32, and R rows share a block of up to 256 threads.
+struct RegPlan {
+  int vpt = 0, tpr = 0, rows = 0;
+};
+RegPlan reg_plan(int64_t D, int V) {
+  const int64_t n = D / V;  // vector columns (V = 4 only when D % 4 == 0)
+  int vpt = int(std::clamp<int64_t>((n + 31) / 32, 1, 4));
+  if (vpt == 3) vpt = 4;
+  const int64_t tpr = ((n + vpt - 1) / vpt + 31) / 32 * 32;
+  if (tpr > kRegMaxThreads) return {};
+  return {vpt, int(tpr), int(std::max<int64_t>(1, kThreads / tpr))};
+}
+template <class Fn>
+void with_vpt(int vpt, Fn&& fn) {
+  switch (vpt) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    default: fn(std::integral_constant<int, 4>{}); break;
+  }
+}
+template <class Fn>
+void with_bool(bool b, Fn&& fn) {
+  if (b)
+    fn(std::true_type{});
+  else
+    fn(std::false_type{});
+}
+
+template <class K>
+cudaError_t smem_opt_in(K* kern, size_t bytes) {
+  if (bytes <= kDefaultSmem) return cudaSuccess;
+  return cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+}
+
 template <bool GATED>
 void launch_backward(BwdArgs a, float* dw, bool vec, cudaStream_t s) {
-  const int tpr = pick_tpr(a.D), R = kThreads / tpr;
+  const RegPlan plan = GATED ? RegPlan{} : reg_plan(a.D, vec ? 4 : 1);
+  const int tpr = plan.vpt ? plan.tpr : pick_tpr(a.D), R = plan.vpt ? plan.rows : kThreads / tpr;
   const int64_t nb = std::min<int64_t>((a.rows + R - 1) / R, kMaxBlocks);
-  const size_t smem = dw ? size_t(R) * size_t(a.D) * sizeof(float) : 0;
   float* part = nullptr;
   if (dw) check(cudaMallocAsync(reinterpret_cast<void**>(&part), size_t(nb) * a.D * sizeof(float), s), "dw scratch");
   a.part = part;
   cudaError_t err = cudaSuccess;
-  with_vec(vec, [&](auto v) {
-    with_tpr(tpr, [&](auto t) {
-      auto* kern = bwd_kernel<decltype(t)::value, decltype(v)::value, GATED>;
-      if (smem > kDefaultSmem)
-        err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-      if (err == cudaSuccess) {
-        kern<<<unsigned(nb), kThreads, smem, s>>>(a);
-        err = cudaGetLastError();
-      }
+  if (plan.vpt) {
+    // w [D], and the running dw sum over groups [D] when R > 1.
+    const size_t smem = size_t(dw && R > 1 ? 2 : 1) * size_t(a.D) * sizeof(float);
+    with_vec(vec, [&](auto v) {
+      with_vpt(plan.vpt, [&](auto vp) {
+        with_bool(a.acc, [&](auto acc) {
+          auto* kern = bwd_reg_kernel<decltype(v)::value, decltype(vp)::value, decltype(acc)::value>;
+          err = smem_opt_in(kern, smem);
+          if (err == cudaSuccess) {
+            kern<<<unsigned(nb), R * tpr, smem, s>>>(a, tpr);
+            err = cudaGetLastError();
+          }
+        });
+      });
     });
-  });
+  } else {
+    const size_t smem = dw ? size_t(R) * size_t(a.D) * sizeof(float) : 0;
+    with_vec(vec, [&](auto v) {
+      with_tpr(tpr, [&](auto t) {
+        auto* kern = bwd_kernel<decltype(t)::value, decltype(v)::value, GATED>;
+        err = smem_opt_in(kern, smem);
+        if (err == cudaSuccess) {
+          kern<<<unsigned(nb), kThreads, smem, s>>>(a);
+          err = cudaGetLastError();
+        }
+      });
+    });
+  }
   if (err == cudaSuccess && dw) {
-    dw_reduce_kernel<<<unsigned((a.D + 255) / 256), 256, 0, s>>>(part, nb, a.D, dw);
+    dw_reduce_kernel<<<unsigned((a.D + kRedCols - 1) / kRedCols), kRedCols * kRedSlices, 0, s>>>(part, nb, a.D, dw);
     err = cudaGetLastError();
   }
   if (part) {

@@ -3,8 +3,8 @@
 // (fla 0.5.2 Triton kernels measured on an H200). Median of CUDA-event timings after warm-up.
 //
 // Legend: B batch, T tokens, H heads, K key dim = V value dim.
-// Usage: cuda_bench_kda [reps]   (default 10);  cuda_bench_kda prof: one forward + backward of the first
-// shape (for a profiler).
+// Run by `longmoe bench kda --device cuda [--reps N] [--prof]` (--prof: one forward + backward of the first
+// shape, for a profiler).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -15,81 +15,15 @@
 #include <string>
 #include <vector>
 
+#include "bench/cuda/benches.hpp"
+#include "bench/cuda/common.cuh"
 #include "ops/kda/cuda/kda_cuda.hpp"
 
 namespace kc = lm::kda::cuda;
 
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    const cudaError_t e_ = (x);                                                        \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
-
 namespace {
 
-__device__ uint32_t hash32(uint32_t x) {
-  x ^= x >> 16, x *= 0x7feb352du, x ^= x >> 15, x *= 0x846ca68bu, x ^= x >> 16;
-  return x;
-}
-// Normal(mean, sd) from a hash of (seed, index): Box-Muller.
-__device__ float normal(uint32_t seed, size_t i) {
-  const uint32_t a = hash32(uint32_t(i) * 2u + seed * 0x9e3779b9u), b = hash32(uint32_t(i) * 2u + 1u + seed * 0x85ebca6bu);
-  const float u1 = (float(a >> 8) + 1.f) / 16777217.f, u2 = float(b >> 8) / 16777216.f;
-  return sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
-}
-__global__ void fill_bf16(__nv_bfloat16* p, size_t n, uint32_t seed, float sd) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = __float2bfloat16(sd * normal(seed, i));
-}
-__global__ void fill_f32(float* p, size_t n, uint32_t seed, float sd, float mean) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = mean + sd * normal(seed, i);
-}
-
-template <class T>
-T* dalloc(size_t n) {
-  void* p = nullptr;
-  CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
-  return static_cast<T*>(p);
-}
-__nv_bfloat16* rand_bf16(size_t n, uint32_t seed, float sd = 1.f) {
-  auto* p = dalloc<__nv_bfloat16>(n);
-  fill_bf16<<<1024, 256>>>(p, n, seed, sd);
-  CK(cudaGetLastError());
-  return p;
-}
-float* rand_f32(size_t n, uint32_t seed, float sd, float mean) {
-  auto* p = dalloc<float>(n);
-  fill_f32<<<1024, 256>>>(p, n, seed, sd, mean);
-  CK(cudaGetLastError());
-  return p;
-}
-
-template <class F>
-double median_ms(F&& f, int warm, int reps) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < warm; ++i) f();
-  CK(cudaDeviceSynchronize());
-  std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaEventRecord(a));
-    f();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
+using namespace lm::bench_cuda;
 
 struct Shape {
   int B, T, H, K;
@@ -98,12 +32,13 @@ struct Shape {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  const bool prof = argc > 1 && std::string(argv[1]) == "prof";
-  const int reps = argc > 1 && !prof ? std::max(3, std::atoi(argv[1])) : 10;
+namespace lm::bench_cuda {
+
+int kda(int reps_arg, bool prof) {
+  const int reps = prof ? 1 : std::max(3, reps_arg);
   if (kc::device_count() <= 0) {
     std::printf("no CUDA device\n");
-    return 0;
+    return 2;
   }
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -213,3 +148,5 @@ int main(int argc, char** argv) {
               dec_ms * 1e3, dec_tb, cp_tb);
   return 0;
 }
+
+}  // namespace lm::bench_cuda

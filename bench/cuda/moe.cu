@@ -8,7 +8,7 @@
 // Shapes: "g64": 64 experts × 2048 rows, 1024 → 768 (the issue's peer shape); "k3": K3's latent experts
 // (ℓ = 3584, I = 3072), 64 experts × 256 rows (uniform) and with uneven counts (mean 256): W13 (ℓ → 2I) and
 // W2 (I → ℓ).
-// Usage: cuda_bench_moe [reps]   (default 20)
+// Run by `longmoe bench moe --device cuda [--reps N] [--peer]`.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -19,72 +19,15 @@
 #include <string>
 #include <vector>
 
+#include "bench/cuda/benches.hpp"
+#include "bench/cuda/common.cuh"
 #include "ops/moe/cuda/moe_cuda.hpp"
 
 namespace oc = lm::ops::cuda;
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    const cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
-
 namespace {
 
-__device__ uint32_t hash32(uint32_t x) {
-  x ^= x >> 16, x *= 0x7feb352du, x ^= x >> 15, x *= 0x846ca68bu, x ^= x >> 16;
-  return x;
-}
-__device__ float normal(uint32_t seed, size_t i) {
-  const uint32_t a = hash32(uint32_t(i) * 2u + seed * 0x9e3779b9u), b = hash32(uint32_t(i) * 2u + 1u + seed * 0x85ebca6bu);
-  const float u1 = (float(a >> 8) + 1.f) / 16777217.f, u2 = float(b >> 8) / 16777216.f;
-  return sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
-}
-__global__ void fill_bf16(__nv_bfloat16* p, size_t n, uint32_t seed, float sd) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = __float2bfloat16(sd * normal(seed, i));
-}
-__global__ void fill_f32(float* p, size_t n, uint32_t seed, float sd) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = sd * normal(seed, i);
-}
-template <class T>
-T* dalloc(size_t n) {
-  void* p = nullptr;
-  CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
-  return static_cast<T*>(p);
-}
-__nv_bfloat16* rand_bf16(size_t n, uint32_t seed, float sd) {
-  auto* p = dalloc<__nv_bfloat16>(n);
-  fill_bf16<<<1024, 256>>>(p, n, seed, sd);
-  CK(cudaGetLastError());
-  return p;
-}
-template <class F>
-double median_ms(F&& f, int warm, int reps) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < warm; ++i) f();
-  CK(cudaDeviceSynchronize());
-  std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaEventRecord(a));
-    f();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
+using namespace lm::bench_cuda;
 
 // Uneven expert counts with the given mean (deterministic): m_e = mean · (0.25 .. 1.75), summing to E·mean.
 std::vector<int> uneven(int E, int mean) {
@@ -104,12 +47,14 @@ struct GemmCase {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  const int reps = argc > 1 ? std::max(3, std::atoi(argv[1])) : 20;
+namespace lm::bench_cuda {
+
+int moe(int reps_arg) {
+  const int reps = std::max(3, reps_arg);
   int ndev = 0;
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
     std::printf("no CUDA device\n");
-    return 0;
+    return 2;
   }
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -140,14 +85,14 @@ int main(int argc, char** argv) {
       else oc::grouped_gemm(x, w, y, doff, M, c.N, c.K, E);
     };
     const double t = median_ms(run, 3, reps);
-    std::printf("RESULT gemm_%s_ms %.4f\nRESULT gemm_%s_tflops %.1f\n", c.name.c_str(), t, c.name.c_str(),
+    result("RESULT gemm_%s_ms %.4f\nRESULT gemm_%s_tflops %.1f\n", c.name.c_str(), t, c.name.c_str(),
                 2.0 * M * c.N * c.K / t / 1e9);
     // Tile order (0: m outer, 1: per expert n outer) and epilogue (0: direct, 1: staged) variants.
     for (int v = 0; v < 4; ++v) {
       setenv("LONGMOE_GG_ORDER", v & 1 ? "1" : "0", 1);
       setenv("LONGMOE_GG_EPI", v & 2 ? "1" : "0", 1);
       const double tv = median_ms(run, 2, reps);
-      std::printf("RESULT gemm_%s_o%de%d_tflops %.1f\n", c.name.c_str(), v & 1, v >> 1, 2.0 * M * c.N * c.K / tv / 1e9);
+      result("RESULT gemm_%s_o%de%d_tflops %.1f\n", c.name.c_str(), v & 1, v >> 1, 2.0 * M * c.N * c.K / tv / 1e9);
     }
     unsetenv("LONGMOE_GG_ORDER");
     unsetenv("LONGMOE_GG_EPI");
@@ -175,12 +120,14 @@ int main(int argc, char** argv) {
     const double tg = median_ms([&] { oc::moe_gather(x, rows, xs, m, k, d); }, 3, reps);
     const double tc = median_ms([&] { oc::moe_combine(xs, w, pos, y, m, k, d); }, 3, reps);
     const double gb = double(m) * k * d * 2 * 2;  // gather: rows read (from L2 mostly) + written; combine alike
-    std::printf("RESULT route_m%d_n%d_k%d_router_us %.1f\nRESULT route_m%d_n%d_k%d_permute_us %.1f\n", m, n, k, tr * 1e3,
+    result("RESULT route_m%d_n%d_k%d_router_us %.1f\nRESULT route_m%d_n%d_k%d_permute_us %.1f\n", m, n, k, tr * 1e3,
                 m, n, k, tp * 1e3);
-    std::printf("RESULT route_gather_d%d_us %.1f\nRESULT route_gather_d%d_tbps %.2f\n", d, tg * 1e3, d, gb / tg / 1e9);
-    std::printf("RESULT route_combine_d%d_us %.1f\nRESULT route_combine_d%d_tbps %.2f\n", d, tc * 1e3, d,
+    result("RESULT route_gather_d%d_us %.1f\nRESULT route_gather_d%d_tbps %.2f\n", d, tg * 1e3, d, gb / tg / 1e9);
+    result("RESULT route_combine_d%d_us %.1f\nRESULT route_combine_d%d_tbps %.2f\n", d, tc * 1e3, d,
                 (double(m) * k * d * 2 + double(m) * d * 2) / tc / 1e9);
     for (void* p : std::vector<void*>{logits, bias, idx, off, rows, pos, w, alpha, x, xs, y}) CK(cudaFree(p));
   }
   return 0;
 }
+
+}  // namespace lm::bench_cuda
