@@ -24,24 +24,11 @@
 
 namespace oc = lm::ops::cuda;
 
-namespace {
-
-using namespace lm::bench_cuda;
-
-}  // namespace
-
 namespace lm::bench_cuda {
 
 int attention(int reps_arg) {
   const int reps = std::max(3, reps_arg);
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    std::printf("no CUDA device\n");
-    return 2;
-  }
-  cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  if (!print_device()) return 2;
   struct Shape {
     int B, T, H, Dk, Dv;
   };

@@ -10,6 +10,18 @@ FILE* results_file = nullptr;
 
 void set_results_file(FILE* f) { results_file = f; }
 
+bool print_device() {
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+    std::printf("no CUDA device\n");
+    return false;
+  }
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  return true;
+}
+
 void result(const char* fmt, ...) {
   va_list a, b;
   va_start(a, fmt);

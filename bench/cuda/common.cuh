@@ -86,6 +86,9 @@ double median_ms(F&& f, int warm, int reps) {
   return t[t.size() / 2];
 }
 
+// Prints the device's name and SM count; false (after "no CUDA device") when there is none.
+bool print_device();
+
 // printf to stdout, and the same text to the results file when one is set (set_results_file).
 void result(const char* fmt, ...);
 

@@ -36,13 +36,7 @@ namespace lm::bench_cuda {
 
 int kda(int reps_arg, bool prof) {
   const int reps = prof ? 1 : std::max(3, reps_arg);
-  if (kc::device_count() <= 0) {
-    std::printf("no CUDA device\n");
-    return 2;
-  }
-  cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  if (!print_device()) return 2;
   const std::vector<Shape> shapes = {{1, 8192, 96, 128, 2.60, 2.89, 12.38, 15.99},
                                      {1, 32768, 32, 128, 3.71, 4.08, 16.45, 21.22},
                                      {8, 4096, 16, 128, 1.67, 1.86, 7.77, 10.18},

@@ -51,14 +51,7 @@ namespace lm::bench_cuda {
 
 int moe(int reps_arg) {
   const int reps = std::max(3, reps_arg);
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    std::printf("no CUDA device\n");
-    return 2;
-  }
-  cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  if (!print_device()) return 2;
 
   const std::vector<GemmCase> cases = {
       {"g64_2048x1024x768", std::vector<int>(64, 2048), 768, 1024, false},

@@ -19,56 +19,16 @@
 #include "ops/moe/cuda/moe_cuda.hpp"
 #include "ops/moe/permute.hpp"
 #include "ops/moe/router.hpp"
+#include "cuda_testing.hpp"
 #include "testing.hpp"
 
 using namespace lm;
 namespace kc = lm::kda::cuda;
 namespace oc = lm::ops::cuda;
 using Vec = std::vector<float>;
-
-#define REQUIRE_GPU() \
-  if (kc::device_count() <= 0) GTEST_SKIP() << "no CUDA device"
+using namespace lm::cuda_testing;
 
 namespace {
-
-struct Dev {
-  void* p = nullptr;
-  explicit Dev(size_t n) : p(kc::device_alloc(std::max<size_t>(n, 16))) { kc::device_fill(p, 0xff, std::max<size_t>(n, 16)); }
-  ~Dev() { kc::device_free(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  float* f() const { return static_cast<float*>(p); }
-  int32_t* i() const { return static_cast<int32_t*>(p); }
-};
-
-Vec round_bf16(const Vec& x) {
-  Vec r(x.size());
-  for (size_t i = 0; i < x.size(); ++i) r[i] = bf16_to_f32(f32_to_bf16(x[i]));
-  return r;
-}
-void up_bf16(Dev& d, const Vec& x) {
-  std::vector<uint16_t> b(x.size());
-  for (size_t i = 0; i < x.size(); ++i) b[i] = f32_to_bf16(x[i]);
-  kc::copy_to_device(d.p, b.data(), b.size() * 2);
-}
-template <class T>
-void up(Dev& d, const std::vector<T>& x) {
-  kc::copy_to_device(d.p, x.data(), x.size() * sizeof(T));
-}
-Vec down_bf16(const Dev& d, size_t n) {
-  std::vector<uint16_t> b(n);
-  kc::copy_to_host(b.data(), d.p, n * 2);
-  Vec r(n);
-  for (size_t i = 0; i < n; ++i) r[i] = bf16_to_f32(b[i]);
-  return r;
-}
-template <class T>
-std::vector<T> down(const Dev& d, size_t n) {
-  std::vector<T> r(n);
-  kc::copy_to_host(r.data(), d.p, n * sizeof(T));
-  return r;
-}
-double err(const Vec& ref, const Vec& x) { return lm::testing::rel_rms_vec(ref, x); }
 
 std::vector<int32_t> offsets_of(const std::vector<int>& counts) {
   std::vector<int32_t> off(counts.size() + 1, 0);
