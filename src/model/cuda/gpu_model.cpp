@@ -123,7 +123,13 @@ struct GpuModel::Impl {
   std::map<std::string, DBuf> act;  // "L3.qp", "block2", scratch "s.dy" ...
   DBuf ids_d, tgt_d;
   std::vector<int32_t> ids_h;
-  std::vector<std::vector<int32_t>> offsets_h;  // per layer, MoE expert offsets of the last forward
+  // Per MoE layer, the expert offsets of the last forward, copied to pinned host memory without stopping the
+  // stream (only the backward's weight-gradient products read them, long after the copy has landed).
+  struct HostOffsets {
+    int32_t* p = nullptr;
+    cudaEvent_t done = nullptr;
+  };
+  std::vector<HostOffsets> offsets_h;
   int64_t rows = 0;
   Seqs seqs;
   int64_t nblocks = 0;  // AttnRes closed blocks of the last forward
@@ -146,7 +152,22 @@ struct GpuModel::Impl {
     for (int64_t i = 0; i < L; ++i)
       if (c.is_moe(i)) wT_off[i] = t, t += per;
     if (t) wT.ensure(t * 2);
+    offsets_h.resize(L);
+    for (int64_t i = 0; i < L; ++i) {
+      if (!c.is_moe(i)) continue;
+      ck(cudaMallocHost(reinterpret_cast<void**>(&offsets_h[i].p), sizeof(int32_t) * (c.num_experts + 1)),
+         "cudaMallocHost");
+      ck(cudaEventCreateWithFlags(&offsets_h[i].done, cudaEventDisableTiming), "cudaEventCreate");
+    }
   }
+  ~Impl() {
+    for (auto& o : offsets_h) {
+      if (o.p) cudaFreeHost(o.p);
+      if (o.done) cudaEventDestroy(o.done);
+    }
+  }
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
 
   // W13ᵀ, W2ᵀ of every MoE layer from the bf16 copy.
   void refresh_transposed() {
@@ -526,9 +547,8 @@ struct GpuModel::Impl {
             *ppos = buf<int32_t>(K(i, "ppos"), size_t(Mr) * 4);
     sec.emplace(*this, "moe.route.fwd");
     oc::moe_permute(topk_idx, n, k, E, off, prow, ppos);
-    auto& offh = offsets_h[i];
-    offh.resize(E + 1);
-    ck(cudaMemcpy(offh.data(), off, size_t(E + 1) * 4, cudaMemcpyDeviceToHost), "offsets to host");
+    ck(cudaMemcpyAsync(offsets_h[i].p, off, size_t(E + 1) * 4, cudaMemcpyDeviceToHost, nullptr), "offsets to host");
+    ck(cudaEventRecord(offsets_h[i].done, nullptr), "cudaEventRecord");
     void *xs = buf(K(i, "xs"), size_t(Mr) * l * 2), *ab = buf(K(i, "eab"), size_t(Mr) * 2 * I * 2),
          *h = buf(K(i, "eh"), size_t(Mr) * I * 2), *eo = buf(K(i, "eo"), size_t(Mr) * l * 2);
     oc::moe_gather(z, prow, xs, n, k, l);
@@ -594,7 +614,8 @@ struct GpuModel::Impl {
     void* dh = buf("s.e_dh", size_t(Mr) * I * 2);
     void* dab = buf("s.e_dab", size_t(Mr) * 2 * I * 2);
     void* dxs = buf("s.dxs", size_t(Mr) * l * 2);
-    const auto& off = offsets_h[i];
+    ck(cudaEventSynchronize(offsets_h[i].done), "offsets to host");
+    const int32_t* off = offsets_h[i].p;
     const auto* deo = static_cast<const uint16_t*>(d_eo);
     const auto* dabp = static_cast<const uint16_t*>(dab);
     sec.emplace(*this, "moe.experts.bwd");
@@ -680,7 +701,6 @@ struct GpuModel::Impl {
     ck(cudaMemcpy(ids_d.ensure(size_t(rows) * 4), ids, size_t(rows) * 4, cudaMemcpyHostToDevice), "ids");
     if (targets)
       ck(cudaMemcpy(tgt_d.ensure(size_t(rows) * 4), targets, size_t(rows) * 4, cudaMemcpyHostToDevice), "targets");
-    offsets_h.assign(L, {});
     const size_t RD4 = size_t(rows) * d * 4;
     float* prefix = buf<float>("prefix", RD4);
     {
