@@ -14,7 +14,7 @@
 namespace {
 
 struct Args {
-  std::string config, out, model, balance, estimator;
+  std::string config, out, model, balance, estimator, device = "cpu";
   bool resume = false, quiet = false;
   int64_t max_steps = -1;
   int64_t seed = -1;
@@ -54,6 +54,7 @@ int run(const Args& a) {
   lm::train::TrainOptions opt;
   opt.resume = a.resume;
   opt.quiet = a.quiet;
+  opt.device = a.device;
   const auto r = lm::train::train(cfg, opt);
   if (r.interrupted) {
     std::printf("interrupted after %ld steps; checkpoint %s (continue with --resume)\n", static_cast<long>(r.steps),
@@ -92,6 +93,8 @@ lm::app::Register reg({"train", "Train a model: tokenizer, data, curriculum stag
                          sub.add_option("--max-steps", a->max_steps, "Stop after this many optimiser steps");
                          sub.add_option("--seed", a->seed, "Seed for initialisation, split and shuffling");
                          sub.add_flag("--quiet", a->quiet, "No progress output");
+                         sub.add_option("--device", a->device,
+                                        "cpu, or cuda (AdamW + QB on the GPU; same checkpoints, see docs/gpu.md)");
                          return [a] { return run(*a); };
                        }});
 

@@ -32,6 +32,7 @@
 #include "io/safetensors.hpp"
 #include "io/tokenizer.hpp"
 #include "model/accounting.hpp"
+#include "model/cuda/gpu_model.hpp"
 #include "model/model.hpp"
 #include "train/data.hpp"
 #include "train/synthetic.hpp"
@@ -355,10 +356,48 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
   Optimizer optim(m->params(), mcfg, cfg.optim);
   if (!resume_dir.empty())
     optim.load_state(io::SafeTensorsFile::open((fs::path(resume_dir) / "optimizer.safetensors").string()));
+  // GPU: the same weights and AdamW state, moved to the device; the host copies are refreshed at each save.
+  std::unique_ptr<model::cuda::GpuModel> gm;
+  int64_t gpu_t = optim.step_count();  // AdamW steps taken (bias corrections)
+  LM_CHECK(opt.device == "cpu" || opt.device == "cuda", "train: --device must be cpu or cuda, not '{}'", opt.device);
+  if (opt.device == "cuda") {
+    LM_CHECK(cfg.optim.kind == "adamw",
+             "train --device cuda: optimizer.kind must be \"adamw\" (Muon runs on the CPU only), not \"{}\"",
+             cfg.optim.kind);
+    LM_CHECK(cfg.balance == Balance::None || (cfg.balance == Balance::QB && cfg.qb_estimator == "exact"),
+             "train --device cuda: balance must be qb with the exact estimator, or none (got {})",
+             balance_name(cfg.balance));
+    gm = std::make_unique<model::cuda::GpuModel>(
+        mcfg, [&](const model::ParamSpec& s) { return param_rule(s, mcfg, cfg.optim).decay; });
+    gm->upload(m->params());
+    std::map<std::string, Tensor> st;
+    for (auto& [name, t] : optim.state()) st.emplace(name, t);
+    for (const auto& pr : m->params().all()) {
+      auto im = st.find("optim.adamw.m." + pr.spec.name), iv = st.find("optim.adamw.v." + pr.spec.name);
+      if (im != st.end() && iv != st.end()) gm->set_adam(pr.spec.name, im->second.data<float>(), iv->second.data<float>());
+    }
+  }
+  // The GPU's weights and AdamW state into the host model and optimizer (for a checkpoint).
+  auto sync_from_gpu = [&] {
+    if (!gm) return;
+    gm->download(m->params());
+    std::map<std::string, Tensor> st;
+    st.emplace("optim.step", Tensor::from_vector<int64_t>({gpu_t}, {1}));
+    for (const auto& [name, t] : optim.state()) {
+      if (name.rfind("optim.adamw.m.", 0) != 0) continue;
+      const std::string pn = name.substr(14);
+      Tensor mt = Tensor::empty(t.shape(), DType::F32), vt = Tensor::empty(t.shape(), DType::F32);
+      gm->get_adam(pn, mt.data<float>(), vt.data<float>());
+      st.emplace(name, std::move(mt));
+      st.emplace("optim.adamw.v." + pn, std::move(vt));
+    }
+    optim.load_state(st, "GPU optimizer state");
+  };
   say(fmt::format("model: {:.2f}M parameters, {:.2f}M activated; {} layers ({} KDA, {} MLA), {} MoE layers, "
-                  "balance {}; {} threads",
+                  "balance {}; {}",
                   counts.total / 1e6, counts.activated / 1e6, mcfg.num_hidden_layers, mcfg.num_kda_layers(),
-                  mcfg.num_mla_layers(), mcfg.num_moe_layers(), balance_name(cfg.balance), num_threads()));
+                  mcfg.num_mla_layers(), mcfg.num_moe_layers(), balance_name(cfg.balance),
+                  gm ? std::string("on the GPU") : fmt::format("{} threads", num_threads())));
 
   // ---- balancing state
   Balancer bal;
@@ -435,9 +474,14 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
     double sum = 0;
     int64_t n = 0;
     for (const auto& b : batches) {
-      const auto st = m->loss(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens));
-      sum += st.loss_sum;
-      n += st.n_valid;
+      const model::Seqs sq = model::Seqs::packed(b.cu_seqlens);
+      if (gm) {
+        const auto st = gm->loss(b.ids.data(), b.targets.data(), sq);
+        sum += st.loss_sum, n += st.n_valid;
+      } else {
+        const auto st = m->loss(b.ids.data(), b.targets.data(), sq);
+        sum += st.loss_sum, n += st.n_valid;
+      }
     }
     return n > 0 ? sum / static_cast<double>(n) : NAN;
   };
@@ -449,6 +493,7 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
     const fs::path tmp = ck / (".tmp-" + name), dst = ck / name;
     fs::remove_all(tmp);
     fs::create_directories(tmp);
+    sync_from_gpu();
     mcfg.save((tmp / "config.json").string());
     fs::copy_file(fs::exists(tok_path) ? tok_path.string() : tok->model_path(), tmp / "tokenizer.model",
                   fs::copy_options::overwrite_existing);
@@ -544,13 +589,26 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
         }
         for (const Batch& b : mb) n_valid += b.predicted();
       }
-      m->params().zero_grads();
+      if (gm) gm->zero_grads();
+      else m->params().zero_grads();
       for (auto& s : bal.scores) s.clear();
       for (auto& c : bal.counts) c.clear();
       for (auto& l : bal.loads) l.assign(bal.E, 0);
       double loss_sum = 0, aux = 0;
       for (const Batch& b : mb) {
         const model::Seqs seqs = model::Seqs::packed(b.cu_seqlens);
+        if (gm) {  // GPU: loss, gradients and the experts' loads (QB reads the scores on the device)
+          const auto st = gm->forward_backward(b.ids.data(), b.targets.data(), seqs, n_valid);
+          loss_sum += st.loss_sum;
+          if (!std::isfinite(st.loss_sum))
+            fail("step {}: the loss became {} on the GPU. Stopping; the last checkpoint is {}", global_step,
+                 st.loss_sum, last_ckpt.empty() ? "none" : last_ckpt);
+          for (size_t li = 0; li < bal.layers.size(); ++li) {
+            const auto l = gm->expert_loads(bal.layers[li]);
+            for (int64_t e = 0; e < bal.E; ++e) bal.loads[li][e] += l[e];
+          }
+          continue;
+        }
         const auto st = m->forward_backward(b.ids.data(), b.targets.data(), seqs, n_valid);
         loss_sum += st.loss_sum;
         if (!std::isfinite(st.loss_sum)) {
@@ -589,17 +647,34 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
       }
       const double loss = loss_sum / static_cast<double>(std::max<int64_t>(n_valid, 1));
       StepInfo info;
-      try {
-        info = optim.step(sched.factor_at(step));
-      } catch (const Error& e) {
-        const auto bad = nonfinite_grad(m->params());
-        if (bad)
-          fail("step {}: a gradient became NaN/Inf in {}. Stopping; the last checkpoint is {}", global_step,
-               describe_param(*bad, mcfg), last_ckpt.empty() ? "none" : last_ckpt);
-        throw;
+      if (gm) {
+        // AdamW as train::Optimizer does it: global-norm clip, then the update (and the bf16 copy).
+        info.grad_norm = gm->grad_norm();
+        if (!std::isfinite(info.grad_norm))
+          fail("step {}: a gradient became NaN/Inf on the GPU. Stopping; the last checkpoint is {}", global_step,
+               last_ckpt.empty() ? "none" : last_ckpt);
+        if (cfg.optim.clip > 0 && info.grad_norm > cfg.optim.clip)
+          info.clip_coef = cfg.optim.clip / (info.grad_norm + 1e-6);
+        info.lr_adamw = info.lr_muon = cfg.optim.lr_adamw * sched.factor_at(step);
+        model::cuda::AdamWStep as;
+        as.lr = info.lr_adamw, as.beta1 = cfg.optim.beta1, as.beta2 = cfg.optim.beta2, as.eps = cfg.optim.eps;
+        as.weight_decay = cfg.optim.weight_decay, as.step = ++gpu_t, as.grad_scale = info.clip_coef;
+        gm->adamw(as);
+        if (cfg.balance == Balance::QB) gm->balance();
+        for (size_t li = 0; li < bal.layers.size(); ++li) bal.maxvio[li] = ops::max_violation(bal.loads[li].data(), bal.E);
+      } else {
+        try {
+          info = optim.step(sched.factor_at(step));
+        } catch (const Error& e) {
+          const auto bad = nonfinite_grad(m->params());
+          if (bad)
+            fail("step {}: a gradient became NaN/Inf in {}. Stopping; the last checkpoint is {}", global_step,
+                 describe_param(*bad, mcfg), last_ckpt.empty() ? "none" : last_ckpt);
+          throw;
+        }
       }
       // Balancing: the new bias is installed for the next step.
-      for (size_t li = 0; li < bal.layers.size(); ++li) {
+      for (size_t li = 0; li < bal.layers.size() && !gm; ++li) {
         auto* moe = m->moe(bal.layers[li]);
         float* b = moe->bias();
         if (cfg.balance == Balance::QB) {

@@ -98,7 +98,7 @@ __global__ void transpose_kernel(const bf16* src, bf16* dst, int rows, int cols)
 
 __global__ void adamw_kernel(float* w, const float* g, float* m, float* v, bf16* wb, int64_t n, AdamW a) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const float gi = g[i];
+    const float gi = g[i] * a.gscale;
     const float mi = a.b1 * m[i] + (1.f - a.b1) * gi;
     const float vi = a.b2 * v[i] + (1.f - a.b2) * gi * gi;
     m[i] = mi, v[i] = vi;
@@ -140,6 +140,28 @@ __global__ void qb_beta_kernel(const float* sorted, float* b_new, int64_t m, int
 
 __global__ void seg_offsets_kernel(int* off, int n, int m) {
   for (int j = threadIdx.x; j <= n; j += blockDim.x) off[j] = j * m;
+}
+
+// 1024 blocks of partial sums in double, then one block adds them in order.
+__global__ void sumsq_kernel(const float* x, int64_t n, double* part) {
+  __shared__ double sh[256];
+  double acc = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    acc += double(x[i]) * x[i];
+  sh[threadIdx.x] = acc;
+  __syncthreads();
+  for (int w = 128; w > 0; w >>= 1) {
+    if (threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) part[blockIdx.x] = sh[0];
+}
+__global__ void sum_parts_kernel(double* part, int n) {
+  if (threadIdx.x == 0) {
+    double s = 0;
+    for (int i = 0; i < n; ++i) s += part[i];
+    part[n] = s;
+  }
 }
 
 void launched(const char* what) { check(cudaGetLastError(), what); }
@@ -196,6 +218,22 @@ void adamw_update(float* w, const float* g, float* m, float* v, void* wb, int64_
   if (n <= 0) return;
   adamw_kernel<<<blocks_for(n), 256, 0, st(s)>>>(w, g, m, v, static_cast<bf16*>(wb), n, a);
   launched("adamw_update");
+}
+
+double sum_squares(const float* x, int64_t n, void* stream) {
+  if (n <= 0) return 0;
+  cudaStream_t t = st(stream);
+  constexpr int kBlocks = 1024;
+  double* part = nullptr;
+  check(cudaMallocAsync(&part, sizeof(double) * (kBlocks + 1), t), "sum_squares alloc");
+  sumsq_kernel<<<kBlocks, 256, 0, t>>>(x, n, part);
+  sum_parts_kernel<<<1, 32, 0, t>>>(part, kBlocks);
+  launched("sum_squares");
+  double r = 0;
+  check(cudaMemcpyAsync(&r, part + kBlocks, sizeof(double), cudaMemcpyDeviceToHost, t), "sum_squares copy");
+  check(cudaStreamSynchronize(t), "sum_squares");
+  cudaFreeAsync(part, t);
+  return r;
 }
 
 void qb_update(const float* s, const float* alpha, float* b_new, int64_t m, int64_t n, int64_t k, void* stream) {

@@ -35,11 +35,15 @@ void transpose_bf16(const void* src, void* dst, int64_t batch, int64_t rows, int
 // AdamW on n fp32 master weights w with moments m, v and gradient g, then the bf16 copy wb = bf16(w):
 //   m = b1 m + (1−b1) g;  v = b2 v + (1−b2) g²;  w −= lr (m/bc1 / (sqrt(v/bc2) + eps) + wd w)
 // bc1 = 1 − b1^t, bc2 = 1 − b2^t.
+// The gradient is multiplied by gscale first (the global-norm clip).
 struct AdamW {
-  float lr = 1e-3f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.f, bc1 = 1.f, bc2 = 1.f;
+  float lr = 1e-3f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.f, bc1 = 1.f, bc2 = 1.f, gscale = 1.f;
 };
 void adamw_update(float* w, const float* g, float* m, float* v, void* wb, int64_t n, const AdamW& a,
                   void* stream = nullptr);
+
+// Σ x² over n fp32 values, in double, deterministic (fixed blocks, fixed-order final sum). Synchronises.
+double sum_squares(const float* x, int64_t n, void* stream = nullptr);
 
 // Quantile Balancing on the GPU (ops/moe/balance.hpp, exact estimator): from the step's unbiased scores
 // s [m, n] fp32 and the cutoff alpha [m] (router_forward's, from the bias the step routed with), writes

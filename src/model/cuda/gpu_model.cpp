@@ -30,6 +30,10 @@ GpuModel::LossStats GpuModel::forward_backward(const int32_t*, const int32_t*, c
 GpuModel::LossStats GpuModel::loss(const int32_t*, const int32_t*, const Seqs&) { no_cuda(); }
 void GpuModel::adamw(const AdamWStep&) { no_cuda(); }
 void GpuModel::balance() { no_cuda(); }
+double GpuModel::grad_norm() const { no_cuda(); }
+void GpuModel::get_adam(const std::string&, float*, float*) const { no_cuda(); }
+void GpuModel::set_adam(const std::string&, const float*, const float*) { no_cuda(); }
+std::vector<int64_t> GpuModel::expert_loads(int64_t) const { no_cuda(); }
 std::vector<float> GpuModel::final_hidden() const { no_cuda(); }
 std::vector<std::pair<std::string, double>> GpuModel::detail_profile() const { no_cuda(); }
 }  // namespace lm::model::cuda
@@ -951,7 +955,7 @@ void GpuModel::adamw(const AdamWStep& a) {
   Impl& m = *p_;
   AdamW k;
   k.lr = static_cast<float>(a.lr), k.b1 = static_cast<float>(a.beta1), k.b2 = static_cast<float>(a.beta2);
-  k.eps = static_cast<float>(a.eps);
+  k.eps = static_cast<float>(a.eps), k.gscale = static_cast<float>(a.grad_scale);
   k.bc1 = static_cast<float>(1.0 - std::pow(a.beta1, static_cast<double>(a.step)));
   k.bc2 = static_cast<float>(1.0 - std::pow(a.beta2, static_cast<double>(a.step)));
   auto run = [&](size_t b, size_t e, float wd) {
@@ -972,6 +976,32 @@ void GpuModel::balance() {
     qb_update(m.get<float>(Impl::K(i, "scores")), m.get<float>(Impl::K(i, "alpha")), m.M(b), m.rows, m.c.num_experts,
               m.c.num_experts_per_token);
   }
+}
+
+double GpuModel::grad_norm() const {
+  return std::sqrt(sum_squares(as<float>(p_->grad.p), static_cast<int64_t>(p_->train_end)));
+}
+
+void GpuModel::get_adam(const std::string& name, float* m, float* v) const {
+  const auto& s = p_->slot(name);
+  ck(cudaDeviceSynchronize(), "get_adam");
+  ck(cudaMemcpy(m, as<float>(p_->mom1.p) + s.off, size_t(s.numel) * 4, cudaMemcpyDeviceToHost), "get_adam");
+  ck(cudaMemcpy(v, as<float>(p_->mom2.p) + s.off, size_t(s.numel) * 4, cudaMemcpyDeviceToHost), "get_adam");
+}
+
+void GpuModel::set_adam(const std::string& name, const float* m, const float* v) {
+  const auto& s = p_->slot(name);
+  ck(cudaMemcpy(as<float>(p_->mom1.p) + s.off, m, size_t(s.numel) * 4, cudaMemcpyHostToDevice), "set_adam");
+  ck(cudaMemcpy(as<float>(p_->mom2.p) + s.off, v, size_t(s.numel) * 4, cudaMemcpyHostToDevice), "set_adam");
+}
+
+std::vector<int64_t> GpuModel::expert_loads(int64_t layer) const {
+  const Impl& m = *p_;
+  LM_CHECK(layer >= 0 && layer < m.L && m.c.is_moe(layer), "expert_loads: layer {} is not an MoE layer", layer);
+  ck(cudaEventSynchronize(m.offsets_h[layer].done), "expert loads");
+  std::vector<int64_t> r(m.c.num_experts);
+  for (int64_t e = 0; e < m.c.num_experts; ++e) r[e] = m.offsets_h[layer].p[e + 1] - m.offsets_h[layer].p[e];
+  return r;
 }
 
 std::vector<std::pair<std::string, double>> GpuModel::detail_profile() const {

@@ -30,7 +30,8 @@ bool available();
 
 struct AdamWStep {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
-  int64_t step = 1;  // 1-based, for the bias corrections
+  int64_t step = 1;         // 1-based, for the bias corrections
+  double grad_scale = 1.0;  // gradients are multiplied by this first (the global-norm clip)
 };
 
 class GpuModel {
@@ -65,6 +66,13 @@ class GpuModel {
   void adamw(const AdamWStep& a);
   // Quantile Balancing: each MoE layer's e_score_correction_bias from the last forward's routing.
   void balance();
+  // Global L2 norm of the trainable parameters' gradients (double, deterministic).
+  double grad_norm() const;
+  // AdamW moments of one parameter (host arrays of its numel), for checkpoints in train::Optimizer's format.
+  void get_adam(const std::string& name, float* m, float* v) const;
+  void set_adam(const std::string& name, const float* m, const float* v);
+  // Tokens routed to each expert of MoE layer `layer` in the last forward [E].
+  std::vector<int64_t> expert_loads(int64_t layer) const;
   // Final hidden after the norm [rows, d] (bf16 rounded) of the last forward, for tests.
   std::vector<float> final_hidden() const;
 
