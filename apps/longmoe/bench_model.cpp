@@ -32,6 +32,17 @@ struct Args {
   int accum = 1;  // cuda: micro-batches per optimizer step
 };
 
+// Uniform random token ids and targets (the same for the CPU and the GPU benchmark).
+void random_tokens(const model::ModelConfig& cfg, int64_t rows, std::vector<int32_t>& ids,
+                   std::vector<int32_t>& targets) {
+  ids.resize(rows), targets.resize(rows);
+  Rng r{7, 0};
+  for (int64_t i = 0; i < rows; ++i) {
+    ids[i] = static_cast<int32_t>(r.bits(i).v[0] % cfg.vocab_size);
+    targets[i] = static_cast<int32_t>(r.bits(i).v[1] % cfg.vocab_size);
+  }
+}
+
 void print_profile(const model::Profile& p, const char* what, bool bwd, int reps) {
   double total = 0;
   for (int k = 0; k < model::Profile::kNum; ++k) total += p.fwd[k] + (bwd ? p.bwd[k] : 0);
@@ -76,12 +87,8 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::ParamCou
   model::cuda::GpuModel m(cfg, [&](const model::ParamSpec& p) { return train::param_rule(p, cfg, oc).decay; });
   m.upload(ps);
   const int64_t rows = a.batch * a.seq;
-  std::vector<int32_t> ids(rows), targets(rows);
-  Rng r{7, 0};
-  for (int64_t i = 0; i < rows; ++i) {
-    ids[i] = static_cast<int32_t>(r.bits(i).v[0] % cfg.vocab_size);
-    targets[i] = static_cast<int32_t>(r.bits(i).v[1] % cfg.vocab_size);
-  }
+  std::vector<int32_t> ids, targets;
+  random_tokens(cfg, rows, ids, targets);
   const auto s = model::Seqs::batch(a.batch, a.seq);
   LM_CHECK(a.accum >= 1, "bench model: --accum must be at least 1");
   std::printf("model %s on the GPU: %.3fB params, %.3fB activated (%.3fB in GEMMs); micro-batch %ld x %ld tokens, "
@@ -149,12 +156,8 @@ int run(const Args& a) {
   m.params().init(1);
   m.params().enable_grads();
   const int64_t rows = a.batch * a.seq;
-  std::vector<int32_t> ids(rows), targets(rows);
-  Rng r{7, 0};
-  for (int64_t i = 0; i < rows; ++i) {
-    ids[i] = static_cast<int32_t>(r.bits(i).v[0] % cfg.vocab_size);
-    targets[i] = static_cast<int32_t>(r.bits(i).v[1] % cfg.vocab_size);
-  }
+  std::vector<int32_t> ids, targets;
+  random_tokens(cfg, rows, ids, targets);
   const auto s = model::Seqs::batch(a.batch, a.seq);
   std::printf("model %s: %.2fM params, %.2fM activated, %ld layers; batch %ld x %ld tokens, %d threads\n",
               a.config.c_str(), counts.total / 1e6, counts.activated / 1e6, static_cast<long>(cfg.num_hidden_layers),
