@@ -661,7 +661,8 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
         as.weight_decay = cfg.optim.weight_decay, as.step = ++gpu_t, as.grad_scale = info.clip_coef;
         gm->adamw(as);
         if (cfg.balance == Balance::QB) gm->balance();
-        for (size_t li = 0; li < bal.layers.size(); ++li) bal.maxvio[li] = ops::max_violation(bal.loads[li].data(), bal.E);
+        for (size_t li = 0; li < bal.layers.size(); ++li)
+          bal.maxvio[li] = ops::max_violation(bal.loads[li].data(), bal.E);
       } else {
         try {
           info = optim.step(sched.factor_at(step));
