@@ -259,6 +259,18 @@ struct InterruptScope {
 
 TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
   const auto t_start = Clock::now();
+  // The device first: nothing is written (no run folder, no tokenizer) for a run that cannot start.
+  LM_CHECK(opt.device == "cpu" || opt.device == "cuda", "train: --device must be cpu or cuda, not '{}'", opt.device);
+  if (opt.device == "cuda") {
+    LM_CHECK(cfg.optim.kind == "adamw",
+             "train --device cuda: optimizer.kind must be \"adamw\" (Muon runs on the CPU only), not \"{}\"",
+             cfg.optim.kind);
+    LM_CHECK(cfg.balance == Balance::None || (cfg.balance == Balance::QB && cfg.qb_estimator == "exact"),
+             "train --device cuda: balance must be qb with the exact estimator, or none (got {})",
+             balance_name(cfg.balance));
+    LM_CHECK(model::cuda::available(), "train --device cuda: no usable CUDA device{}",
+             model::cuda::built_with_cuda() ? "" : " (longmoe was built without CUDA: nvcc was not found)");
+  }
   const InterruptScope interrupt_scope;
   const fs::path out(cfg.out);
   fs::create_directories(out);
@@ -359,14 +371,7 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
   // GPU: the same weights and AdamW state, moved to the device; the host copies are refreshed at each save.
   std::unique_ptr<model::cuda::GpuModel> gm;
   int64_t gpu_t = optim.step_count();  // AdamW steps taken (bias corrections)
-  LM_CHECK(opt.device == "cpu" || opt.device == "cuda", "train: --device must be cpu or cuda, not '{}'", opt.device);
-  if (opt.device == "cuda") {
-    LM_CHECK(cfg.optim.kind == "adamw",
-             "train --device cuda: optimizer.kind must be \"adamw\" (Muon runs on the CPU only), not \"{}\"",
-             cfg.optim.kind);
-    LM_CHECK(cfg.balance == Balance::None || (cfg.balance == Balance::QB && cfg.qb_estimator == "exact"),
-             "train --device cuda: balance must be qb with the exact estimator, or none (got {})",
-             balance_name(cfg.balance));
+  if (opt.device == "cuda") {  // (checked at the top)
     gm = std::make_unique<model::cuda::GpuModel>(
         mcfg, [&](const model::ParamSpec& s) { return param_rule(s, mcfg, cfg.optim).decay; });
     gm->upload(m->params());

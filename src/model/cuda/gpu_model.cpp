@@ -15,6 +15,7 @@
 
 namespace lm::model::cuda {
 bool available() { return false; }
+bool built_with_cuda() { return false; }
 struct GpuModel::Impl {};
 [[noreturn]] static void no_cuda() { throw Error("longmoe was built without CUDA (nvcc was not found at build time)"); }
 GpuModel::GpuModel(const ModelConfig&, std::function<bool(const ParamSpec&)>) { no_cuda(); }
@@ -105,6 +106,7 @@ T* as(void* p) {
 }  // namespace
 
 bool available() { return kc::device_count() > 0; }
+bool built_with_cuda() { return true; }
 
 struct GpuModel::Impl {
   ModelConfig c;

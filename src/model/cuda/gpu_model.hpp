@@ -27,6 +27,8 @@ namespace lm::model::cuda {
 
 // True when longmoe was built with CUDA and a device is usable.
 bool available();
+// True when longmoe was built with CUDA (nvcc found at build time).
+bool built_with_cuda();
 
 struct AdamWStep {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
