@@ -8,7 +8,9 @@
 #include <fstream>
 
 #include "core/rng.hpp"
+#include "core/error.hpp"
 #include "io/json.hpp"
+#include "model/cuda/gpu_model.hpp"
 #include "train/trainer.hpp"
 
 namespace fs = std::filesystem;
@@ -110,6 +112,28 @@ RunConfig tiny_run(const fs::path& root, const std::string& out) {
 }
 
 }  // namespace
+
+// --device is checked before anything is written: an unknown device, Muon on the GPU (AdamW only there), and,
+// on a machine without a GPU, cuda itself.
+TEST(Trainer, DeviceChecksComeFirst) {
+  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_device";
+  fs::remove_all(root);
+  TrainOptions o;
+  o.quiet = true;
+  o.device = "tpu";
+  EXPECT_THROW(lm::train::train(tiny_run(root, (root / "tpu").string()), o), Error);
+  o.device = "cuda";
+  RunConfig muon = tiny_run(root, (root / "muon").string());  // the tiny run uses Muon
+  EXPECT_THROW(lm::train::train(muon, o), Error);
+  if (!lm::model::cuda::available()) {
+    RunConfig adamw = tiny_run(root, (root / "adamw").string());
+    adamw.optim.kind = "adamw";
+    EXPECT_THROW(lm::train::train(adamw, o), Error);
+    EXPECT_FALSE(fs::exists(root / "adamw"));
+  }
+  EXPECT_FALSE(fs::exists(root / "tpu"));
+  EXPECT_FALSE(fs::exists(root / "muon"));
+}
 
 TEST(Trainer, LossFallsAndResumeIsExact) {
   const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer";
