@@ -227,13 +227,14 @@ struct Server::Impl {
       r.finish_reason = r.gen && r.gen->done() ? r.gen->finish_reason() : reason;
       r.error = error;
       r.completion_tokens = r.gen ? static_cast<int64_t>(r.gen->generated().size()) : 0;
+      // Counted before the handler can see `done`: a client holding its answer finds it in the stats.
+      if (reason == "timeout") count(&ServerStats::timeouts);
+      else if (reason == "cancelled") count(&ServerStats::cancelled);
+      count(&ServerStats::completed);
       r.cv.notify_all();
     }
     r.seq = infer::Sequence{};  // release the caches now, not when the last handler lets go
     r.gen.reset();
-    if (reason == "timeout") count(&ServerStats::timeouts);
-    else if (reason == "cancelled") count(&ServerStats::cancelled);
-    count(&ServerStats::completed);
   }
 
   // Feeds logits to the request's generation; returns true while it goes on.
