@@ -480,13 +480,9 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
     int64_t n = 0;
     for (const auto& b : batches) {
       const model::Seqs sq = model::Seqs::packed(b.cu_seqlens);
-      if (gm) {
-        const auto st = gm->loss(b.ids.data(), b.targets.data(), sq);
-        sum += st.loss_sum, n += st.n_valid;
-      } else {
-        const auto st = m->loss(b.ids.data(), b.targets.data(), sq);
-        sum += st.loss_sum, n += st.n_valid;
-      }
+      auto add = [&](const auto& st) { sum += st.loss_sum, n += st.n_valid; };
+      if (gm) add(gm->loss(b.ids.data(), b.targets.data(), sq));
+      else add(m->loss(b.ids.data(), b.targets.data(), sq));
     }
     return n > 0 ? sum / static_cast<double>(n) : NAN;
   };

@@ -25,8 +25,7 @@
 using namespace lm;
 namespace kc = lm::kda::cuda;
 namespace oc = lm::ops::cuda;
-using Vec = std::vector<float>;
-using namespace lm::cuda_testing;
+using namespace lm::cuda_testing;  // Dev, Vec, copies, err
 
 namespace {
 

@@ -256,40 +256,27 @@ struct GpuModel::Impl {
   static std::string K(int64_t i, const char* n) { return fmt::format("L{}.{}", i, n); }
 
   // ---- timing --------------------------------------------------------------------------------
-  struct Timer {
-    Impl& m;
+  // Synchronised wall time of a scope added to *acc (profiling only: acc is null otherwise).
+  struct Timed {
     double* acc;
     std::chrono::steady_clock::time_point t0;
-    Timer(Impl& im, int kind, bool bwd) : m(im), acc(nullptr) {
-      if (!m.profiling || !m.prof) return;
+    explicit Timed(double* a) : acc(a) {
+      if (!acc) return;
       ck(cudaDeviceSynchronize(), "sync");
-      acc = bwd ? &m.prof->bwd[kind] : &m.prof->fwd[kind];
       t0 = std::chrono::steady_clock::now();
     }
-    ~Timer() {
+    ~Timed() {
       if (!acc) return;
       cudaDeviceSynchronize();
       *acc += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
   };
-
-  // Finer sections inside a layer (profiling only): "kda.core.bwd", "moe.experts.bwd", ...
+  // A layer kind's forward or backward slot of `prof`, and finer sections inside a layer ("kda.core.bwd", ...).
   std::map<std::string, double> detail;
-  struct Sec {
-    Impl& m;
-    const char* name;
-    std::chrono::steady_clock::time_point t0;
-    Sec(Impl& im, const char* n) : m(im), name(n) {
-      if (!m.profiling) return;
-      ck(cudaDeviceSynchronize(), "sync");
-      t0 = std::chrono::steady_clock::now();
-    }
-    ~Sec() {
-      if (!m.profiling) return;
-      cudaDeviceSynchronize();
-      m.detail[name] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    }
-  };
+  double* part(int kind, bool bwd) {
+    return profiling && prof ? (bwd ? &prof->bwd[kind] : &prof->fwd[kind]) : nullptr;
+  }
+  double* section(const char* name) { return profiling ? &detail[name] : nullptr; }
 
   float eps() const { return static_cast<float>(c.rms_norm_eps); }
   std::string P_(int64_t i) const { return fmt::format("model.layers.{}", i); }
@@ -320,16 +307,16 @@ struct GpuModel::Impl {
          *vc = bf("vc", HK), *fa = bf("fa", Kd), *f = bf("f", HK), *braw = bf("braw", H), *go = bf("gate_o", HK),
          *o = bf("o", HK), *on = bf("on", HK);
     float* orstd = buf<float>(K(i, "orstd"), size_t(n) * H * 4);
-    std::optional<Sec> sec(std::in_place, *this, "kda.proj.fwd");
+    std::optional<Timed> sec(std::in_place, section("kda.proj.fwd"));
     oc::linear_fwd(xn, W(A + "q_proj.weight"), qp, DType::BF16, n, d, HK);
     oc::linear_fwd(xn, W(A + "k_proj.weight"), kp, DType::BF16, n, d, HK);
     oc::linear_fwd(xn, W(A + "v_proj.weight"), vp, DType::BF16, n, d, HK);
-    sec.emplace(*this, "kda.conv.fwd");
+    sec.emplace(section("kda.conv.fwd"));
     const kc::ConvShape cs = conv_shape(HK);
     kc::short_conv_forward(qp, M(A + "q_conv1d.weight"), qc, cs);
     kc::short_conv_forward(kp, M(A + "k_conv1d.weight"), kc_, cs);
     kc::short_conv_forward(vp, M(A + "v_conv1d.weight"), vc, cs);
-    sec.emplace(*this, "kda.proj.fwd");
+    sec.emplace(section("kda.proj.fwd"));
     oc::linear_fwd(xn, W(A + "f_a_proj.weight"), fa, DType::BF16, n, d, Kd);
     oc::linear_fwd(fa, W(A + "f_b_proj.weight"), f, DType::BF16, n, Kd, HK);
     oc::linear_fwd(xn, W(A + "b_proj.weight"), braw, DType::BF16, n, d, H);
@@ -343,11 +330,11 @@ struct GpuModel::Impl {
     kc::Inputs in;
     in.q = qc, in.k = kc_, in.v = vc, in.g_raw = f, in.beta_raw = braw;
     in.A_log = M(A + "A_log"), in.dt_bias = M(A + "dt_bias");
-    sec.emplace(*this, "kda.core.fwd");
+    sec.emplace(section("kda.core.fwd"));
     kc::forward(kda_problem(), in, o, nullptr);
-    sec.emplace(*this, "kda.onorm.fwd");
+    sec.emplace(section("kda.onorm.fwd"));
     oc::rmsnorm_gated_forward(o, go, M(A + "o_norm.weight"), on, orstd, n * H, Kd, eps());
-    sec.emplace(*this, "kda.proj.fwd");
+    sec.emplace(section("kda.proj.fwd"));
     oc::linear_fwd(on, W(A + "o_proj.weight"), y, DType::F32, n, HK, d, accumulate);
   }
 
@@ -361,13 +348,13 @@ struct GpuModel::Impl {
          *braw = get(K(i, "braw")), *go = get(K(i, "gate_o")), *o = get(K(i, "o")), *on = get(K(i, "on"));
     float* orstd = get<float>(K(i, "orstd"));
     float* d_on = buf<float>("s.d_on", size_t(n) * HK * 4);
-    std::optional<Sec> sec(std::in_place, *this, "kda.proj.bwd");
+    std::optional<Timed> sec(std::in_place, section("kda.proj.bwd"));
     oc::linear_bwd(on, W(A + "o_proj.weight"), dy, d_on, DType::F32, G(A + "o_proj.weight"), n, HK, d);
     void *d_o = buf("s.d_o", size_t(n) * HK * 2), *d_gate = buf("s.d_gate", size_t(n) * HK * 2);
-    sec.emplace(*this, "kda.onorm.bwd");
+    sec.emplace(section("kda.onorm.bwd"));
     oc::rmsnorm_gated_backward(o, go, M(A + "o_norm.weight"), orstd, d_on, d_o, d_gate, G(A + "o_norm.weight"), n * H,
                                Kd, eps());
-    sec.emplace(*this, "kda.proj.bwd");
+    sec.emplace(section("kda.proj.bwd"));
     if (c.kda_full_rank_gate) {
       oc::linear_bwd(xn, W(A + "g_proj.weight"), d_gate, dxn, DType::F32, G(A + "g_proj.weight"), n, d, HK, false);
     } else {
@@ -385,10 +372,10 @@ struct GpuModel::Impl {
     in.A_log = M(A + "A_log"), in.dt_bias = M(A + "dt_bias");
     kc::Grads gr;
     gr.dq = dq, gr.dk = dk, gr.dv = dv, gr.dg_raw = df, gr.dbeta_raw = dbraw, gr.dA_log = dA, gr.ddt_bias = ddt;
-    sec.emplace(*this, "kda.core.bwd");
+    sec.emplace(section("kda.core.bwd"));
     kc::backward(kda_problem(), in, d_o, nullptr, gr);
     add_f32(G(A + "A_log"), dA, H), add_f32(G(A + "dt_bias"), ddt, HK);
-    sec.emplace(*this, "kda.proj.bwd");
+    sec.emplace(section("kda.proj.bwd"));
     oc::linear_bwd(xn, W(A + "b_proj.weight"), dbraw, dxn, DType::F32, G(A + "b_proj.weight"), n, d, H, true);
     void* d_fa = buf("s.d_fa", size_t(n) * Kd * 2);
     oc::linear_bwd(fa, W(A + "f_b_proj.weight"), df, d_fa, DType::BF16, G(A + "f_b_proj.weight"), n, Kd, HK);
@@ -402,9 +389,9 @@ struct GpuModel::Impl {
     for (const Branch& b : {Branch{"q_proj", "q_conv1d", qp, dq}, Branch{"k_proj", "k_conv1d", kp, dk},
                             Branch{"v_proj", "v_conv1d", vp, dv}}) {
       const std::string cw = A + b.conv + ".weight", pw = A + b.proj + ".weight";
-      sec.emplace(*this, "kda.conv.bwd");
+      sec.emplace(section("kda.conv.bwd"));
       kc::short_conv_backward(b.pre, M(cw), b.dpost, dp, G(cw), cs);
-      sec.emplace(*this, "kda.proj.bwd");
+      sec.emplace(section("kda.proj.bwd"));
       oc::linear_bwd(xn, W(pw), dp, dxn, DType::F32, G(pw), n, d, HK, true);
     }
   }
@@ -532,7 +519,7 @@ struct GpuModel::Impl {
     const bool latent = c.has_latent_moe();
     const std::string B = P_(i) + ".block_sparse_moe.";
     float* logits = buf<float>(K(i, "logits"), size_t(n) * E * 4);
-    std::optional<Sec> sec(std::in_place, *this, "moe.route.fwd");
+    std::optional<Timed> sec(std::in_place, section("moe.route.fwd"));
     oc::linear_fwd(yn, W(B + "gate.weight"), logits, DType::F32, n, d, E);
     int32_t* topk_idx = buf<int32_t>(K(i, "topk_idx"), size_t(Mr) * 4);
     float* topk_w = buf<float>(K(i, "topk_w"), size_t(Mr) * 4);
@@ -543,7 +530,7 @@ struct GpuModel::Impl {
     oc::router_forward(logits, M(B + "gate.e_score_correction_bias"), n, E, k, c.moe_renormalize,
                        static_cast<float>(c.routed_scaling_factor), ro);
     const void* z = yn;
-    sec.emplace(*this, "moe.latent.fwd");
+    sec.emplace(section("moe.latent.fwd"));
     if (latent) {
       void* zb = buf(K(i, "z"), size_t(n) * l * 2);
       oc::linear_fwd(yn, W(B + "routed_expert_down_proj.weight"), zb, DType::BF16, n, d, l);
@@ -551,7 +538,7 @@ struct GpuModel::Impl {
     }
     int32_t *off = buf<int32_t>(K(i, "offsets"), size_t(E + 1) * 4), *prow = buf<int32_t>(K(i, "prow"), size_t(Mr) * 4),
             *ppos = buf<int32_t>(K(i, "ppos"), size_t(Mr) * 4);
-    sec.emplace(*this, "moe.route.fwd");
+    sec.emplace(section("moe.route.fwd"));
     oc::moe_permute(topk_idx, n, k, E, off, prow, ppos);
     ck(cudaMemcpyAsync(offsets_h[i].p, off, size_t(E + 1) * 4, cudaMemcpyDeviceToHost, nullptr), "offsets to host");
     ck(cudaEventRecord(offsets_h[i].done, nullptr), "cudaEventRecord");
@@ -563,13 +550,13 @@ struct GpuModel::Impl {
     oc::GluArgs ga;
     ga.swiglu = gp.kind == ops::GluKind::SwiGLU;
     ga.beta1 = static_cast<float>(gp.beta1), ga.beta2 = static_cast<float>(gp.beta2);
-    sec.emplace(*this, "moe.experts.fwd");
+    sec.emplace(section("moe.experts.fwd"));
     oc::grouped_gemm_glu(xs, W(X + "w1.weight"), h, ab, off, Mr, I, l, E, ga);
     oc::grouped_gemm(h, W(X + "w2.weight"), eo, off, Mr, l, I, E);
-    sec.emplace(*this, "moe.combine.fwd");
+    sec.emplace(section("moe.combine.fwd"));
     void* u = buf(K(i, "u"), size_t(n) * l * 2);
     oc::moe_combine(eo, topk_w, ppos, u, n, k, l);
-    sec.emplace(*this, "moe.latent.fwd");
+    sec.emplace(section("moe.latent.fwd"));
     if (latent) {
       const void* un = u;
       if (c.latent_moe_use_norm) {
@@ -582,7 +569,7 @@ struct GpuModel::Impl {
     } else {
       throw Error("gpu model: MoE without a latent projection (Kimi Linear) is not supported on the GPU yet");
     }
-    sec.emplace(*this, "moe.shared.fwd");
+    sec.emplace(section("moe.shared.fwd"));
     if (c.num_shared_experts > 0)
       ffn_forward(K(i, "shared"), B + "shared_experts", yn, n, d, c.shared_intermediate_size(), y, true);
   }
@@ -596,7 +583,7 @@ struct GpuModel::Impl {
     float* dun = buf<float>("s.dun", size_t(n) * l * 4);
     float* du = buf<float>("s.du", size_t(n) * l * 4);
     const std::string up = B + "routed_expert_up_proj.weight";
-    std::optional<Sec> sec(std::in_place, *this, "moe.latent.bwd");
+    std::optional<Timed> sec(std::in_place, section("moe.latent.bwd"));
     if (c.latent_moe_use_norm) {
       oc::linear_bwd(get(K(i, "un")), W(up), dy, dun, DType::F32, G(up), n, l, d);
       oc::rmsnorm_backward(get(K(i, "u")), DType::BF16, M(B + "routed_expert_norm.weight"), get<float>(K(i, "u_rstd")),
@@ -607,7 +594,7 @@ struct GpuModel::Impl {
     void* d_eo = buf("s.d_eo", size_t(Mr) * l * 2);
     float* d_topk_w = buf<float>("s.d_topk_w", size_t(Mr) * 4);
     const int32_t* ppos = get<int32_t>(K(i, "ppos"));
-    sec.emplace(*this, "moe.combine.bwd");
+    sec.emplace(section("moe.combine.bwd"));
     oc::moe_combine_backward(get(K(i, "eo")), get<float>(K(i, "topk_w")), ppos, du, false, d_eo, d_topk_w, n, k, l);
     // Routed experts.
     const std::string X = B + "experts.0.";
@@ -624,7 +611,7 @@ struct GpuModel::Impl {
     const int32_t* off = offsets_h[i].p;
     const auto* deo = static_cast<const uint16_t*>(d_eo);
     const auto* dabp = static_cast<const uint16_t*>(dab);
-    sec.emplace(*this, "moe.experts.bwd");
+    sec.emplace(section("moe.experts.bwd"));
     // Input gradients with the forward's grouped kernel on the transposed weights; weight gradients (reductions
     // over each expert's rows) as concurrent cuBLAS products.
     oc::grouped_gemm(d_eo, t2, dh, off_d, Mr, I, l, E);  // dh_e = d_eo_e · W2_e
@@ -634,9 +621,9 @@ struct GpuModel::Impl {
       wgrad.push_back({l, I, me, deo + r0 * l, l, h + r0 * I, I, g2 + e * l * I, I});
     }
     oc::gemm_bf16_grouped(true, false, wgrad, 1.f, 1.f, DType::F32);
-    sec.emplace(*this, "moe.glu.bwd");
+    sec.emplace(section("moe.glu.bwd"));
     oc::glu_backward(get(K(i, "eab")), dh, DType::BF16, dab, Mr, I, glu());
-    sec.emplace(*this, "moe.experts.bwd");
+    sec.emplace(section("moe.experts.bwd"));
     oc::grouped_gemm(dab, t13, dxs, off_d, Mr, l, 2 * I, E);  // dxs_e = dab_e · W13_e
     wgrad.clear();
     for (int64_t e = 0; e < E; ++e) {  // dW13_e += dab_eᵀ · xs_e
@@ -644,18 +631,18 @@ struct GpuModel::Impl {
       wgrad.push_back({2 * I, l, me, dabp + r0 * 2 * I, 2 * I, xs + r0 * l, l, g13 + e * 2 * I * l, l});
     }
     oc::gemm_bf16_grouped(true, false, wgrad, 1.f, 1.f, DType::F32);
-    sec.emplace(*this, "moe.route.bwd");
+    sec.emplace(section("moe.route.bwd"));
     void* d_logits = buf("s.d_logits", size_t(n) * E * 2);
     oc::router_backward(get<float>(K(i, "logits")), get<int32_t>(K(i, "topk_idx")), d_topk_w, d_logits, true, n, E, k,
                         c.moe_renormalize, static_cast<float>(c.routed_scaling_factor));
     oc::linear_bwd(yn, W(B + "gate.weight"), d_logits, dyn, DType::F32, G(B + "gate.weight"), n, d, E, false);
-    sec.emplace(*this, "moe.gather.bwd");
+    sec.emplace(section("moe.gather.bwd"));
     void* dz = buf("s.dz", size_t(n) * l * 2);
     oc::moe_gather_backward(dxs, ppos, dz, true, n, k, l);
-    sec.emplace(*this, "moe.latent.bwd");
+    sec.emplace(section("moe.latent.bwd"));
     oc::linear_bwd(yn, W(B + "routed_expert_down_proj.weight"), dz, dyn, DType::F32,
                    G(B + "routed_expert_down_proj.weight"), n, d, l, true);
-    sec.emplace(*this, "moe.shared.bwd");
+    sec.emplace(section("moe.shared.bwd"));
     if (c.num_shared_experts > 0)
       ffn_backward(K(i, "shared"), B + "shared_experts", yn, n, d, c.shared_intermediate_size(), dy, dyn, true);
   }
@@ -663,44 +650,48 @@ struct GpuModel::Impl {
   // ================================ the stack (model.cpp) =======================================
   void mixer_forward(int64_t i, const void* xn, float* y, bool accumulate) {
     if (c.is_kda(i)) {
-      Timer t(*this, Profile::Kda, false);
+      Timed t(part(Profile::Kda, false));
       kda_forward(i, xn, y, accumulate);
     } else {
-      Timer t(*this, Profile::Mla, false);
+      Timed t(part(Profile::Mla, false));
       mla_forward(i, xn, y, accumulate);
     }
   }
   void ffn_fwd(int64_t i, const void* yn, float* y) {
     if (c.is_moe(i)) {
-      Timer t(*this, Profile::Moe, false);
+      Timed t(part(Profile::Moe, false));
       moe_forward(i, yn, y);
     } else {
-      Timer t(*this, Profile::DenseFfn, false);
+      Timed t(part(Profile::DenseFfn, false));
       ffn_forward(K(i, "mlp"), P_(i) + ".mlp", yn, rows, d, c.intermediate_size, y, true);
     }
   }
   void norm_fwd(const float* x, const std::string& w, const std::string& key_y, const std::string& key_rstd) {
-    Timer t(*this, Profile::Norm, false);
+    Timed t(part(Profile::Norm, false));
     oc::rmsnorm_forward(x, DType::F32, M(w), buf(key_y, size_t(rows) * d * 2),
                         buf<float>(key_rstd, size_t(rows) * 4), rows, d, eps());
   }
   void read(const std::vector<const float*>& src, const std::string& w, const std::string& g, float* h) {
-    Timer t(*this, Profile::AttnRes, false);
+    Timed t(part(Profile::AttnRes, false));
     oc::attnres_forward(src.data(), static_cast<int64_t>(src.size()), rows, d, M(w), M(g), eps(), h);
   }
   void copy(float* dst, const float* src) {
     ck(cudaMemcpyAsync(dst, src, size_t(rows) * d * 4, cudaMemcpyDeviceToDevice, nullptr), "copy");
   }
 
-  void forward(const int32_t* ids, const int32_t* targets, const Seqs& s) {
+  // Returns the number of targets >= 0 (0 without targets).
+  int64_t forward(const int32_t* ids, const int32_t* targets, const Seqs& s) {
     rows = s.rows();
     LM_CHECK(rows > 0, "gpu model: empty batch");
+    int64_t n_valid = 0;
     for (int64_t t = 0; t < rows; ++t) {
       LM_CHECK(ids[t] >= 0 && ids[t] < V, "gpu model: token id {} at position {} is outside the vocabulary [0, {})",
                ids[t], t, V);
-      if (targets)
+      if (targets) {
         LM_CHECK(targets[t] < V, "gpu model: target {} at position {} is outside the vocabulary [0, {})", targets[t], t,
                  V);
+        n_valid += targets[t] >= 0;
+      }
     }
     seqs = s;
     ids_h.assign(ids, ids + rows);
@@ -710,7 +701,7 @@ struct GpuModel::Impl {
     const size_t RD4 = size_t(rows) * d * 4;
     float* prefix = buf<float>("prefix", RD4);
     {
-      Timer t(*this, Profile::Embedding, false);
+      Timed t(part(Profile::Embedding, false));
       oc::embedding_forward(as<int32_t>(ids_d.p), rows, W("model.embed_tokens.weight"), d, prefix);
     }
     if (c.has_attn_res()) {
@@ -767,16 +758,17 @@ struct GpuModel::Impl {
       copy(buf<float>("h_final", RD4), prefix);
     }
     norm_fwd(get<float>("h_final"), "model.norm.weight", "hn", "rstd_f");
+    return n_valid;
   }
 
   // ---- backward ------------------------------------------------------------------------------
   void norm_bwd(const float* x, const std::string& w, const float* rstd, const float* dy, float* dx) {
-    Timer t(*this, Profile::Norm, true);
+    Timed t(part(Profile::Norm, true));
     oc::rmsnorm_backward(x, DType::F32, M(w), rstd, dy, DType::F32, dx, DType::F32, G(w), rows, d, eps());
   }
   void read_bwd(const std::vector<const float*>& src, const std::vector<float*>& dsrc, const std::string& w,
                 const std::string& g, const float* dh) {
-    Timer t(*this, Profile::AttnRes, true);
+    Timed t(part(Profile::AttnRes, true));
     oc::attnres_backward(src.data(), static_cast<int64_t>(src.size()), rows, d, M(w), M(g), eps(), dh, dsrc.data(),
                          G(w), G(g));
   }
@@ -789,20 +781,20 @@ struct GpuModel::Impl {
   void mixer_bwd(int64_t i, const float* dy, float* dxn) {
     const void* dyb = to_bf16(dy);
     if (c.is_kda(i)) {
-      Timer t(*this, Profile::Kda, true);
+      Timed t(part(Profile::Kda, true));
       kda_backward(i, dyb, dxn);
     } else {
-      Timer t(*this, Profile::Mla, true);
+      Timed t(part(Profile::Mla, true));
       mla_backward(i, dyb, dxn);
     }
   }
   void ffn_bwd(int64_t i, const float* dy, float* dyn) {
     const void* dyb = to_bf16(dy);
     if (c.is_moe(i)) {
-      Timer t(*this, Profile::Moe, true);
+      Timed t(part(Profile::Moe, true));
       moe_backward(i, dyb, dyn);
     } else {
-      Timer t(*this, Profile::DenseFfn, true);
+      Timed t(part(Profile::DenseFfn, true));
       ffn_backward(K(i, "mlp"), P_(i) + ".mlp", get(K(i, "yn")), rows, d, c.intermediate_size, dyb, dyn, false);
     }
   }
@@ -871,7 +863,7 @@ struct GpuModel::Impl {
         add_f32(d_prefix, dx_in, rows * d);
       }
     }
-    Timer t(*this, Profile::Embedding, true);
+    Timed t(part(Profile::Embedding, true));
     oc::embedding_backward(ids_h.data(), rows, d_prefix, V, d, G("model.embed_tokens.weight"));
   }
 };
@@ -926,14 +918,12 @@ GpuModel::LossStats GpuModel::forward_backward(const int32_t* ids, const int32_t
   LM_CHECK(targets, "forward_backward: targets are required");
   Impl& m = *p_;
   m.profiling = profiling;
-  int64_t n_here = 0;
-  for (int64_t t = 0; t < s.rows(); ++t) n_here += targets[t] >= 0;
-  m.forward(ids, targets, s);
+  const int64_t n_here = m.forward(ids, targets, s);
   const int64_t n_norm = n_valid_total > 0 ? n_valid_total : n_here;
   float* d_hn = m.buf<float>("s.d_hn", size_t(m.rows) * m.d * 4);
   oc::CeResult r;
   {
-    Impl::Timer t(m, Profile::LmHead, true);
+    Impl::Timed t(m.part(Profile::LmHead, true));
     r = oc::cross_entropy_forward_backward(m.get("hn"), m.W("lm_head.weight"), as<int32_t>(m.tgt_d.p), m.rows, m.d,
                                            m.V, n_norm > 0 ? 1.f / static_cast<float>(n_norm) : 0.f, d_hn,
                                            m.G("lm_head.weight"));
@@ -947,7 +937,7 @@ GpuModel::LossStats GpuModel::loss(const int32_t* ids, const int32_t* targets, c
   Impl& m = *p_;
   m.profiling = profiling;
   m.forward(ids, targets, s);
-  Impl::Timer t(m, Profile::LmHead, false);
+  Impl::Timed t(m.part(Profile::LmHead, false));
   const oc::CeResult r = oc::cross_entropy_forward(m.get("hn"), m.W("lm_head.weight"), as<int32_t>(m.tgt_d.p), m.rows,
                                                    m.d, m.V);
   return LossStats{r.loss_sum, r.n_valid};
