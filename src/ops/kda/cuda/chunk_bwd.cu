@@ -86,6 +86,7 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
   const int64_t HK = int64_t(H) * K, HV = int64_t(H) * V;
   const int64_t ch = int64_t(c) * H + h;
   const float scale = p.scale;
+  const bool softplus = !BOUNDED && p.softplus != 0;  // the bounded path implies the lower-bound gate
 
   // value columns >= V of the workspace are never written by the recurrences: zero-filled here
   load_tile<KP, KP, LDB, 256>(sS0, p.ws.S0 + ch * KP * KP, KP, KP, V, tid);
@@ -124,7 +125,7 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
     for (int r = 0; r < RPT; ++r) {
       const int i = part * RPT + r;
       float gg = 0.f;
-      if (dch < K && i < len) gg = gate_fwd(to_f(sg[i * KP + dch]) + bias, aexp, p.lb, p.softplus != 0);
+      if (dch < K && i < len) gg = gate_fwd(to_f(sg[i * KP + dch]) + bias, aexp, p.lb, softplus);
       run += gg;
       gv[r] = run;
     }
@@ -169,7 +170,7 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int x = 0; x < 4; ++x) aA[nt][x] = 0.f;
-#pragma unroll 2
+#pragma unroll 1
     for (int ks = 0; ks < KP / 16; ++ks) {
       uint32_t fO[4], fdE[4], fE[4];
       ldsm4(fO, sdO + 16 * rt * LDB + 16 * ks + a_off(lane, LDB));
@@ -267,7 +268,7 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
     float aM[4][4];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) aM[nt][0] = aM[nt][1] = aM[nt][2] = aM[nt][3] = 0.f;
-#pragma unroll 2
+#pragma unroll 1
     for (int ks = 0; ks < KP / 16; ++ks) {
       uint32_t fa[4], fw[4];
       ldsm4(fa, sdE + 16 * rt * LDB + 16 * ks + a_off(lane, LDB));
@@ -606,7 +607,7 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
       for (int i = part * RPT; i < iend; ++i) {
         const int64_t idx = (row0 + i) * HK + int64_t(h) * K + dch;
         float dx, dA;
-        gate_bwd(to_f(graw[idx]) + bias, aexp, p.lb, p.softplus != 0, sDG[i * LDF + dch] + offs, dx, dA);
+        gate_bwd(to_f(graw[idx]) + bias, aexp, p.lb, softplus, sDG[i * LDF + dch] + offs, dx, dA);
         dgo[idx] = from_f<GT>(dx);
         ddt += dx;
         dAl += dA;

@@ -66,7 +66,9 @@ void synchronize();
 // ---- stages, for benchmarks: forward() is prep (intra-chunk: gate, cumsum, norms, A_qk, A_kk, its
 // inverse, W, U) followed by the sequential state pass with the output. run_forward_stage runs one of
 // them over a scratch workspace it keeps between calls (release with release_bench_workspace).
-enum class Stage { Prep, Recurrence };
+// PrepBeforeTiles / PrepThroughTiles run prep up to the intra-chunk A tiles (gate, cumsum, norms) and through
+// them: the difference of their times is the tile stage, where the bounded and exact diagonal paths differ.
+enum class Stage { Prep, Recurrence, PrepBeforeTiles, PrepThroughTiles };
 void run_forward_stage(const Problem& p, const Inputs& in, void* o, Stage s, void* stream = nullptr);
 void release_bench_workspace();
 

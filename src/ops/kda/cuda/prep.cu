@@ -24,11 +24,16 @@ struct PrepSmem {
   static constexpr int LDG = KP + 8;  // f32 G: float2 fragment reads conflict-free
   static constexpr int LDM = 72;      // f32 A_kk / M
   static constexpr int LDX = 20;      // f32 16x16 scratch of the tf32 products
+  static constexpr int LDQ = 68;      // A_qk partial sums (32-bit), in v's place until v is loaded
+  static constexpr size_t VSLOT = size_t(64) * LDB * 2 > size_t(64) * LDQ * 4 ? size_t(64) * LDB * 2 : size_t(64) * LDQ * 4;
   static constexpr size_t bytes =
-      size_t(3) * 64 * LDB * 2 + size_t(64) * LDG * 4 + size_t(64) * LDM * 4 + 2048 * 4 + 3 * 64 * 4 + 256 * 4;
+      size_t(2) * 64 * LDB * 2 + VSLOT + size_t(64) * LDG * 4 + size_t(64) * LDM * 4 + 2048 * 4 + 3 * 64 * 4 + 256 * 4;
 };
 
 __device__ __forceinline__ float2 f2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+// Partial sums of the A tiles in 2^29 fixed point (see the A-tile phase).
+__device__ __forceinline__ int to_fixed(float x) { return __float2int_rn(x * 536870912.f); }
+__device__ __forceinline__ float from_fixed(int v) { return float(v) * (1.f / 536870912.f); }
 __device__ __forceinline__ float4 f4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 bf4(const bf16* p) {
   const uint2 u = *reinterpret_cast<const uint2*>(p);
@@ -50,18 +55,23 @@ __device__ __forceinline__ void mm16_tf32(float (&C)[2][4], const float* A, int 
   }
 }
 
-template <int KP, bool BOUNDED, typename GT, bool BWD>
+// STOP (benchmarks only): 0 the whole kernel; 1 ends before the A tiles, 2 right after them, so that the
+// difference of the two times is the intra-chunk tile stage where the bounded and exact paths differ.
+template <int KP, bool BOUNDED, typename GT, bool BWD, int STOP = 0>
 __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
   constexpr bool F16 = !BWD;
   using SM = PrepSmem<KP>;
-  constexpr int LDB = SM::LDB, LDG = SM::LDG, LDM = SM::LDM, LDX = SM::LDX;
+  constexpr int LDB = SM::LDB, LDG = SM::LDG, LDM = SM::LDM, LDX = SM::LDX, LDQ = SM::LDQ;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* sQ = reinterpret_cast<bf16*>(smem);  // raw q [64][LDB]
   bf16* sK = sQ + 64 * LDB;                   // raw k, later K⊙Γ (unit k)
-  bf16* sV = sK + 64 * LDB;                   // v
-  float* sG = reinterpret_cast<float*>(sV + 64 * LDB);  // G [64][LDG]
+  bf16* sV = sK + 64 * LDB;                   // v (loaded once the A tiles are done)
+  int* sAqI = reinterpret_cast<int*>(sV);  // A_qk partial sums [64][LDQ], fixed point, before v
+  float* sG = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sV) + SM::VSLOT);  // G [64][LDG]
   float* sM = sG + 64 * LDG;                             // A_kk, then M in place [64][LDM]
+  int* sAkI = reinterpret_cast<int*>(sM);                // A_kk partial sums (fixed point), before M
   float* sScr = sM + 64 * LDM;                           // [2048]: exact diagonal tiles / tf32 scratch
+  int* sScrI = reinterpret_cast<int*>(sScr);             // the same, as fixed-point partial sums
   float* sRq = sScr + 2048;                              // 1/|q_i|
   float* sRk = sRq + 64;                                 // 1/|k_i|
   float* sB = sRk + 64;                                  // β_i
@@ -75,15 +85,16 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
   const int H = p.H, K = p.K, V = p.V;
   const int64_t HK = int64_t(H) * K, HV = int64_t(H) * V;
   const int64_t ch = int64_t(c) * H + h;  // (chunk, head) index of the workspace
+  const bool softplus = !BOUNDED && p.softplus != 0;  // the bounded path implies the lower-bound gate
 
   load_tile<64, KP, LDB, 256>(sQ, p.q + row0 * HK + int64_t(h) * K, HK, len, K, tid);
   load_tile<64, KP, LDB, 256>(sK, p.k + row0 * HK + int64_t(h) * K, HK, len, K, tid);
-  load_tile<64, KP, LDB, 256>(sV, p.v + row0 * HV + int64_t(h) * V, HV, len, V, tid);
-  // the raw gate input goes where G will be (a dense [64][KP] tile of GT), asynchronously with q, k, v
+  // the raw gate input goes where G will be (a dense [64][KP] tile of GT), asynchronously with q, k
   load_raw<KP, int(sizeof(GT)), 256>(sG, static_cast<const GT*>(p.g_raw) + row0 * HK + int64_t(h) * K, HK, len, K, tid);
   cp_commit();
   for (int i = tid; i < 64 * LDM; i += 256) sM[i] = 0.f;
   for (int i = tid; i < 2048; i += 256) sScr[i] = 0.f;
+  for (int i = tid; i < 64 * LDQ; i += 256) sAqI[i] = 0;
 
   // Gate and cumulative sum down the chunk: thread (d, part) owns RPT consecutive rows of channel d.
   constexpr int PARTS = 256 / KP, RPT = 64 / PARTS;
@@ -105,7 +116,7 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
     for (int r = 0; r < RPT; ++r) {
       const int i = part * RPT + r;
       float gg = 0.f;  // padded rows and channels: no decay, so G_63 = G_last of the chunk
-      if (dok && i < len) gg = gate_fwd(to_f(sg[i * KP + dch]) + bias, a, p.lb, p.softplus != 0);
+      if (dok && i < len) gg = gate_fwd(to_f(sg[i * KP + dch]) + bias, a, p.lb, softplus);
       run += gg;
       gv[r] = run;
     }
@@ -139,28 +150,36 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
   }
   __syncthreads();
   if (tid < KP) p.ws.Gl[ch * KP + tid] = expf(sG[63 * LDG + tid]);
+  if constexpr (STOP == 1) return;
 
   uint16_t* Aqk = reinterpret_cast<uint16_t*>(p.ws.Aqk) + ch * 4096;  // fp16 (forward) or bf16 bits
   bf16* Pkk = BWD ? p.ws.Pkk + ch * 4096 : nullptr;
-  // ---- A tiles as MMAs: unit (ti, tj) of A_qk and P_kk over the anchored factors ----
+  // ---- A tiles as MMAs over the anchored factors ----
+  // Warp (pair, quarter): row tiles {0, 3} or {1, 2} (five units (ti, tj <= ti) each, so the warps are
+  // balanced) over a quarter of the key channels; a row tile's factors are built once per channel step and
+  // reused for every column tile. The four quarters' partial sums meet in shared memory as 2^29 fixed point
+  // (integer shared atomics are native, float ones a compare-and-swap loop): every partial is a dot product
+  // of unit vectors over a subset of the channels with decays <= 1, so |value| <= 1 and the step 2^-29 is far
+  // below the bf16 / fp16 rounding of the result.
   {
-    constexpr int NU = BOUNDED ? 10 : 6;
     const float off = BOUNDED ? 7.5f * p.lb : 0.f;
+    const int pair = warp >> 2, quarter = warp & 3;
+    constexpr int KQ = KP / 64;  // channel steps of 16 per quarter
 #pragma unroll 1
-    for (int u = warp; u < NU; u += 8) {
-      int ti, tj;
-      if (BOUNDED) {
-        ti = (u >= 1) + (u >= 3) + (u >= 6);
-        tj = u - ti * (ti + 1) / 2;
-      } else {
-        ti = 1 + (u >= 1) + (u >= 3);
-        tj = u - (ti - 1) * ti / 2;
-      }
+    for (int s = 0; s < 2; ++s) {
+      const int ti = pair ? 1 + s : 3 * s;
+      const int ntj = BOUNDED ? ti + 1 : ti;  // column tiles of this row tile (the exact path: below the diagonal)
+      if (ntj == 0) continue;
       const int r0 = 16 * ti + g, r1 = r0 + 8;
       const float* Ga = sG + 16 * ti * LDG;  // anchor row
       const float rq0 = sRq[r0], rq1 = sRq[r1], rk0 = sRk[r0], rk1 = sRk[r1];
-      float aq[2][4] = {}, ak[2][4] = {};
-      const bool split = BOUNDED && ti == tj;  // warp-uniform
+      float aq[4][2][4], ak[4][2][4];
+#pragma unroll
+      for (int tj = 0; tj < 4; ++tj)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int x = 0; x < 4; ++x) aq[tj][nt][x] = ak[tj][nt][x] = 0.f;
       auto arow = [&](int r, int dd, float2 an, float rq, float rk, uint32_t& oq, uint32_t& ok, uint32_t& lq,
                       uint32_t& lk) {
         const float2 G = f2(sG + r * LDG + dd);
@@ -177,8 +196,9 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
         split_bf16(y.x * rc * __expf(an.x - G.x), y.y * rc * __expf(an.y - G.y), hi, lo);
         return hi;
       };
-#pragma unroll 2
-      for (int kk = 0; kk < KP / 16; ++kk) {
+#pragma unroll
+      for (int k2 = 0; k2 < KQ; ++k2) {
+        const int kk = quarter * KQ + k2;
         const int d0 = 16 * kk + 2 * t, d1 = d0 + 8;
         float2 an0 = f2(Ga + d0), an1 = f2(Ga + d1);
         an0.x += off, an0.y += off, an1.x += off, an1.y += off;
@@ -188,42 +208,57 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
         arow(r0, d1, an1, rq0, rk0, fq[2], fk[2], lq[2], lk[2]);
         arow(r1, d1, an1, rq1, rk1, fq[3], fk[3], lq[3], lk[3]);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int cc = 16 * tj + 8 * nt + g;
-          uint32_t l0, l1;
-          const uint32_t b0 = bcol(cc, d0, an0, l0), b1 = bcol(cc, d1, an1, l1);
-          mma_bf16(aq[nt], fq, b0, b1);
-          mma_bf16(ak[nt], fk, b0, b1);
-          if (split) {
-            mma_bf16(aq[nt], fq, l0, l1);
-            mma_bf16(ak[nt], fk, l0, l1);
-            mma_bf16(aq[nt], lq, b0, b1);
-            mma_bf16(ak[nt], lk, b0, b1);
+        for (int tj = 0; tj < 4; ++tj) {
+          if (tj >= ntj) break;  // warp-uniform
+          // the bounded diagonal tile: hi/lo splits (three MMAs), since its rounding dominates o's error
+          const bool split = BOUNDED && tj == ti;
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            const int cc = 16 * tj + 8 * nt + g;
+            uint32_t l0, l1;
+            const uint32_t b0 = bcol(cc, d0, an0, l0), b1 = bcol(cc, d1, an1, l1);
+            mma_bf16(aq[tj][nt], fq, b0, b1);
+            mma_bf16(ak[tj][nt], fk, b0, b1);
+            if (split) {
+              mma_bf16(aq[tj][nt], fq, l0, l1);
+              mma_bf16(ak[tj][nt], fk, l0, l1);
+              mma_bf16(aq[tj][nt], lq, b0, b1);
+              mma_bf16(ak[tj][nt], lk, b0, b1);
+            }
           }
         }
       }
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int tj = 0; tj < 4; ++tj) {
+        if (tj >= ntj) break;
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int row = hh ? r1 : r0, col = 16 * tj + 8 * nt + 2 * t;
-          const float q0 = col <= row ? p.scale * aq[nt][2 * hh] : 0.f;
-          const float q1 = col + 1 <= row ? p.scale * aq[nt][2 * hh + 1] : 0.f;
-          const float k0 = col < row ? ak[nt][2 * hh] : 0.f, k1 = col + 1 < row ? ak[nt][2 * hh + 1] : 0.f;
-          *reinterpret_cast<uint32_t*>(Aqk + row * 64 + col) = pack2<F16>(q0, q1);
-          if (BWD) st_bf16x2(Pkk + row * 64 + col, k0, k1);
-          const float b = sB[row];
-          *reinterpret_cast<float2*>(sM + row * LDM + col) = make_float2(b * k0, b * k1);
-        }
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            const int row = x < 2 ? r0 : r1, col = 16 * tj + 8 * nt + 2 * t + (x & 1);
+            atomicAdd(sAqI + row * LDQ + col, to_fixed(aq[tj][nt][x]));
+            atomicAdd(sAkI + row * LDM + col, to_fixed(ak[tj][nt][x]));
+          }
+      }
     }
   }
-  // Tiles above the diagonal are zero (K2 multiplies all of A_qk).
+  __syncthreads();  // every partial sum has landed
+  // Finish the MMA tiles (scale, causal masks, β) and zero the tiles above the diagonal (K2 multiplies all
+  // of A_qk); the exact path's diagonal tiles are left to the pairwise code below.
   for (int idx = tid; idx < 2048; idx += 256) {
-    const int r = idx >> 5, cc = (idx & 31) * 2;
-    if ((cc >> 4) > (r >> 4)) {
-      *reinterpret_cast<uint32_t*>(Aqk + r * 64 + cc) = 0u;
-      if (BWD) st_bf16x2(Pkk + r * 64 + cc, 0.f, 0.f);
+    const int r = idx >> 5, cc = (idx & 31) * 2, ti = r >> 4, tj = cc >> 4;
+    if (!BOUNDED && ti == tj) continue;
+    float q0 = 0.f, q1 = 0.f, k0 = 0.f, k1 = 0.f;
+    if (tj <= ti) {
+      q0 = cc <= r ? p.scale * from_fixed(sAqI[r * LDQ + cc]) : 0.f;
+      q1 = cc + 1 <= r ? p.scale * from_fixed(sAqI[r * LDQ + cc + 1]) : 0.f;
+      k0 = cc < r ? from_fixed(sAkI[r * LDM + cc]) : 0.f;
+      k1 = cc + 1 < r ? from_fixed(sAkI[r * LDM + cc + 1]) : 0.f;
     }
+    *reinterpret_cast<uint32_t*>(Aqk + r * 64 + cc) = pack2<F16>(q0, q1);
+    if (BWD) st_bf16x2(Pkk + r * 64 + cc, k0, k1);
+    const float b = sB[r];
+    *reinterpret_cast<float2*>(sM + r * LDM + cc) = make_float2(b * k0, b * k1);
   }
   if (!BOUNDED) {
     // Diagonal tiles pair by pair: warp (tile dt, channel half hf); lane (row pair pp, channel quarter qd).
@@ -271,21 +306,24 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
       for (int j = 0; j < 17; ++j) {
         const bool first = j <= pp;
         const int r = first ? pp : 15 - pp, cc = first ? j : j - pp - 1;
-        atomicAdd(sScr + dt * 256 + r * 16 + cc, xq[j]);
-        atomicAdd(sScr + 1024 + dt * 256 + r * 16 + cc, xk[j]);
+        atomicAdd(sScrI + dt * 256 + r * 16 + cc, to_fixed(xq[j]));
+        atomicAdd(sScrI + 1024 + dt * 256 + r * 16 + cc, to_fixed(xk[j]));
       }
     }
     __syncthreads();
     for (int idx = tid; idx < 1024; idx += 256) {
       const int dtt = idx >> 8, r = (idx >> 4) & 15, cc = idx & 15;
       const int row = 16 * dtt + r, col = 16 * dtt + cc;
-      Aqk[row * 64 + col] = bits16<F16>(cc <= r ? p.scale * sScr[idx] : 0.f);
-      const float pk = cc < r ? sScr[1024 + idx] : 0.f;
+      Aqk[row * 64 + col] = bits16<F16>(cc <= r ? p.scale * from_fixed(sScrI[idx]) : 0.f);
+      const float pk = cc < r ? from_fixed(sScrI[1024 + idx]) : 0.f;
       sM[row * LDM + col] = sB[row] * pk;
       if (BWD) Pkk[row * 64 + col] = __float2bfloat16_rn(pk);
     }
   }
-  __syncthreads();
+  __syncthreads();  // A_qk's partial sums are read: v can land in their place, under the next phases
+  if constexpr (STOP == 2) return;
+  load_tile<64, KP, LDB, 256>(sV, p.v + row0 * HV + int64_t(h) * V, HV, len, V, tid);
+  cp_commit();
 
   // ---- inverse of the diagonal 16x16 blocks (forward substitution, lane = column) ----
   if (warp < 4) {
@@ -373,6 +411,8 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
       st_bf16x2(Mo + r * 64 + cc, sM[r * LDM + cc], sM[r * LDM + cc + 1]);
     }
   }
+  cp_wait<0>();
+  __syncthreads();  // v has landed
   // ---- W = (M Diag(β)) (K⊙Γ), U = (M Diag(β)) V: warp (row tile rt, which); M Diag(β) as bf16 hi + lo ----
   {
     const int rt = warp & 3, which = warp >> 2;
@@ -414,38 +454,40 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
   }
 }
 
-template <int KP, bool BND, typename GT, bool BWD>
+template <int KP, bool BND, typename GT, bool BWD, int STOP = 0>
 void launch_b(const OpParams& p, cudaStream_t s) {
   const size_t smem = PrepSmem<KP>::bytes;
   static bool attr = false;
   if (!attr) {
-    cudaFuncSetAttribute(prep_kernel<KP, BND, GT, BWD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    cudaFuncSetAttribute(prep_kernel<KP, BND, GT, BWD, STOP>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     attr = true;
   }
-  prep_kernel<KP, BND, GT, BWD><<<dim3(p.NC, p.H), 256, smem, s>>>(p);
+  prep_kernel<KP, BND, GT, BWD, STOP><<<dim3(p.NC, p.H), 256, smem, s>>>(p);
 }
 template <int KP, bool BND, typename GT>
-void launch_t(const OpParams& p, bool bwd, cudaStream_t s) {
+void launch_t(const OpParams& p, bool bwd, int stop, cudaStream_t s) {
   if (bwd) launch_b<KP, BND, GT, true>(p, s);
+  else if (stop == 1) launch_b<KP, BND, GT, false, 1>(p, s);
+  else if (stop == 2) launch_b<KP, BND, GT, false, 2>(p, s);
   else launch_b<KP, BND, GT, false>(p, s);
 }
 
 template <int KP, bool BND>
-void launch_g(const OpParams& p, bool gate_f32, bool bwd, cudaStream_t s) {
-  if (gate_f32) launch_t<KP, BND, float>(p, bwd, s);
-  else launch_t<KP, BND, bf16>(p, bwd, s);
+void launch_g(const OpParams& p, bool gate_f32, bool bwd, int stop, cudaStream_t s) {
+  if (gate_f32) launch_t<KP, BND, float>(p, bwd, stop, s);
+  else launch_t<KP, BND, bf16>(p, bwd, stop, s);
 }
 
 }  // namespace
 
-void launch_prep(const OpParams& p, int KP, bool bounded, bool gate_f32, bool bwd, cudaStream_t s) {
+void launch_prep(const OpParams& p, int KP, bool bounded, bool gate_f32, bool bwd, cudaStream_t s, int stop) {
   if (p.NC == 0) return;
   if (KP == 64) {
-    if (bounded) launch_g<64, true>(p, gate_f32, bwd, s);
-    else launch_g<64, false>(p, gate_f32, bwd, s);
+    if (bounded) launch_g<64, true>(p, gate_f32, bwd, stop, s);
+    else launch_g<64, false>(p, gate_f32, bwd, stop, s);
   } else {
-    if (bounded) launch_g<128, true>(p, gate_f32, bwd, s);
-    else launch_g<128, false>(p, gate_f32, bwd, s);
+    if (bounded) launch_g<128, true>(p, gate_f32, bwd, stop, s);
+    else launch_g<128, false>(p, gate_f32, bwd, stop, s);
   }
 }
 
