@@ -1,9 +1,10 @@
-// Per-chunk gradients of chunked KDA (SPEC §2.2), one block per (chunk, head), 8 warps, after the two
-// recurrences have left S0 (state at the chunk start), dS (gradient at the chunk end), E and dE.
+// Per-chunk gradients of chunked KDA (SPEC §2.2), one block per (chunk, head), NWB = 16 warps, after the
+// two recurrences have left S0 (state at the chunk start), dS (gradient at the chunk end), E and dE.
 //
 // Legend: B batch, T tokens, H heads, K key dim, V value dim, C chunk 64, KP = K, V padded to 64|128,
 //         i, j, r, c chunk rows, d key channel, e value channel. Warp w owns rows 16*(w&3).. and key (or
-//         value) columns KP/2*(w>>2).. of every [64][KP] gradient; dq, dk, dG stay in its registers.
+//         value) columns KP/4*(w>>2).. of every [64][KP] gradient (columns 16*(w>>2).. of the 64-wide
+//         chunk matrices); dq, dk, dG stay in its registers.
 //   dQg = dO S0ᵀ,  dKd = E dSᵀ,  dW = -dE S0ᵀ,  dA_qk = dO Eᵀ,  dΓ_last = Γ_last ⊙ rowsum(S0 ⊙ dS)
 //   dM = (dE Vᵀ + dW (K⊙Γ)ᵀ) Diag(β),  dv = β Mᵀ dE,  d(K⊙Γ) = β Mᵀ dW,  dA_kk = -(Mᵀ dM Mᵀ) strictly lower
 //   the pairwise products P_qk, P_kk through the forward's anchored factors (row tile anchors), on the
@@ -16,7 +17,7 @@
 namespace lm::kda::cuda::detail {
 namespace {
 
-template <int KP>
+template <int KP, int NT>
 struct BwdSmem {
   static constexpr int LDB = KP + 8, LDG = KP + 8, LDF = KP + 8, LDA = 72;
   static constexpr size_t T64 = size_t(64) * LDB * 2, TKP = size_t(KP) * LDB * 2, TA = size_t(64) * LDA * 2;
@@ -25,17 +26,21 @@ struct BwdSmem {
   static constexpr size_t R1 = cmax(cmax(2 * TKP + 2 * T64, 2 * T64 + 4 * TA), size_t(3) * 64 * LDF * 4);
   // R2: q, k, G (f32), v, M, P_kk
   static constexpr size_t R2 = 3 * T64 + size_t(64) * LDG * 4 + 2 * TA;
-  static constexpr size_t SMALL = (4 * 64 + 2 * KP + 2 * 256 + 32) * 4;
+  static constexpr size_t SMALL = (4 * 64 + 2 * KP + NT + 32) * 4;
   static constexpr size_t bytes = T64 + R1 + R2 + SMALL;
 };
 
 __device__ __forceinline__ float2 f2(const float* p) { return *reinterpret_cast<const float2*>(p); }
 
-template <int KP, bool BOUNDED, typename GT>
-__global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
-  using SM = BwdSmem<KP>;
+template <int KP, bool BOUNDED, typename GT, int NWB>
+__global__ void __launch_bounds__(NWB * 32, 1) chunk_bwd_kernel(const OpParams p) {
+  constexpr int NT = NWB * 32;  // threads
+  using SM = BwdSmem<KP, NT>;
   constexpr int LDB = SM::LDB, LDG = SM::LDG, LDF = SM::LDF, LDA = SM::LDA;
-  constexpr int NTD = KP / 16;  // n8 tiles of a warp's KP/2 columns
+  constexpr int NCH = NWB / 4;   // column groups (warps per row tile)
+  constexpr int NTD = KP / NCH / 8;  // n8 tiles of a warp's KP / NCH key or value columns
+  constexpr int AW = 64 / NCH;   // a warp's columns of the 64-wide chunk matrices
+  constexpr int NTA = AW / 8;    // and their n8 tiles
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* base = smem;
   bf16* sdE = reinterpret_cast<bf16*>(base);
@@ -74,8 +79,8 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
   float* sGl = sdB + 64;
   float* sdGl = sGl + KP;
   float* sTot = sdGl + KP;
-  float* sTot2 = sTot + 256;
-  float* sRed = sTot2 + 256;
+  float* sTot2 = sTot;  // the epilogue's ddt partials, once the cumsum totals are read
+  float* sRed = sTot + NT;
 
   const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -89,24 +94,24 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
   const bool softplus = !BOUNDED && p.softplus != 0;  // the bounded path implies the lower-bound gate
 
   // value columns >= V of the workspace are never written by the recurrences: zero-filled here
-  load_tile<KP, KP, LDB, 256>(sS0, p.ws.S0 + ch * KP * KP, KP, KP, V, tid);
-  load_tile<KP, KP, LDB, 256>(sdS, p.ws.dS + ch * KP * KP, KP, KP, V, tid);
-  load_tile<64, KP, LDB, 256>(sE, p.ws.E + ch * 64 * KP, KP, 64, V, tid);
-  load_tile<64, KP, LDB, 256>(sdE, p.ws.dE + ch * 64 * KP, KP, 64, V, tid);
-  load_tile<64, KP, LDB, 256>(sdO, p.dout + row0 * HV + int64_t(h) * V, HV, len, V, tid);
-  load_tile<64, KP, LDB, 256>(sQ, p.q + row0 * HK + int64_t(h) * K, HK, len, K, tid);
-  load_tile<64, KP, LDB, 256>(sK, p.k + row0 * HK + int64_t(h) * K, HK, len, K, tid);
-  load_tile<64, KP, LDB, 256>(sV, p.v + row0 * HV + int64_t(h) * V, HV, len, V, tid);
-  load_tile<64, 64, LDA, 256>(sM, p.ws.M + ch * 4096, 64, 64, 64, tid);
-  load_tile<64, 64, LDA, 256>(sP, p.ws.Pkk + ch * 4096, 64, 64, 64, tid);
-  load_f32<KP, 256>(sGl, p.ws.Gl + ch * KP, tid);
-  load_raw<KP, int(sizeof(GT)), 256>(sG, static_cast<const GT*>(p.g_raw) + row0 * HK + int64_t(h) * K, HK, len, K,
+  load_tile<KP, KP, LDB, NT>(sS0, p.ws.S0 + ch * KP * KP, KP, KP, V, tid);
+  load_tile<KP, KP, LDB, NT>(sdS, p.ws.dS + ch * KP * KP, KP, KP, V, tid);
+  load_tile<64, KP, LDB, NT>(sE, p.ws.E + ch * 64 * KP, KP, 64, V, tid);
+  load_tile<64, KP, LDB, NT>(sdE, p.ws.dE + ch * 64 * KP, KP, 64, V, tid);
+  load_tile<64, KP, LDB, NT>(sdO, p.dout + row0 * HV + int64_t(h) * V, HV, len, V, tid);
+  load_tile<64, KP, LDB, NT>(sQ, p.q + row0 * HK + int64_t(h) * K, HK, len, K, tid);
+  load_tile<64, KP, LDB, NT>(sK, p.k + row0 * HK + int64_t(h) * K, HK, len, K, tid);
+  load_tile<64, KP, LDB, NT>(sV, p.v + row0 * HV + int64_t(h) * V, HV, len, V, tid);
+  load_tile<64, 64, LDA, NT>(sM, p.ws.M + ch * 4096, 64, 64, 64, tid);
+  load_tile<64, 64, LDA, NT>(sP, p.ws.Pkk + ch * 4096, 64, 64, 64, tid);
+  load_f32<KP, NT>(sGl, p.ws.Gl + ch * KP, tid);
+  load_raw<KP, int(sizeof(GT)), NT>(sG, static_cast<const GT*>(p.g_raw) + row0 * HK + int64_t(h) * K, HK, len, K,
                                     tid);  // raw gate input, into G's place
   cp_commit();
   if (tid < 64) sdB[tid] = 0.f;
 
   // gate and cumulative sum (as the forward)
-  constexpr int PARTS = 256 / KP, RPT = 64 / PARTS;
+  constexpr int PARTS = NT / KP, RPT = 64 / PARTS;
   const int dch = tid % KP, part = tid / KP;
   const GT* graw = static_cast<const GT*>(p.g_raw);
   const float aexp = expf(p.A_log[h]);
@@ -136,8 +141,8 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
 #pragma unroll
     for (int r = 0; r < RPT; ++r) sG[(part * RPT + r) * LDG + dch] = gv[r] + off;
   }
-  for (int rr = 0; rr < 8; ++rr) {
-    const int i = warp * 8 + rr;
+  for (int rr = 0; rr < 64 / NWB; ++rr) {
+    const int i = warp * (64 / NWB) + rr;
     float sq = 0.f, sk = 0.f;
 #pragma unroll
     for (int d0 = lane * 2; d0 < KP; d0 += 64) {
@@ -156,18 +161,18 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
     }
   }
 
-  const int rt = warp & 3, chh = warp >> 2, dbase = chh * (KP / 2);
+  const int rt = warp & 3, chh = warp >> 2, dbase = chh * (KP / NCH);
   float dq[NTD][4], dk[NTD][4], dG[NTD][4];  // gradients w.r.t. unit q, unit k and G, warp region
 
   // ---- phase 1: products over the value channels ----
   {
-    float aQ[NTD][4], aW[NTD][4], aD[NTD][4], aA[4][4];
+    float aQ[NTD][4], aW[NTD][4], aD[NTD][4], aA[NTA][4];
 #pragma unroll
     for (int nt = 0; nt < NTD; ++nt)
 #pragma unroll
       for (int x = 0; x < 4; ++x) aQ[nt][x] = aW[nt][x] = aD[nt][x] = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int nt = 0; nt < NTA; ++nt)
 #pragma unroll
       for (int x = 0; x < 4; ++x) aA[nt][x] = 0.f;
 #pragma unroll 1
@@ -189,16 +194,16 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
         mma_bf16(aD[2 * np + 1], fE, b[2], b[3]);
       }
 #pragma unroll
-      for (int np = 0; np < 2; ++np) {
+      for (int np = 0; np < NTA / 2; ++np) {
         uint32_t b[4];
-        ldsm4(b, sE + (32 * chh + 16 * np) * LDB + 16 * ks + bn_off(lane, LDB));
+        ldsm4(b, sE + (AW * chh + 16 * np) * LDB + 16 * ks + bn_off(lane, LDB));
         mma_bf16(aA[2 * np], fO, b[0], b[1]);
         mma_bf16(aA[2 * np + 1], fO, b[2], b[3]);
       }
     }
     // dΓ_last from Diag(Γ_last) S0: Γ_last[d] Σ_e S0[d,e] dS[d,e]
     {
-      constexpr int TPR = 256 / KP;
+      constexpr int TPR = NT / KP;
       const int d = tid / TPR, pr = tid % TPR;
       float s = 0.f;
       for (int e = pr * (KP / TPR); e < (pr + 1) * (KP / TPR); e += 2) {
@@ -253,10 +258,10 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
         if (g == 0) atomicAdd(sdGl + dbase + 8 * nt + 2 * t + j, s);
       }
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int nt = 0; nt < NTA; ++nt)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int r = 16 * rt + g + 8 * hh, col = 32 * chh + 8 * nt + 2 * t;
+        const int r = 16 * rt + g + 8 * hh, col = AW * chh + 8 * nt + 2 * t;
         st_bf16x2(sPq + r * LDA + col, col <= r ? scale * aA[nt][2 * hh] : 0.f,
                   col + 1 <= r ? scale * aA[nt][2 * hh + 1] : 0.f);
       }
@@ -265,30 +270,30 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
 
   // ---- phase 4: dM, dv, d(K⊙Γ) ----
   {
-    float aM[4][4];
+    float aM[NTA][4];
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) aM[nt][0] = aM[nt][1] = aM[nt][2] = aM[nt][3] = 0.f;
+    for (int nt = 0; nt < NTA; ++nt) aM[nt][0] = aM[nt][1] = aM[nt][2] = aM[nt][3] = 0.f;
 #pragma unroll 1
     for (int ks = 0; ks < KP / 16; ++ks) {
       uint32_t fa[4], fw[4];
       ldsm4(fa, sdE + 16 * rt * LDB + 16 * ks + a_off(lane, LDB));
       ldsm4(fw, sdW + 16 * rt * LDB + 16 * ks + a_off(lane, LDB));
 #pragma unroll
-      for (int np = 0; np < 2; ++np) {
+      for (int np = 0; np < NTA / 2; ++np) {
         uint32_t b[4];
-        ldsm4(b, sV + (32 * chh + 16 * np) * LDB + 16 * ks + bn_off(lane, LDB));
+        ldsm4(b, sV + (AW * chh + 16 * np) * LDB + 16 * ks + bn_off(lane, LDB));
         mma_bf16(aM[2 * np], fa, b[0], b[1]);
         mma_bf16(aM[2 * np + 1], fa, b[2], b[3]);
-        ldsm4(b, sKg + (32 * chh + 16 * np) * LDB + 16 * ks + bn_off(lane, LDB));
+        ldsm4(b, sKg + (AW * chh + 16 * np) * LDB + 16 * ks + bn_off(lane, LDB));
         mma_bf16(aM[2 * np], fw, b[0], b[1]);
         mma_bf16(aM[2 * np + 1], fw, b[2], b[3]);
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int nt = 0; nt < NTA; ++nt)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int r = 16 * rt + g + 8 * hh, col = 32 * chh + 8 * nt + 2 * t;
+        const int r = 16 * rt + g + 8 * hh, col = AW * chh + 8 * nt + 2 * t;
         st_bf16x2(sdM + r * LDA + col, col < r ? sB[col] * aM[nt][2 * hh] : 0.f,
                   col + 1 < r ? sB[col + 1] * aM[nt][2 * hh + 1] : 0.f);
       }
@@ -375,52 +380,52 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
 
   // ---- phase 5: dA_kk = -(Mᵀ dM Mᵀ), strictly lower ----
   {
-    float aT[4][4];
+    float aT[NTA][4];
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) aT[nt][0] = aT[nt][1] = aT[nt][2] = aT[nt][3] = 0.f;
+    for (int nt = 0; nt < NTA; ++nt) aT[nt][0] = aT[nt][1] = aT[nt][2] = aT[nt][3] = 0.f;
 #pragma unroll 1
     for (int ks = rt; ks < 4; ++ks) {
       uint32_t fa[4];
       ldsm4t(fa, sM + 16 * ks * LDA + 16 * rt + at_off(lane, LDA));
 #pragma unroll
-      for (int np = 0; np < 2; ++np) {
+      for (int np = 0; np < NTA / 2; ++np) {
         uint32_t b[4];
-        ldsm4t(b, sdM + 16 * ks * LDA + 32 * chh + 16 * np + bt_off(lane, LDA));
+        ldsm4t(b, sdM + 16 * ks * LDA + AW * chh + 16 * np + bt_off(lane, LDA));
         mma_bf16(aT[2 * np], fa, b[0], b[1]);
         mma_bf16(aT[2 * np + 1], fa, b[2], b[3]);
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int nt = 0; nt < NTA; ++nt)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int r = 16 * rt + g + 8 * hh, col = 32 * chh + 8 * nt + 2 * t;
+        const int r = 16 * rt + g + 8 * hh, col = AW * chh + 8 * nt + 2 * t;
         st_bf16x2(sT + r * LDA + col, aT[nt][2 * hh], aT[nt][2 * hh + 1]);
       }
   }
   __syncthreads();
   {
-    float aL[4][4];
+    float aL[NTA][4];
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) aL[nt][0] = aL[nt][1] = aL[nt][2] = aL[nt][3] = 0.f;
+    for (int nt = 0; nt < NTA; ++nt) aL[nt][0] = aL[nt][1] = aL[nt][2] = aL[nt][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       uint32_t fa[4];
       ldsm4(fa, sT + 16 * rt * LDA + 16 * ks + a_off(lane, LDA));
 #pragma unroll
-      for (int np = 0; np < 2; ++np) {
+      for (int np = 0; np < NTA / 2; ++np) {
         uint32_t b[4];
-        ldsm4(b, sM + (32 * chh + 16 * np) * LDA + 16 * ks + bn_off(lane, LDA));
+        ldsm4(b, sM + (AW * chh + 16 * np) * LDA + 16 * ks + bn_off(lane, LDA));
         mma_bf16(aL[2 * np], fa, b[0], b[1]);
         mma_bf16(aL[2 * np + 1], fa, b[2], b[3]);
       }
     }
     float db[2] = {0.f, 0.f};
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int nt = 0; nt < NTA; ++nt)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int r = 16 * rt + g + 8 * hh, col = 32 * chh + 8 * nt + 2 * t;
+        const int r = 16 * rt + g + 8 * hh, col = AW * chh + 8 * nt + 2 * t;
         const float a0 = col < r ? -aL[nt][2 * hh] : 0.f, a1 = col + 1 < r ? -aL[nt][2 * hh + 1] : 0.f;
         const float2 pk = ld_bf16x2(sP + r * LDA + col);
         db[hh] += a0 * pk.x + a1 * pk.y;
@@ -529,7 +534,7 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
   }
   __syncthreads();
   if (!BOUNDED) {  // keep dP_qk, dP_kk (R1 is about to hold the f32 gradients)
-    for (int idx = tid; idx < 64 * 8; idx += 256) {
+    for (int idx = tid; idx < 64 * 8; idx += NT) {
       const int r = idx >> 3, cc = (idx & 7) * 8;
       *reinterpret_cast<uint4*>(sPq2 + r * LDA + cc) = *reinterpret_cast<const uint4*>(sPq + r * LDA + cc);
       *reinterpret_cast<uint4*>(sPk2 + r * LDA + cc) = *reinterpret_cast<const uint4*>(sPk + r * LDA + cc);
@@ -549,7 +554,7 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
   if (!BOUNDED) {
     // Diagonal tiles pair by pair: thread (tile, channel d) owns 16 rows of channel d.
 #pragma unroll 1
-    for (int item = tid; item < 4 * KP; item += 256) {
+    for (int item = tid; item < 4 * KP; item += NT) {
       const int dt = item / KP, d = item % KP;
       float qv[16], kv[16], Gv[16], aq[16], ak[16], ag[16];
 #pragma unroll
@@ -613,14 +618,15 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
         dAl += dA;
       }
     }
+    __syncthreads();  // every thread has read its cumsum offset from sTot (= sTot2)
     sTot2[part * KP + dch] = ddt;
 #pragma unroll
     for (int o = 16; o; o >>= 1) dAl += __shfl_xor_sync(0xffffffffu, dAl, o);
     if (lane == 0) sRed[warp] = dAl;
   }
   // L2-norm backward: dx = (dy - y (y·dy)) / |x|
-  for (int rr = 0; rr < 8; ++rr) {
-    const int i = warp * 8 + rr;
+  for (int rr = 0; rr < 64 / NWB; ++rr) {
+    const int i = warp * (64 / NWB) + rr;
     float dotq = 0.f, dotk = 0.f;
     const float rq = sRq[i], rk = sRk[i];
 #pragma unroll
@@ -660,7 +666,7 @@ __global__ void __launch_bounds__(256, 1) chunk_bwd_kernel(const OpParams p) {
   }
   if (tid == 0) {
     float s = 0.f;
-    for (int w = 0; w < 8; ++w) s += sRed[w];
+    for (int w = 0; w < NWB; ++w) s += sRed[w];
     p.ws.dA_part[ch] = s;
   }
 }
@@ -678,15 +684,22 @@ __global__ void reduce_kernel(const OpParams p, int KP) {
   }
 }
 
-template <int KP, bool BND, typename GT>
-void launch_t(const OpParams& p, cudaStream_t s) {
-  const size_t smem = BwdSmem<KP>::bytes;
+template <int KP, bool BND, typename GT, int NWB>
+void launch_w(const OpParams& p, cudaStream_t s) {
+  const size_t smem = BwdSmem<KP, NWB * 32>::bytes;
+  static_assert(BwdSmem<KP, NWB * 32>::bytes <= 227 * 1024, "one block's shared memory on Hopper");
   static bool attr = false;
   if (!attr) {
-    cudaFuncSetAttribute(chunk_bwd_kernel<KP, BND, GT>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    cudaFuncSetAttribute(chunk_bwd_kernel<KP, BND, GT, NWB>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     attr = true;
   }
-  chunk_bwd_kernel<KP, BND, GT><<<dim3(p.NC, p.H), 256, smem, s>>>(p);
+  chunk_bwd_kernel<KP, BND, GT, NWB><<<dim3(p.NC, p.H), NWB * 32, smem, s>>>(p);
+}
+// 16 warps per block: 128 registers each and twice the warps of the 8-warp form, which had 255 registers,
+// one block of 8 warps per SM and 1.5x the time (docs/gpu.md).
+template <int KP, bool BND, typename GT>
+void launch_t(const OpParams& p, cudaStream_t s) {
+  launch_w<KP, BND, GT, 16>(p, s);
 }
 template <int KP, bool BND>
 void launch_g(const OpParams& p, bool gate_f32, cudaStream_t s) {
