@@ -82,7 +82,9 @@ __global__ void __launch_bounds__(NWB * 32, 1) chunk_bwd_kernel(const OpParams p
   float* sTot2 = sTot;  // the epilogue's ddt partials, once the cumsum totals are read
   float* sRed = sTot + NT;
 
-  const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // heads fastest: the blocks in flight read the same token rows of every head, so DRAM sees long runs
+  const int h = int(blockIdx.x % unsigned(p.H)), c = int(blockIdx.x / unsigned(p.H));
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const ChunkInfo ci = p.chunks[c];
   const int len = ci.len;
@@ -693,7 +695,7 @@ void launch_w(const OpParams& p, cudaStream_t s) {
     cudaFuncSetAttribute(chunk_bwd_kernel<KP, BND, GT, NWB>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     attr = true;
   }
-  chunk_bwd_kernel<KP, BND, GT, NWB><<<dim3(p.NC, p.H), NWB * 32, smem, s>>>(p);
+  chunk_bwd_kernel<KP, BND, GT, NWB><<<unsigned(p.NC) * unsigned(p.H), NWB * 32, smem, s>>>(p);
 }
 // 16 warps per block: 128 registers each and twice the warps of the 8-warp form, which had 255 registers,
 // one block of 8 warps per SM and 1.5x the time (docs/gpu.md).

@@ -77,7 +77,9 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
   float* sB = sRk + 64;                                  // β_i
   float* sTot = sB + 64;                                 // [256] cumsum part totals
 
-  const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // heads fastest: the blocks in flight read the same token rows of every head, so DRAM sees long runs
+  const int h = int(blockIdx.x % unsigned(p.H)), c = int(blockIdx.x / unsigned(p.H));
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const ChunkInfo ci = p.chunks[c];
   const int len = ci.len;
@@ -188,12 +190,15 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
         split_bf16(x.x * rq * e0, x.y * rq * e1, oq, lq);
         split_bf16(y.x * rk * e0, y.y * rk * e1, ok, lk);
       };
-      auto bcol = [&](int cc, int dd, float2 an, uint32_t& lo) -> uint32_t {
+      // column factors; the lo part only where it is used (the bounded diagonal tile)
+      auto bcol = [&](int cc, int dd, float2 an, bool with_lo, uint32_t& lo) -> uint32_t {
         const float2 G = f2(sG + cc * LDG + dd);
         const float2 y = ld_bf16x2(sK + cc * LDB + dd);
         const float rc = sRk[cc];
+        const float x0 = y.x * rc * __expf(an.x - G.x), x1 = y.y * rc * __expf(an.y - G.y);
+        if (!with_lo) return pack_bf16(x0, x1);
         uint32_t hi;
-        split_bf16(y.x * rc * __expf(an.x - G.x), y.y * rc * __expf(an.y - G.y), hi, lo);
+        split_bf16(x0, x1, hi, lo);
         return hi;
       };
 #pragma unroll
@@ -215,8 +220,8 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
             const int cc = 16 * tj + 8 * nt + g;
-            uint32_t l0, l1;
-            const uint32_t b0 = bcol(cc, d0, an0, l0), b1 = bcol(cc, d1, an1, l1);
+            uint32_t l0 = 0, l1 = 0;
+            const uint32_t b0 = bcol(cc, d0, an0, split, l0), b1 = bcol(cc, d1, an1, split, l1);
             mma_bf16(aq[tj][nt], fq, b0, b1);
             mma_bf16(ak[tj][nt], fk, b0, b1);
             if (split) {
@@ -462,7 +467,7 @@ void launch_b(const OpParams& p, cudaStream_t s) {
     cudaFuncSetAttribute(prep_kernel<KP, BND, GT, BWD, STOP>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     attr = true;
   }
-  prep_kernel<KP, BND, GT, BWD, STOP><<<dim3(p.NC, p.H), 256, smem, s>>>(p);
+  prep_kernel<KP, BND, GT, BWD, STOP><<<unsigned(p.NC) * unsigned(p.H), 256, smem, s>>>(p);
 }
 template <int KP, bool BND, typename GT>
 void launch_t(const OpParams& p, bool bwd, int stop, cudaStream_t s) {
