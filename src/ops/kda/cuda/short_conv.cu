@@ -6,7 +6,7 @@
 //   pre[t, c] = Σ_k w[c, k] · x[t − (W−1) + k, c] (zero before the sequence start), y = silu(pre)
 //   dpre = dy · silu'(pre);  dx[τ] = Σ_k w[k] · dpre[τ + (W−1) − k] (same sequence);  dw[k] = Σ_t dpre[t] · x[t − (W−1) + k]
 // Each thread walks TT consecutive tokens of VEC channels with the last W inputs in a register ring, so every
-// x is read ~once. Backward: the thread recomputes dpre for W−1 tokens past its range (dx needs the future
+// x is read ~once; inside one sequence it issues the loads of kU (backward kUB) tokens at once. Backward: the thread recomputes dpre for W−1 tokens past its range (dx needs the future
 // taps) and scatters w[k]·dpre[t] into a ring of pending dx rows; a row is final once the stream has moved
 // W−1 past it. dw: per-thread sums, reduced over the block's threads in a fixed order into one partial per
 // grid row P, then the P partials summed in order per (c, k): deterministic, no atomics.
@@ -37,6 +37,8 @@ constexpr int kTT = 32;     // tokens per thread
 constexpr int kBX = 32;     // threads along channels
 constexpr int kBY = 8;      // threads along time: a block covers kBX·VEC channels × kBY·kTT tokens
 constexpr int kMaxW = 8;
+constexpr int kU = 8;       // tokens whose loads are issued together (latency, not bandwidth, bounded these kernels)
+constexpr int kUB = 4;      // the same in the backward (two inputs per token, and its rings: registers)
 
 struct Seg {
   int64_t begin, end;
@@ -80,7 +82,7 @@ __device__ __forceinline__ void store_vec(bf16* p, const float* f) {
   }
 }
 
-__device__ __forceinline__ float sigmoidf_(float z) { return 1.f / (1.f + __expf(-z)); }
+__device__ __forceinline__ float sigmoidf_(float z) { return __fdividef(1.f, 1.f + __expf(-z)); }  // MUFU reciprocal
 
 // Ring xr[k] = inputs at t − (W−1) + k; fills slots 0..W−2 for a walk starting at t0 in sequence sg.
 template <int W, int VEC>
@@ -115,15 +117,8 @@ __global__ void __launch_bounds__(kBX* kBY) conv_fwd_kernel(const bf16* x, const
     Seg sg = seg_of(t0, T, cu, N);
     float xr[W][VEC];
     preload<W, VEC>(x, C, c0, t0, sg, xr);
-    for (int64_t t = t0; t < t1; ++t) {
-      if (t >= sg.end) {  // a new sequence starts at t: everything in the ring is from earlier ones
-        sg = seg_of(t, T, cu, N);
-#pragma unroll
-        for (int k = 0; k < W - 1; ++k)
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) xr[k][v] = 0.f;
-      }
-      load_vec<VEC>(x + t * C + c0, xr[W - 1]);
+    // One token with its input in xr[W-1]: output, then the ring moves on.
+    auto step = [&](int64_t t) {
       float out[VEC];
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
@@ -137,6 +132,31 @@ __global__ void __launch_bounds__(kBX* kBY) conv_fwd_kernel(const bf16* x, const
       for (int k = 0; k < W - 1; ++k)
 #pragma unroll
         for (int v = 0; v < VEC; ++v) xr[k][v] = xr[k + 1][v];
+    };
+    for (int64_t t = t0; t < t1;) {
+      if (t + kU <= t1 && t + kU <= sg.end) {  // kU tokens of one sequence: their loads in flight together
+        float xn[kU][VEC];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) load_vec<VEC>(x + (t + u) * C + c0, xn[u]);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) xr[W - 1][v] = xn[u][v];
+          step(t + u);
+        }
+        t += kU;
+        continue;
+      }
+      if (t >= sg.end) {  // a new sequence starts at t: everything in the ring is from earlier ones
+        sg = seg_of(t, T, cu, N);
+#pragma unroll
+        for (int k = 0; k < W - 1; ++k)
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) xr[k][v] = 0.f;
+      }
+      load_vec<VEC>(x + t * C + c0, xr[W - 1]);
+      step(t);
+      ++t;
     }
   }
 }
@@ -170,17 +190,8 @@ __global__ void __launch_bounds__(kBX* kBY)
     for (int k = 0; k < W; ++k)
 #pragma unroll
       for (int v = 0; v < VEC; ++v) acc[k][v] = 0.f;
-    for (int64_t t = t0; t < tend; ++t) {
-      if (t >= sg.end) {
-        sg = seg_of(t, T, cu, N);
-#pragma unroll
-        for (int k = 0; k < W - 1; ++k)
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) xr[k][v] = 0.f;
-      }
-      load_vec<VEC>(x + t * C + c0, xr[W - 1]);
-      float g[VEC];
-      load_vec<VEC>(dy + t * C + c0, g);
+    // One token with its input in xr[W-1] and dy in g.
+    auto step = [&](int64_t t, float (&g)[VEC]) {
       if (silu) {
 #pragma unroll
         for (int v = 0; v < VEC; ++v) {
@@ -210,6 +221,36 @@ __global__ void __launch_bounds__(kBX* kBY)
         for (int v = 0; v < VEC; ++v) xr[k][v] = xr[k + 1][v], acc[k][v] = acc[k + 1][v];
 #pragma unroll
       for (int v = 0; v < VEC; ++v) acc[W - 1][v] = 0.f;
+    };
+    for (int64_t t = t0; t < tend;) {
+      if (t + kUB <= tend && t + kUB <= sg.end) {  // kUB tokens of one sequence: their loads in flight together
+        float xn[kUB][VEC], gn[kUB][VEC];
+#pragma unroll
+        for (int u = 0; u < kUB; ++u) {
+          load_vec<VEC>(x + (t + u) * C + c0, xn[u]);
+          load_vec<VEC>(dy + (t + u) * C + c0, gn[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < kUB; ++u) {
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) xr[W - 1][v] = xn[u][v];
+          step(t + u, gn[u]);
+        }
+        t += kUB;
+        continue;
+      }
+      if (t >= sg.end) {
+        sg = seg_of(t, T, cu, N);
+#pragma unroll
+        for (int k = 0; k < W - 1; ++k)
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) xr[k][v] = 0.f;
+      }
+      load_vec<VEC>(x + t * C + c0, xr[W - 1]);
+      float g[VEC];
+      load_vec<VEC>(dy + t * C + c0, g);
+      step(t, g);
+      ++t;
     }
     // The stream stopped at the last row (tend == rows): its final W−1 rows get no more contributions.
 #pragma unroll
