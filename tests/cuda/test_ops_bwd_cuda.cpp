@@ -225,6 +225,36 @@ TEST(OpsBwdCuda, ShortConv) {
     EXPECT_LE(edx, 1e-2);
     EXPECT_LE(edw, 1e-3);
     EXPECT_EQ(0, std::memcmp(dw_a.data(), dw_b.data(), dw_a.size() * 4)) << "dw not deterministic";
+
+    // x and dx as the middle column block of a [rows, 3C] matrix (ldx = 3C, as the model's fused q/k/v
+    // projection feeds it): the same results bit for bit, and the other columns untouched.
+    kc::ConvShape s3 = s;
+    s3.ldx = 3 * sc.C;
+    Vec x3(size_t(rows * 3 * sc.C), 0.f);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < sc.C; ++c) x3[size_t(r * 3 * sc.C + sc.C + c)] = x[size_t(r * sc.C + c)];
+    Dev gx3(x3.size() * 2), gy3(x.size() * 2), gdx3(x3.size() * 2), gdw3(w.size() * 4);
+    up_bf16(gx3, x3);
+    kc::device_fill(gdx3.p, 0, x3.size() * 2);
+    kc::device_fill(gdw3.p, 0, w.size() * 4);
+    kc::short_conv_forward(static_cast<uint16_t*>(gx3.p) + sc.C, gw.f(), gy3.p, s3, sc.silu);
+    kc::short_conv_backward(static_cast<uint16_t*>(gx3.p) + sc.C, gw.f(), gdy.p, static_cast<uint16_t*>(gdx3.p) + sc.C,
+                            gdw3.f(), s3, sc.silu);
+    const auto y1 = down<uint16_t>(gy, x.size()), y3 = down<uint16_t>(gy3, x.size());
+    const auto dx1 = down<uint16_t>(gdx, x.size()), dx3 = down<uint16_t>(gdx3, x3.size());
+    const auto dw3 = down<float>(gdw3, w.size());
+    kc::synchronize();
+    EXPECT_EQ(y1, y3) << "strided input changed y";
+    size_t bad = 0, stray = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < 3 * sc.C; ++c) {
+        const uint16_t got = dx3[size_t(r * 3 * sc.C + c)];
+        if (c >= sc.C && c < 2 * sc.C) bad += got != dx1[size_t(r * sc.C + c - sc.C)];
+        else stray += got != 0;
+      }
+    EXPECT_EQ(bad, 0u) << "strided dx differs";
+    EXPECT_EQ(stray, 0u) << "strided dx wrote outside its column block";
+    EXPECT_EQ(0, std::memcmp(dw3.data(), dw_a.data(), dw_a.size() * 4)) << "strided dw differs";
   }
 }
 

@@ -220,6 +220,10 @@ struct GpuModel::Impl {
         } else if (ends_with(s.name, ".gate_proj.weight") && s.component != Component::Mla) {
           place(s.name);
           place(fmt::format("{}.up_proj.weight", std::string_view(s.name).substr(0, s.name.size() - 17)));
+        } else if (s.component == Component::Kda && ends_with(s.name, ".q_proj.weight")) {
+          // KDA's q, k, v projections: one [3·H·K, d] matrix, one GEMM each way
+          const std::string pre = s.name.substr(0, s.name.size() - 14);
+          place(s.name), place(pre + ".k_proj.weight"), place(pre + ".v_proj.weight");
         } else {
           place(s.name);
         }
@@ -241,6 +245,13 @@ struct GpuModel::Impl {
   float* M(const std::string& n) const { return as<float>(master.p) + slot(n).off; }
   float* G(const std::string& n) const { return as<float>(grad.p) + slot(n).off; }
   void* W(const std::string& n) const { return as<uint16_t>(wbf.p) + slot(n).off; }
+  // KDA layer i's q, k, v projections as one [3·H·K, d] matrix (placed back to back by layout()).
+  void* qkv_weight(int64_t i) const {
+    const std::string A = P_(i) + ".self_attn.";
+    const Slot &q = slot(A + "q_proj.weight"), &k = slot(A + "k_proj.weight"), &v = slot(A + "v_proj.weight");
+    LM_CHECK(k.off == q.off + size_t(q.numel) && v.off == k.off + size_t(k.numel), "gpu model: q/k/v projections of layer {} not adjacent", i);
+    return W(A + "q_proj.weight");
+  }
 
   // ---- activations ---------------------------------------------------------------------------
   template <class T = void>
@@ -291,9 +302,9 @@ struct GpuModel::Impl {
     p.gate_dtype = kc::GateDType::BF16;
     return p;
   }
-  kc::ConvShape conv_shape(int64_t C) const {
+  kc::ConvShape conv_shape(int64_t C, int64_t ldx = 0) const {
     kc::ConvShape s;
-    s.B = seqs.B, s.T = seqs.T, s.C = C, s.W = c.kda_conv_kernel;
+    s.B = seqs.B, s.T = seqs.T, s.C = C, s.W = c.kda_conv_kernel, s.ldx = ldx;
     if (!seqs.cu.empty()) s.cu_seqlens = seqs.cu.data(), s.N = seqs.num_seqs();
     return s;
   }
@@ -303,19 +314,18 @@ struct GpuModel::Impl {
     const int64_t H = c.kda_num_heads, Kd = c.kda_head_dim, HK = H * Kd, n = rows;
     const std::string A = P_(i) + ".self_attn.";
     auto bf = [&](const char* nm, int64_t w) { return buf(K(i, nm), size_t(n) * w * 2); };
-    void *qp = bf("qp", HK), *kp = bf("kp", HK), *vp = bf("vp", HK), *qc = bf("qc", HK), *kc_ = bf("kc", HK),
-         *vc = bf("vc", HK), *fa = bf("fa", Kd), *f = bf("f", HK), *braw = bf("braw", H), *go = bf("gate_o", HK),
-         *o = bf("o", HK), *on = bf("on", HK);
+    // qkvp [n, 3·HK]: the q, k, v projections side by side (their weights are one matrix, see layout())
+    void *qkvp = bf("qkvp", 3 * HK), *qc = bf("qc", HK), *kc_ = bf("kc", HK), *vc = bf("vc", HK), *fa = bf("fa", Kd),
+         *f = bf("f", HK), *braw = bf("braw", H), *go = bf("gate_o", HK), *o = bf("o", HK), *on = bf("on", HK);
     float* orstd = buf<float>(K(i, "orstd"), size_t(n) * H * 4);
     std::optional<Timed> sec(std::in_place, section("kda.proj.fwd"));
-    oc::linear_fwd(xn, W(A + "q_proj.weight"), qp, DType::BF16, n, d, HK);
-    oc::linear_fwd(xn, W(A + "k_proj.weight"), kp, DType::BF16, n, d, HK);
-    oc::linear_fwd(xn, W(A + "v_proj.weight"), vp, DType::BF16, n, d, HK);
+    oc::linear_fwd(xn, qkv_weight(i), qkvp, DType::BF16, n, d, 3 * HK);
     sec.emplace(section("kda.conv.fwd"));
-    const kc::ConvShape cs = conv_shape(HK);
-    kc::short_conv_forward(qp, M(A + "q_conv1d.weight"), qc, cs);
-    kc::short_conv_forward(kp, M(A + "k_conv1d.weight"), kc_, cs);
-    kc::short_conv_forward(vp, M(A + "v_conv1d.weight"), vc, cs);
+    const kc::ConvShape cs = conv_shape(HK, 3 * HK);
+    auto* pre = static_cast<const uint16_t*>(qkvp);
+    kc::short_conv_forward(pre, M(A + "q_conv1d.weight"), qc, cs);
+    kc::short_conv_forward(pre + HK, M(A + "k_conv1d.weight"), kc_, cs);
+    kc::short_conv_forward(pre + 2 * HK, M(A + "v_conv1d.weight"), vc, cs);
     sec.emplace(section("kda.proj.fwd"));
     oc::linear_fwd(xn, W(A + "f_a_proj.weight"), fa, DType::BF16, n, d, Kd);
     oc::linear_fwd(fa, W(A + "f_b_proj.weight"), f, DType::BF16, n, Kd, HK);
@@ -343,8 +353,8 @@ struct GpuModel::Impl {
     const int64_t H = c.kda_num_heads, Kd = c.kda_head_dim, HK = H * Kd, n = rows;
     const std::string A = P_(i) + ".self_attn.";
     const void* xn = get(K(i, "xn"));
-    void *qp = get(K(i, "qp")), *kp = get(K(i, "kp")), *vp = get(K(i, "vp")), *qc = get(K(i, "qc")),
-         *kc_ = get(K(i, "kc")), *vc = get(K(i, "vc")), *fa = get(K(i, "fa")), *f = get(K(i, "f")),
+    void *qkvp = get(K(i, "qkvp")), *qc = get(K(i, "qc")), *kc_ = get(K(i, "kc")), *vc = get(K(i, "vc")),
+         *fa = get(K(i, "fa")), *f = get(K(i, "f")),
          *braw = get(K(i, "braw")), *go = get(K(i, "gate_o")), *o = get(K(i, "o")), *on = get(K(i, "on"));
     float* orstd = get<float>(K(i, "orstd"));
     float* d_on = buf<float>("s.d_on", size_t(n) * HK * 4);
@@ -380,20 +390,19 @@ struct GpuModel::Impl {
     void* d_fa = buf("s.d_fa", size_t(n) * Kd * 2);
     oc::linear_bwd(fa, W(A + "f_b_proj.weight"), df, d_fa, DType::BF16, G(A + "f_b_proj.weight"), n, Kd, HK);
     oc::linear_bwd(xn, W(A + "f_a_proj.weight"), d_fa, dxn, DType::F32, G(A + "f_a_proj.weight"), n, d, Kd, true);
-    const kc::ConvShape cs = conv_shape(HK);
-    void* dp = buf("s.dp", size_t(n) * HK * 2);
-    struct Branch {
-      const char *proj, *conv;
-      void *pre, *dpost;
-    };
-    for (const Branch& b : {Branch{"q_proj", "q_conv1d", qp, dq}, Branch{"k_proj", "k_conv1d", kp, dk},
-                            Branch{"v_proj", "v_conv1d", vp, dv}}) {
-      const std::string cw = A + b.conv + ".weight", pw = A + b.proj + ".weight";
-      sec.emplace(section("kda.conv.bwd"));
-      kc::short_conv_backward(b.pre, M(cw), b.dpost, dp, G(cw), cs);
-      sec.emplace(section("kda.proj.bwd"));
-      oc::linear_bwd(xn, W(pw), dp, dxn, DType::F32, G(pw), n, d, HK, true);
+    // the convs' input gradients side by side [n, 3·HK], then one GEMM each way for the three projections
+    const kc::ConvShape cs = conv_shape(HK, 3 * HK);
+    auto* dp = static_cast<uint16_t*>(buf("s.dp", size_t(n) * 3 * HK * 2));
+    auto* pre = static_cast<const uint16_t*>(qkvp);
+    sec.emplace(section("kda.conv.bwd"));
+    int64_t j = 0;
+    for (const auto& [conv, dpost] : {std::pair{"q_conv1d", dq}, std::pair{"k_conv1d", dk}, std::pair{"v_conv1d", dv}}) {
+      const std::string cw = A + conv + ".weight";
+      kc::short_conv_backward(pre + j * HK, M(cw), dpost, dp + j * HK, G(cw), cs);
+      ++j;
     }
+    sec.emplace(section("kda.proj.bwd"));
+    oc::linear_bwd(xn, qkv_weight(i), dp, dxn, DType::F32, G(A + "q_proj.weight"), n, d, 3 * HK, true);
   }
 
   // ================================ gated MLA (mla.cpp) =========================================

@@ -2,7 +2,8 @@
 //
 // Legend: rows = B·T packed tokens, C channels, W taps (<= 8), N sequences (B, or varlen cu_seqlens),
 //         TT tokens per thread, VEC channels per thread (4 when C % 4 == 0, else 1).
-//         x, y, dy, dx bf16 [rows, C]; w fp32 [C, W]; dw fp32 [C, W] (+=); partial fp32 [P, C, W] scratch.
+//         x, dx bf16 [rows, C] with row stride ldx (>= C: a column block of a wider matrix), y, dy bf16 [rows, C];
+//         w fp32 [C, W]; dw fp32 [C, W] (+=); partial fp32 [P, C, W] scratch.
 //   pre[t, c] = Σ_k w[c, k] · x[t − (W−1) + k, c] (zero before the sequence start), y = silu(pre)
 //   dpre = dy · silu'(pre);  dx[τ] = Σ_k w[k] · dpre[τ + (W−1) − k] (same sequence);  dw[k] = Σ_t dpre[t] · x[t − (W−1) + k]
 // Each thread walks TT consecutive tokens of VEC channels with the last W inputs in a register ring, so every
@@ -86,12 +87,13 @@ __device__ __forceinline__ float sigmoidf_(float z) { return __fdividef(1.f, 1.f
 
 // Ring xr[k] = inputs at t − (W−1) + k; fills slots 0..W−2 for a walk starting at t0 in sequence sg.
 template <int W, int VEC>
-__device__ __forceinline__ void preload(const bf16* x, int C, int c0, int64_t t0, const Seg& sg, float (&xr)[W][VEC]) {
+__device__ __forceinline__ void preload(const bf16* x, int64_t ldx, int c0, int64_t t0, const Seg& sg,
+                                        float (&xr)[W][VEC]) {
 #pragma unroll
   for (int k = 0; k < W - 1; ++k) {
     const int64_t p = t0 - (W - 1) + k;
     if (p >= sg.begin) {
-      load_vec<VEC>(x + p * C + c0, xr[k]);
+      load_vec<VEC>(x + p * ldx + c0, xr[k]);
     } else {
 #pragma unroll
       for (int v = 0; v < VEC; ++v) xr[k][v] = 0.f;
@@ -101,7 +103,8 @@ __device__ __forceinline__ void preload(const bf16* x, int C, int c0, int64_t t0
 
 template <int W, int VEC>
 __global__ void __launch_bounds__(kBX* kBY) conv_fwd_kernel(const bf16* x, const float* w, bf16* y, int64_t rows,
-                                                              int C, int64_t T, const int64_t* cu, int N, int silu) {
+                                                              int C, int64_t ldx, int64_t T, const int64_t* cu, int N,
+                                                              int silu) {
   const int c0 = (blockIdx.x * kBX + threadIdx.x) * VEC;
   if (c0 >= C) return;
   float wr[VEC][W];
@@ -116,7 +119,7 @@ __global__ void __launch_bounds__(kBX* kBY) conv_fwd_kernel(const bf16* x, const
     const int64_t t1 = min(t0 + kTT, rows);
     Seg sg = seg_of(t0, T, cu, N);
     float xr[W][VEC];
-    preload<W, VEC>(x, C, c0, t0, sg, xr);
+    preload<W, VEC>(x, ldx, c0, t0, sg, xr);
     // One token with its input in xr[W-1]: output, then the ring moves on.
     auto step = [&](int64_t t) {
       float out[VEC];
@@ -137,7 +140,7 @@ __global__ void __launch_bounds__(kBX* kBY) conv_fwd_kernel(const bf16* x, const
       if (t + kU <= t1 && t + kU <= sg.end) {  // kU tokens of one sequence: their loads in flight together
         float xn[kU][VEC];
 #pragma unroll
-        for (int u = 0; u < kU; ++u) load_vec<VEC>(x + (t + u) * C + c0, xn[u]);
+        for (int u = 0; u < kU; ++u) load_vec<VEC>(x + (t + u) * ldx + c0, xn[u]);
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
 #pragma unroll
@@ -154,7 +157,7 @@ __global__ void __launch_bounds__(kBX* kBY) conv_fwd_kernel(const bf16* x, const
 #pragma unroll
           for (int v = 0; v < VEC; ++v) xr[k][v] = 0.f;
       }
-      load_vec<VEC>(x + t * C + c0, xr[W - 1]);
+      load_vec<VEC>(x + t * ldx + c0, xr[W - 1]);
       step(t);
       ++t;
     }
@@ -165,7 +168,7 @@ __global__ void __launch_bounds__(kBX* kBY) conv_fwd_kernel(const bf16* x, const
 template <int W, int VEC>
 __global__ void __launch_bounds__(kBX* kBY)
     conv_bwd_kernel(const bf16* x, const float* w, const bf16* dy, bf16* dx, float* partial, int64_t rows, int C,
-                    int64_t T, const int64_t* cu, int N, int silu) {
+                    int64_t ldx, int64_t T, const int64_t* cu, int N, int silu) {
   const int c0 = (blockIdx.x * kBX + threadIdx.x) * VEC;
   const bool active = c0 < C;
   float wr[VEC][W];
@@ -185,7 +188,7 @@ __global__ void __launch_bounds__(kBX* kBY)
     const int64_t tend = min(t1 + (W - 1), rows);      // dpre needed up to here
     Seg sg = seg_of(t0, T, cu, N);
     float xr[W][VEC], acc[W][VEC];  // acc[j]: pending dx of row t − (W−1) + j
-    preload<W, VEC>(x, C, c0, t0, sg, xr);
+    preload<W, VEC>(x, ldx, c0, t0, sg, xr);
 #pragma unroll
     for (int k = 0; k < W; ++k)
 #pragma unroll
@@ -214,7 +217,7 @@ __global__ void __launch_bounds__(kBX* kBY)
         if (t - (W - 1) + k >= sg.begin)
 #pragma unroll
           for (int v = 0; v < VEC; ++v) acc[k][v] = fmaf(wr[v][k], g[v], acc[k][v]);
-      if (t - (W - 1) >= t0) store_vec<VEC>(dx + (t - (W - 1)) * C + c0, acc[0]);
+      if (t - (W - 1) >= t0) store_vec<VEC>(dx + (t - (W - 1)) * ldx + c0, acc[0]);
 #pragma unroll
       for (int k = 0; k < W - 1; ++k)
 #pragma unroll
@@ -227,7 +230,7 @@ __global__ void __launch_bounds__(kBX* kBY)
         float xn[kUB][VEC], gn[kUB][VEC];
 #pragma unroll
         for (int u = 0; u < kUB; ++u) {
-          load_vec<VEC>(x + (t + u) * C + c0, xn[u]);
+          load_vec<VEC>(x + (t + u) * ldx + c0, xn[u]);
           load_vec<VEC>(dy + (t + u) * C + c0, gn[u]);
         }
 #pragma unroll
@@ -246,7 +249,7 @@ __global__ void __launch_bounds__(kBX* kBY)
 #pragma unroll
           for (int v = 0; v < VEC; ++v) xr[k][v] = 0.f;
       }
-      load_vec<VEC>(x + t * C + c0, xr[W - 1]);
+      load_vec<VEC>(x + t * ldx + c0, xr[W - 1]);
       float g[VEC];
       load_vec<VEC>(dy + t * C + c0, g);
       step(t, g);
@@ -256,7 +259,7 @@ __global__ void __launch_bounds__(kBX* kBY)
 #pragma unroll
     for (int j = 0; j < W - 1; ++j) {
       const int64_t tau = tend - (W - 1) + j;
-      if (tau >= t0 && tau < t1) store_vec<VEC>(dx + tau * C + c0, acc[j]);
+      if (tau >= t0 && tau < t1) store_vec<VEC>(dx + tau * ldx + c0, acc[j]);
     }
   }
   if (!partial) return;  // block-uniform: no dw wanted
@@ -291,6 +294,7 @@ int64_t check_shape(const ConvShape& s, const char* who) {
   if (s.W < 1 || s.W > kMaxW) fail(w + ": W must be in [1, 8], got " + std::to_string(s.W));
   if (s.B < 1 || s.T < 0 || s.C < 1) fail(w + ": need B >= 1, T >= 0, C >= 1");
   if (s.C > (int64_t(1) << 30)) fail(w + ": C too large");
+  if (s.ldx != 0 && s.ldx < s.C) fail(w + ": ldx must be 0 or >= C");
   if (s.cu_seqlens) {
     const int64_t* cu = s.cu_seqlens;
     if (s.B != 1) fail(w + ": varlen (cu_seqlens) needs B == 1");
@@ -304,6 +308,7 @@ int64_t check_shape(const ConvShape& s, const char* who) {
 }
 
 bool aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
+int64_t ldx_of(const ConvShape& s) { return s.ldx ? s.ldx : s.C; }
 
 // Device copy of the host cu_seqlens (null without varlen), freed by the caller with cudaFreeAsync.
 int64_t* upload_cu(const ConvShape& s, cudaStream_t st) {
@@ -325,15 +330,15 @@ dim3 grid_of(int64_t rows, int64_t C, int vec) {
 template <int W, int VEC>
 void launch_fwd(const bf16* x, const float* w, bf16* y, int64_t rows, const ConvShape& s, const int64_t* cu, bool silu,
                 cudaStream_t st) {
-  conv_fwd_kernel<W, VEC><<<grid_of(rows, s.C, VEC), dim3(kBX, kBY), 0, st>>>(x, w, y, rows, int(s.C), s.T, cu,
-                                                                              int(s.N), silu);
+  conv_fwd_kernel<W, VEC><<<grid_of(rows, s.C, VEC), dim3(kBX, kBY), 0, st>>>(x, w, y, rows, int(s.C), ldx_of(s),
+                                                                              s.T, cu, int(s.N), silu);
 }
 
 template <int W, int VEC>
 void launch_bwd(const bf16* x, const float* w, const bf16* dy, bf16* dx, float* partial, int64_t rows,
                 const ConvShape& s, const int64_t* cu, bool silu, cudaStream_t st) {
   conv_bwd_kernel<W, VEC><<<grid_of(rows, s.C, VEC), dim3(kBX, kBY), 0, st>>>(x, w, dy, dx, partial, rows, int(s.C),
-                                                                              s.T, cu, int(s.N), silu);
+                                                                              ldx_of(s), s.T, cu, int(s.N), silu);
 }
 
 // Calls FN<W, VEC>(args...) for the runtime W (1..8) and VEC (1 or 4).
@@ -368,7 +373,7 @@ void short_conv_forward(const void* x, const float* w, void* y, const ConvShape&
   if (!x || !w || !y) fail("short_conv_forward: null argument");
   if (x == y) fail("short_conv_forward: y must not alias x");
   const auto st = static_cast<cudaStream_t>(stream);
-  const int vec = (s.C % 4 == 0 && aligned8(x) && aligned8(y)) ? 4 : 1;
+  const int vec = (s.C % 4 == 0 && ldx_of(s) % 4 == 0 && aligned8(x) && aligned8(y)) ? 4 : 1;
   int64_t* cu = upload_cu(s, st);
   const int W = int(s.W);
   LM_CONV_DISPATCH(launch_fwd, W, vec, static_cast<const bf16*>(x), w, static_cast<bf16*>(y), rows, s, cu, silu, st);
@@ -383,7 +388,7 @@ void short_conv_backward(const void* x, const float* w, const void* dy, void* dx
   if (!x || !w || !dy || !dx) fail("short_conv_backward: null argument");
   if (dx == x) fail("short_conv_backward: dx must not alias x (it is re-read)");
   const auto st = static_cast<cudaStream_t>(stream);
-  const int vec = (s.C % 4 == 0 && aligned8(x) && aligned8(dy) && aligned8(dx)) ? 4 : 1;
+  const int vec = (s.C % 4 == 0 && ldx_of(s) % 4 == 0 && aligned8(x) && aligned8(dy) && aligned8(dx)) ? 4 : 1;
   const dim3 grid = grid_of(rows, s.C, vec);
   const int64_t CW = s.C * s.W;
   int64_t* cu = upload_cu(s, st);
