@@ -266,6 +266,21 @@ TEST(KdaCuda, LongSequence) {
   check_case(c);
 }
 
+// Enough (sequence, head) pairs that the forward recurrence runs 8 or 4 warps per block, which for K = V = 128
+// is the warpgroup-MMA kernel (recur_wgmma.cu) on an H200's 132 SMs; smaller cases above take recur.cu.
+TEST(KdaCuda, ManyHeadsWarpgroupRecurrence) {
+  REQUIRE_GPU();
+  Case c;
+  c.B = 1, c.T = 130, c.H = 96, c.seed = 61;  // N·H = 96: 8 warps
+  check_case(c);
+  c.B = 2, c.T = 150, c.H = 24, c.seed = 62;  // 48: 4 warps
+  check_case(c);
+  c.B = 1, c.T = 300, c.H = 48, c.cu = {0, 100, 101, 300}, c.seed = 63;  // varlen, 3 x 48: 8 warps
+  check_case(c);
+  c.form = GateForm::Softplus, c.diag = DiagPath::Exact;
+  check_case(c);
+}
+
 TEST(KdaCuda, Golden) {
   REQUIRE_GPU();
   LM_REQUIRE_GOLDEN(dir);

@@ -11,6 +11,7 @@
 // double-buffered with cp.async, so loading chunk c+1 overlaps the products of chunk c. The forward's
 // products with E (Eᵀ A_qkᵀ, Eᵀ Kd) run in fp16 (A_qk, U, Kd come in fp16), the backward's in bf16.
 #include "ops/kda/cuda/launch.hpp"
+#include "ops/kda/cuda/recur_common.cuh"
 
 namespace lm::kda::cuda::detail {
 namespace {
@@ -22,53 +23,6 @@ struct RecSmem {
   static constexpr size_t staging = size_t(NW) * KP * LDS * 2;  // per warp [KP][LDS] bf16
   static constexpr size_t bytes = 2 * stage + staging;
 };
-
-// Accumulator tile (rows e = value column, cols c) to the per-warp staging [c][e] bf16 (transposed).
-template <int NTILES, int LDS>
-__device__ __forceinline__ void stage_t(bf16* stg, const float (*acc)[4], int lane) {
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < NTILES; ++nt) {
-    const int c0 = 8 * nt + 2 * t;
-    stg[c0 * LDS + g] = __float2bfloat16_rn(acc[nt][0]);
-    stg[(c0 + 1) * LDS + g] = __float2bfloat16_rn(acc[nt][1]);
-    stg[c0 * LDS + g + 8] = __float2bfloat16_rn(acc[nt][2]);
-    stg[(c0 + 1) * LDS + g + 8] = __float2bfloat16_rn(acc[nt][3]);
-  }
-}
-// Staging rows [0, R) x 16 columns to dst (row stride ld elements), 16 bytes per lane and step.
-template <int R, int LDS>
-__device__ __forceinline__ void copy_out(bf16* dst, int64_t ld, const bf16* stg, int lane) {
-#pragma unroll 4
-  for (int idx = lane; idx < 2 * R; idx += 32) {
-    const int r = idx >> 1, hv = (idx & 1) * 8;
-    *reinterpret_cast<uint4*>(dst + r * ld + hv) = *reinterpret_cast<const uint4*>(stg + r * LDS + hv);
-  }
-}
-
-// State (Sᵀ fragments of value columns ew.., all KP keys) from / to a [K][V] f32 matrix.
-template <int KP>
-__device__ __forceinline__ void load_state(float (*st)[4], const float* src, int K, int V, int ew, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < KP / 8; ++nt)
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      const int d = 8 * nt + 2 * t + (x & 1), e = ew + g + (x >> 1) * 8;
-      st[nt][x] = (src && d < K && e < V) ? src[int64_t(d) * V + e] : 0.f;
-    }
-}
-template <int KP>
-__device__ __forceinline__ void store_state(const float (*st)[4], float* dst, int K, int V, int ew, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < KP / 8; ++nt)
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      const int d = 8 * nt + 2 * t + (x & 1), e = ew + g + (x >> 1) * 8;
-      if (d < K && e < V) dst[int64_t(d) * V + e] = st[nt][x];
-    }
-}
 
 template <int KP, int NW, int MODE>
 __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_kernel(const OpParams p) {
@@ -356,6 +310,7 @@ void bwd_t(const OpParams& p, int N, cudaStream_t s) {
 
 void launch_recur_fwd(const OpParams& p, int KP, int NW, int N, int mode, cudaStream_t s) {
   if (N == 0) return;
+  if (mode == 0 && KP == 128 && launch_recur_fwd_wgmma(p, NW, N, s)) return;
   if (KP == 64) {
     switch (NW) {
       case 1: fwd_t<64, 1>(p, N, mode, s); break;
