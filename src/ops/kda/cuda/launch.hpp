@@ -12,8 +12,8 @@ void launch_prep(const OpParams& p, int KP, bool bounded, bool gate_f32, bool bw
 // K2, per (sequence, head, value group of 16*NW columns): the chunk recurrence. mode 0: O and ht;
 // mode 1: the state at every chunk start (S0) and E, for the backward.
 void launch_recur_fwd(const OpParams& p, int KP, int NW, int N, int mode, cudaStream_t s);
-// Mode 0 with warpgroup MMAs (recur_wgmma.cu) when K = V = 128 and NW is 4 or 8; false: not handled.
-bool launch_recur_fwd_wgmma(const OpParams& p, int NW, int N, cudaStream_t s);
+// The same with warpgroup MMAs (recur_wgmma.cu) when K = V = 128 and NW is 4 or 8; false: not handled.
+bool launch_recur_fwd_wgmma(const OpParams& p, int NW, int N, int mode, cudaStream_t s);
 // Reverse recurrence of dS (SPEC §2.2): dS at every chunk end, dE, dh0.
 void launch_recur_bwd(const OpParams& p, int KP, int NW, int N, cudaStream_t s);
 // Per (chunk, head): every gradient of the chunk from S0, dS, E, dE; partial dA_log / ddt_bias sums.

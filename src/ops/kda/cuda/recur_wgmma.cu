@@ -1,4 +1,4 @@
-// K2 of the chunked KDA forward (SPEC §2.1, mode 0 of recur.cu) with warpgroup MMAs, for K = V = 128.
+// K2 of the chunked KDA forward (SPEC §2.1, recur.cu's recur_fwd_kernel) with warpgroup MMAs, for K = V = 128.
 //
 // Legend: B batch, T tokens, H heads, K = V = 128, C chunk 64, NW warps per block (4 or 8: one or two
 //         warpgroups of 64 value columns), e value column, d key, i, j chunk rows.
@@ -45,6 +45,21 @@ __device__ __forceinline__ void wg_m64n128k16_rs_tb_f16(float (&d)[16][4], const
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
+// The same with bf16 operands.
+__device__ __forceinline__ void wg_m64n128k16_rs_tb_bf16(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+// fp16 (forward: U, Kd, A_qk and E in fp16) or bf16 (mode 1) forms of the products with E.
+template <bool F16>
+__device__ __forceinline__ void wg_e_kd(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db) {
+  if constexpr (F16) wg_m64n128k16_rs_tb_f16(d, a, db, 1);
+  else wg_m64n128k16_rs_tb_bf16(d, a, db, 1);
+}
+
 template <int N>
 __device__ __forceinline__ void fence_acc(float (&d)[N][4]) {
 #pragma unroll
@@ -53,14 +68,15 @@ __device__ __forceinline__ void fence_acc(float (&d)[N][4]) {
     for (int x = 0; x < 4; ++x) asm volatile("" : "+f"(d[i][x])::"memory");
 }
 
-template <int NW>
+template <int NW, int MODE>
 struct WgSmem {
   static constexpr int LDU = 16 * NW + 8, LDS = 24;
   static constexpr size_t TILE = 64 * 128 * 2;  // [64][128] as two swizzled [64][64] panels
   static constexpr size_t ATILE = 64 * 64 * 2;  // A_qk: one panel
   static constexpr size_t U = size_t(64) * LDU * 2;
   static constexpr size_t stage = (3 * TILE + ATILE + U + 128 * 4 + 1023) / 1024 * 1024;
-  static constexpr size_t staging = size_t(NW) * 64 * LDS * 2;  // per warp: O of 64 rows x 16 columns
+  // per warp, 16 columns of O (64 rows) or, in mode 1, of the chunk-start state (KP rows) and E
+  static constexpr size_t staging = size_t(NW) * (MODE == 0 ? 64 : 128) * LDS * 2;
   static constexpr size_t bytes = 2 * stage + staging + 1024;   // + alignment of the dynamic base
 };
 
@@ -75,9 +91,11 @@ __device__ __forceinline__ void load_swz(unsigned char* s, const bf16* g, int ti
   }
 }
 
-template <int NW>
+// MODE 0: O and ht; MODE 1 (for the backward): the state at every chunk start (S0) and E, bf16 throughout.
+template <int NW, int MODE>
 __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpParams p) {
-  using SM = WgSmem<NW>;
+  using SM = WgSmem<NW, MODE>;
+  constexpr bool F16 = MODE == 0;
   constexpr int KP = 128, LDU = SM::LDU, LDS = SM::LDS, NT = NW * 32;
   constexpr size_t TILE = SM::TILE, ATILE = SM::ATILE;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -85,15 +103,17 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, t = lane & 3;
   const int n = blockIdx.z, h = blockIdx.y, H = p.H, K = p.K, V = p.V;
   const int eb = blockIdx.x * 16 * NW, ew = eb + 16 * warp;
-  bf16* stg = reinterpret_cast<bf16*>(smem + 2 * SM::stage) + warp * 64 * LDS;
+  bf16* stg = reinterpret_cast<bf16*>(smem + 2 * SM::stage) + warp * (MODE == 0 ? 64 : 128) * LDS;
   // stage s: W | Qg | Kd | A_qk | U (this block's columns, padded rows) | Γ_last
   auto issue = [&](int c, int s) {
     unsigned char* b = smem + s * SM::stage;
     const int64_t ch = int64_t(c) * H + h;
     load_swz<128, NT>(b, p.ws.W + ch * 64 * KP, tid);
-    load_swz<128, NT>(b + TILE, p.ws.Qg + ch * 64 * KP, tid);
     load_swz<128, NT>(b + 2 * TILE, p.ws.Kd + ch * 64 * KP, tid);
-    load_swz<64, NT>(b + 3 * TILE, p.ws.Aqk + ch * 4096, tid);
+    if (MODE == 0) {
+      load_swz<128, NT>(b + TILE, p.ws.Qg + ch * 64 * KP, tid);
+      load_swz<64, NT>(b + 3 * TILE, p.ws.Aqk + ch * 4096, tid);
+    }
     load_tile<64, 16 * NW, LDU, NT>(reinterpret_cast<bf16*>(b + 3 * TILE + ATILE), p.ws.U + ch * 64 * KP + eb, KP, 64,
                                     16 * NW, tid);
     load_f32<KP, NT>(reinterpret_cast<float*>(b + 3 * TILE + ATILE + SM::U), p.ws.Gl + ch * KP, tid);
@@ -115,6 +135,13 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
     const unsigned char* b = smem + s * SM::stage;
     const bf16* sU = reinterpret_cast<const bf16*>(b + 3 * TILE + ATILE);
     const float* sGl = reinterpret_cast<const float*>(b + 3 * TILE + ATILE + SM::U);
+    const int64_t ch = int64_t(c) * H + h;
+    if (MODE == 1) {  // the state at the chunk start, [K][V] layout
+      stage_t<KP / 8, LDS>(stg, st, lane);
+      __syncwarp();
+      copy_out<KP, LDS>(p.ws.S0 + ch * KP * KP + ew, KP, stg, lane);
+      __syncwarp();
+    }
 
     // -Sᵀ Wᵀ and Sᵀ Qgᵀ over the 128 keys: Sᵀ as bf16 A fragments, W / Qg K-major
     uint32_t sa[KP / 16][4];
@@ -130,33 +157,40 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
     for (int kk = 0; kk < KP / 16; ++kk) {
       const size_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
       wg_m64n64k16_rs_bf16(ae, sa[kk], hp::wg_desc(b + off), 1);
-      wg_m64n64k16_rs_bf16(ao, sa[kk], hp::wg_desc(b + TILE + off), 1);
+      if (MODE == 0) wg_m64n64k16_rs_bf16(ao, sa[kk], hp::wg_desc(b + TILE + off), 1);
     }
     hp::wg_commit();
     hp::wg_wait<0>();
     fence_acc(ae);
     fence_acc(ao);
-    // Eᵀ = Uᵀ - Sᵀ Wᵀ as fp16 A fragments over the chunk rows
+    // Eᵀ = Uᵀ - Sᵀ Wᵀ as A fragments over the chunk rows
     uint32_t ea[4][4];
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       uint32_t u[4];
       ldsm4t(u, sU + 16 * kk * LDU + 16 * warp + at_off(lane, LDU));
-      const float2 u0 = unpack_f16(u[0]), u1 = unpack_f16(u[1]), u2 = unpack_f16(u[2]), u3 = unpack_f16(u[3]);
+      const float2 u0 = unpack2<F16>(u[0]), u1 = unpack2<F16>(u[1]), u2 = unpack2<F16>(u[2]), u3 = unpack2<F16>(u[3]);
       float* e0 = ae[2 * kk];
       float* e1 = ae[2 * kk + 1];
       e0[0] = u0.x - e0[0], e0[1] = u0.y - e0[1], e0[2] = u1.x - e0[2], e0[3] = u1.y - e0[3];
       e1[0] = u2.x - e1[0], e1[1] = u2.y - e1[1], e1[2] = u3.x - e1[2], e1[3] = u3.y - e1[3];
-      c_to_a<true>(ea[kk], ae[2 * kk], ae[2 * kk + 1]);
+      c_to_a<F16>(ea[kk], ae[2 * kk], ae[2 * kk + 1]);
     }
-    // Oᵀ += Eᵀ A_qkᵀ (A_qk K-major, fp16)
-    hp::wg_fence();
+    if (MODE == 1) {
+      stage_t<8, LDS>(stg, ae, lane);
+      __syncwarp();
+      copy_out<64, LDS>(p.ws.E + ch * 64 * KP + ew, KP, stg, lane);
+      __syncwarp();
+    } else {
+      // Oᵀ += Eᵀ A_qkᵀ (A_qk K-major, fp16)
+      hp::wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wg_m64n64k16_rs_f16(ao, ea[kk], hp::wg_desc(b + 3 * TILE + kk * 32), 1);
-    hp::wg_commit();
-    hp::wg_wait<0>();
-    fence_acc(ao);
-    // Sᵀ <- Sᵀ Diag(Γ_last) + Eᵀ Kd (Kd N-major, fp16), running while O goes out
+      for (int kk = 0; kk < 4; ++kk) wg_m64n64k16_rs_f16(ao, ea[kk], hp::wg_desc(b + 3 * TILE + kk * 32), 1);
+      hp::wg_commit();
+      hp::wg_wait<0>();
+      fence_acc(ao);
+    }
+    // Sᵀ <- Sᵀ Diag(Γ_last) + Eᵀ Kd (Kd N-major), running while O goes out
 #pragma unroll
     for (int nt = 0; nt < KP / 8; ++nt) {
       const float2 gl = *reinterpret_cast<const float2*>(sGl + 8 * nt + 2 * t);
@@ -165,48 +199,51 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
     hp::wg_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      wg_m64n128k16_rs_tb_f16(st, ea[kk], hp::wg_desc_mn(b + 2 * TILE + kk * 16 * 128, 8192), 1);
+      wg_e_kd<F16>(st, ea[kk], hp::wg_desc_mn(b + 2 * TILE + kk * 16 * 128, 8192));
     hp::wg_commit();
-    stage_t<8, LDS>(stg, ao, lane);
-    __syncwarp();
-    const ChunkInfo ci = p.chunks[c];
-    const int64_t HV = int64_t(H) * V;
-    for (int idx = lane; idx < 128; idx += 32) {
-      const int i = idx >> 1, hv = (idx & 1) * 8;
-      if (i < ci.len)
-        *reinterpret_cast<uint4*>(p.o + (int64_t(ci.row0) + i) * HV + int64_t(h) * V + ew + hv) =
-            *reinterpret_cast<const uint4*>(stg + i * LDS + hv);
+    if (MODE == 0) {
+      stage_t<8, LDS>(stg, ao, lane);
+      __syncwarp();
+      const ChunkInfo ci = p.chunks[c];
+      const int64_t HV = int64_t(H) * V;
+      for (int idx = lane; idx < 128; idx += 32) {
+        const int i = idx >> 1, hv = (idx & 1) * 8;
+        if (i < ci.len)
+          *reinterpret_cast<uint4*>(p.o + (int64_t(ci.row0) + i) * HV + int64_t(h) * V + ew + hv) =
+              *reinterpret_cast<const uint4*>(stg + i * LDS + hv);
+      }
+      __syncwarp();
     }
-    __syncwarp();
     hp::wg_wait<0>();
     fence_acc(st);
     __syncthreads();  // stage s is free for chunk c + 2
   }
-  if (p.ht) store_state<KP>(st, p.ht + sh * K * V, K, V, ew, lane);
+  if (MODE == 0 && p.ht) store_state<KP>(st, p.ht + sh * K * V, K, V, ew, lane);
 }
 
-template <int NW>
+template <int NW, int MODE>
 void launch_nw(const OpParams& p, int N, cudaStream_t s) {
-  const size_t smem = WgSmem<NW>::bytes;
+  const size_t smem = WgSmem<NW, MODE>::bytes;
+  static_assert(WgSmem<NW, MODE>::bytes <= 227 * 1024, "one block's shared memory on Hopper");
   static bool attr = false;
   if (!attr) {
-    cudaFuncSetAttribute(recur_fwd_wgmma_kernel<NW>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    cudaFuncSetAttribute(recur_fwd_wgmma_kernel<NW, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     attr = true;
   }
-  recur_fwd_wgmma_kernel<NW><<<dim3(128 / (16 * NW), p.H, N), NW * 32, smem, s>>>(p);
+  recur_fwd_wgmma_kernel<NW, MODE><<<dim3(128 / (16 * NW), p.H, N), NW * 32, smem, s>>>(p);
 }
 
 }  // namespace
 
-bool launch_recur_fwd_wgmma(const OpParams& p, int NW, int N, cudaStream_t s) {
+bool launch_recur_fwd_wgmma(const OpParams& p, int NW, int N, int mode, cudaStream_t s) {
   static const bool off = [] {
     const char* e = std::getenv("LONGMOE_KDA_RECUR_MMA");  // 1: keep the mma.sync recurrence (comparisons)
     return e && e[0] == '1';
   }();
   if (off || p.K != 128 || p.V != 128 || (NW != 4 && NW != 8)) return false;
   if (N == 0) return true;
-  if (NW == 8) launch_nw<8>(p, N, s);
-  else launch_nw<4>(p, N, s);
+  if (NW == 8) mode ? launch_nw<8, 1>(p, N, s) : launch_nw<8, 0>(p, N, s);
+  else mode ? launch_nw<4, 1>(p, N, s) : launch_nw<4, 0>(p, N, s);
   return true;
 }
 
