@@ -329,6 +329,7 @@ void launch_recur_fwd(const OpParams& p, int KP, int NW, int N, int mode, cudaSt
 
 void launch_recur_bwd(const OpParams& p, int KP, int NW, int N, cudaStream_t s) {
   if (N == 0) return;
+  if (KP == 128 && launch_recur_bwd_wgmma(p, NW, N, s)) return;
   if (KP == 64) {
     switch (NW) {
       case 1: bwd_t<64, 1>(p, N, s); break;

@@ -1,8 +1,9 @@
-// K2 of the chunked KDA forward (SPEC §2.1, recur.cu's recur_fwd_kernel) with warpgroup MMAs, for K = V = 128.
+// The chunk recurrences of KDA (SPEC §2.1, §2.2; recur.cu) with warpgroup MMAs, for K = V = 128.
 //
 // Legend: B batch, T tokens, H heads, K = V = 128, C chunk 64, NW warps per block (4 or 8: one or two
 //         warpgroups of 64 value columns), e value column, d key, i, j chunk rows.
-//   Eᵀ = Uᵀ - Sᵀ Wᵀ,   Oᵀ = Sᵀ Qgᵀ + Eᵀ A_qkᵀ,   Sᵀ <- Sᵀ Diag(Γ_last) + Eᵀ Kd   (as recur.cu)
+//   forward:  Eᵀ = Uᵀ - Sᵀ Wᵀ,   Oᵀ = Sᵀ Qgᵀ + Eᵀ A_qkᵀ,   Sᵀ <- Sᵀ Diag(Γ_last) + Eᵀ Kd   (as recur.cu)
+//   backward: dEᵀ = dSᵀ Kdᵀ + dOᵀ A_qk,   dSᵀ <- dSᵀ Diag(Γ_last) + dOᵀ Qg - dEᵀ W
 // Why: recur.cu's mma.sync form has each warp read all of W, Qg, Kd and A_qk through ldmatrix for its own 16
 // value columns (8 warps: ~450 KB of shared-memory reads per chunk, the bound of that kernel). Here a
 // warpgroup's four warps issue one wgmma whose B operand (W, Qg, A_qk K-major; Kd N-major) the tensor cores
@@ -51,6 +52,14 @@ __device__ __forceinline__ void wg_m64n128k16_rs_tb_bf16(float (&d)[16][4], cons
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+// D[64 x 64] (+)= A[64 x 16] (registers, bf16) · B[16 x 64] (N-major in shared memory).
+__device__ __forceinline__ void wg_m64n64k16_rs_tb_bf16(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 // fp16 (forward: U, Kd, A_qk and E in fp16) or bf16 (mode 1) forms of the products with E.
@@ -233,14 +242,131 @@ void launch_nw(const OpParams& p, int N, cudaStream_t s) {
   recur_fwd_wgmma_kernel<NW, MODE><<<dim3(128 / (16 * NW), p.H, N), NW * 32, smem, s>>>(p);
 }
 
-}  // namespace
+// The reverse recurrence (recur.cu's recur_bwd_kernel): dS at every chunk end, dE, dh0; bf16 operands.
+//   dEᵀ = dSᵀ Kdᵀ + dOᵀ A_qk,   dSᵀ <- dSᵀ Diag(Γ_last) + dOᵀ Qg - dEᵀ W
+// Kd is read K-major here and W, Qg, A_qk N-major: the same swizzled panels serve both descriptor kinds.
+template <int NW>
+__global__ void __launch_bounds__(NW * 32, 1) recur_bwd_wgmma_kernel(const OpParams p) {
+  using SM = WgSmem<NW, 1>;
+  constexpr int KP = 128, LDU = SM::LDU, LDS = SM::LDS, NT = NW * 32;
+  constexpr size_t TILE = SM::TILE, ATILE = SM::ATILE;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, t = lane & 3;
+  const int n = blockIdx.z, h = blockIdx.y, H = p.H, K = p.K, V = p.V;
+  const int eb = blockIdx.x * 16 * NW, ew = eb + 16 * warp;
+  const int64_t HV = int64_t(H) * V;
+  bf16* stg = reinterpret_cast<bf16*>(smem + 2 * SM::stage) + warp * 128 * LDS;
+  // stage s: W | Qg | Kd | A_qk | dO (this block's columns) | Γ_last
+  auto issue = [&](int c, int s) {
+    unsigned char* b = smem + s * SM::stage;
+    const int64_t ch = int64_t(c) * H + h;
+    const ChunkInfo ci = p.chunks[c];
+    load_swz<128, NT>(b, p.ws.W + ch * 64 * KP, tid);
+    load_swz<128, NT>(b + TILE, p.ws.Qg + ch * 64 * KP, tid);
+    load_swz<128, NT>(b + 2 * TILE, p.ws.Kd + ch * 64 * KP, tid);
+    load_swz<64, NT>(b + 3 * TILE, p.ws.Aqk + ch * 4096, tid);
+    load_tile<64, 16 * NW, LDU, NT>(reinterpret_cast<bf16*>(b + 3 * TILE + ATILE),
+                                    p.dout + int64_t(ci.row0) * HV + int64_t(h) * V + eb, HV, ci.len, V - eb, tid);
+    load_f32<KP, NT>(reinterpret_cast<float*>(b + 3 * TILE + ATILE + SM::U), p.ws.Gl + ch * KP, tid);
+  };
 
-bool launch_recur_fwd_wgmma(const OpParams& p, int NW, int N, int mode, cudaStream_t s) {
+  float st[KP / 8][4];  // dSᵀ
+  const int64_t sh = int64_t(n) * H + h;
+  load_state<KP>(st, p.dht ? p.dht + sh * K * V : nullptr, K, V, ew, lane);
+  const int cs = p.seq_chunk0[n], ce = p.seq_chunk0[n + 1];
+  if (cs < ce) issue(ce - 1, 0);
+  cp_commit();
+  for (int c = ce - 1; c >= cs; --c) {
+    const int s = (ce - 1 - c) & 1;
+    if (c - 1 >= cs) issue(c - 1, s ^ 1);
+    cp_commit();
+    cp_wait<1>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();
+    const unsigned char* b = smem + s * SM::stage;
+    const bf16* sO = reinterpret_cast<const bf16*>(b + 3 * TILE + ATILE);
+    const float* sGl = reinterpret_cast<const float*>(b + 3 * TILE + ATILE + SM::U);
+    const int64_t ch = int64_t(c) * H + h;
+    stage_t<KP / 8, LDS>(stg, st, lane);  // dS at the chunk end, [K][V]
+    __syncwarp();
+    copy_out<KP, LDS>(p.ws.dS + ch * KP * KP + ew, KP, stg, lane);
+    __syncwarp();
+    uint32_t sa[KP / 16][4], oa[4][4];
+#pragma unroll
+    for (int kk = 0; kk < KP / 16; ++kk) c_to_a(sa[kk], st[2 * kk], st[2 * kk + 1]);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) ldsm4t(oa[kk], sO + 16 * kk * LDU + 16 * warp + at_off(lane, LDU));
+    float acc[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    hp::wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < KP / 16; ++kk)  // dSᵀ Kdᵀ
+      wg_m64n64k16_rs_bf16(acc, sa[kk], hp::wg_desc(b + 2 * TILE + (kk >> 2) * 8192 + (kk & 3) * 32), 1);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)  // + dOᵀ A_qk
+      wg_m64n64k16_rs_tb_bf16(acc, oa[kk], hp::wg_desc_mn(b + 3 * TILE + kk * 16 * 128, 8192), 1);
+    hp::wg_commit();
+    hp::wg_wait<0>();
+    fence_acc(acc);
+    uint32_t na[4][4];  // -dEᵀ
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) c_to_a(na[kk], acc[2 * kk], acc[2 * kk + 1], -1.f);
+#pragma unroll
+    for (int nt = 0; nt < KP / 8; ++nt) {
+      const float2 gl = *reinterpret_cast<const float2*>(sGl + 8 * nt + 2 * t);
+      st[nt][0] *= gl.x, st[nt][1] *= gl.y, st[nt][2] *= gl.x, st[nt][3] *= gl.y;
+    }
+    hp::wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      wg_m64n128k16_rs_tb_bf16(st, oa[kk], hp::wg_desc_mn(b + TILE + kk * 16 * 128, 8192), 1);
+      wg_m64n128k16_rs_tb_bf16(st, na[kk], hp::wg_desc_mn(b + kk * 16 * 128, 8192), 1);
+    }
+    hp::wg_commit();
+    stage_t<8, LDS>(stg, acc, lane);  // dE goes out while the state update runs
+    __syncwarp();
+    copy_out<64, LDS>(p.ws.dE + ch * 64 * KP + ew, KP, stg, lane);
+    __syncwarp();
+    hp::wg_wait<0>();
+    fence_acc(st);
+    __syncthreads();  // stage s is free for chunk c - 2
+  }
+  if (p.dh0) store_state<KP>(st, p.dh0 + sh * K * V, K, V, ew, lane);
+}
+
+template <int NW>
+void launch_bwd_nw(const OpParams& p, int N, cudaStream_t s) {
+  const size_t smem = WgSmem<NW, 1>::bytes;
+  static bool attr = false;
+  if (!attr) {
+    cudaFuncSetAttribute(recur_bwd_wgmma_kernel<NW>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    attr = true;
+  }
+  recur_bwd_wgmma_kernel<NW><<<dim3(128 / (16 * NW), p.H, N), NW * 32, smem, s>>>(p);
+}
+
+bool use_wgmma(const OpParams& p, int NW) {
   static const bool off = [] {
-    const char* e = std::getenv("LONGMOE_KDA_RECUR_MMA");  // 1: keep the mma.sync recurrence (comparisons)
+    const char* e = std::getenv("LONGMOE_KDA_RECUR_MMA");  // 1: keep the mma.sync recurrences (comparisons)
     return e && e[0] == '1';
   }();
-  if (off || p.K != 128 || p.V != 128 || (NW != 4 && NW != 8)) return false;
+  return !off && p.K == 128 && p.V == 128 && (NW == 4 || NW == 8);
+}
+
+}  // namespace
+
+bool launch_recur_bwd_wgmma(const OpParams& p, int NW, int N, cudaStream_t s) {
+  if (!use_wgmma(p, NW)) return false;
+  if (N == 0) return true;
+  if (NW == 8) launch_bwd_nw<8>(p, N, s);
+  else launch_bwd_nw<4>(p, N, s);
+  return true;
+}
+
+bool launch_recur_fwd_wgmma(const OpParams& p, int NW, int N, int mode, cudaStream_t s) {
+  if (!use_wgmma(p, NW)) return false;
   if (N == 0) return true;
   if (NW == 8) mode ? launch_nw<8, 1>(p, N, s) : launch_nw<8, 0>(p, N, s);
   else mode ? launch_nw<4, 1>(p, N, s) : launch_nw<4, 0>(p, N, s);
