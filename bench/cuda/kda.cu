@@ -44,7 +44,8 @@ int kda(int reps_arg, bool prof) {
                                      {1, 65536, 16, 128, 5.22, 5.59, 20.78, 25.56}};
   struct Row {
     Shape s;
-    double fb, fs, fbb, fbs, pb, pe, fe, fbe, rec, tb, te, head;  // tb, te: the A-tile stage, bounded / exact
+    // tb, te: the A-tile stage, bounded / exact; db, de: its diagonal tiles alone
+    double fb, fs, fbb, fbs, pb, pe, fe, fbe, rec, tb, te, head, db, de;
   };
   std::vector<Row> rows;
   for (const Shape& s : shapes) {
@@ -81,12 +82,15 @@ int kda(int reps_arg, bool prof) {
       return 0;
     }
     const int rf = reps * 2, rb = reps;
-    Row r{s, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    Row r{s, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
     // The A-tile stage: prep through the tiles minus prep up to them (same inputs, same launch shape).
-    auto tile_stage = [&](double* before_out) {
+    auto tile_stage = [&](double* before_out, double* diag_out) {
       const double before = median_ms([&] { kc::run_forward_stage(p, in, o, kc::Stage::PrepBeforeTiles); }, 3, rf);
       const double through = median_ms([&] { kc::run_forward_stage(p, in, o, kc::Stage::PrepThroughTiles); }, 3, rf);
+      const double diag =
+          median_ms([&] { kc::run_forward_stage(p, in, o, kc::Stage::PrepThroughDiagonalTiles); }, 3, rf);
       if (before_out) *before_out = before;
+      *diag_out = diag - before;
       return through - before;
     };
     cfg(GateForm::LowerBound, DiagPath::Bounded);
@@ -94,12 +98,12 @@ int kda(int reps_arg, bool prof) {
     r.fbb = median_ms(fb, 2, rb);
     r.pb = median_ms([&] { kc::run_forward_stage(p, in, o, kc::Stage::Prep); }, 3, rf);
     r.rec = median_ms([&] { kc::run_forward_stage(p, in, o, kc::Stage::Recurrence); }, 3, rf);
-    r.tb = tile_stage(&r.head);
+    r.tb = tile_stage(&r.head, &r.db);
     cfg(GateForm::LowerBound, DiagPath::Exact);
     r.fe = median_ms(fwd, 3, rf);
     r.fbe = median_ms(fb, 2, rb);
     r.pe = median_ms([&] { kc::run_forward_stage(p, in, o, kc::Stage::Prep); }, 3, rf);
-    r.te = tile_stage(nullptr);
+    r.te = tile_stage(nullptr, &r.de);
     cfg(GateForm::Softplus, DiagPath::Exact);
     r.fs = median_ms(fwd, 3, rf);
     r.fbs = median_ms(fb, 2, rb);
@@ -139,15 +143,17 @@ int kda(int reps_arg, bool prof) {
                 r.s.T, r.s.H, r.s.K, int(20 - 13 - std::log10(double(r.s.T)) - std::log10(double(r.s.H))), "", r.fb, r.fs,
                 r.s.peer_fwd_b, r.s.peer_fwd_s, r.fbb, r.fbs, r.s.peer_fb_b, r.s.peer_fb_s);
   std::printf("\nlower-bound gate, exact / bounded diagonal path (time ratio; > 1 means the bounded path is faster)\n");
-  std::printf("%-20s | %-36s | %-14s | %-21s | %-8s | %-13s | %-11s | fwd TFLOP/s\n", "(B,T,H,K=V)",
-              "prep bnd/exact ms (head, rec: bnd)", "prep exact/bnd", "A-tile stage bnd/exact", "tile e/b",
-              "fwd exact/bnd", "fwd+bwd e/b");
+  std::printf("%-20s | %-36s | %-14s | %-21s | %-8s | %-21s | %-8s | %-13s | %-11s | fwd TFLOP/s\n",
+              "(B,T,H,K=V)", "prep bnd/exact ms (head, rec: bnd)", "prep exact/bnd", "A-tile stage bnd/exact",
+              "tile e/b", "diag tiles bnd/exact", "diag e/b", "fwd exact/bnd", "fwd+bwd e/b");
   for (const Row& r : rows) {
     const double flop = double(r.s.B) * r.s.T * r.s.H * (6.0 * r.s.K * r.s.K + 3.0 * 64 * r.s.K + 64.0 * 64);
-    std::printf("(%d,%d,%d,%d)%*s | %6.3f / %6.3f (head %.3f, rec %.3f) | %14.2f | %9.3f / %9.3f | %8.2f | %13.2f | %11.2f | %.1f\n",
-                r.s.B, r.s.T, r.s.H, r.s.K, int(20 - 13 - std::log10(double(r.s.T)) - std::log10(double(r.s.H))), "",
-                r.pb, r.pe, r.head, r.rec, r.pe / r.pb, r.tb, r.te, r.te / r.tb, r.fe / r.fb, r.fbe / r.fbb,
-                flop / (r.fb * 1e-3) / 1e12);
+    std::printf(
+        "(%d,%d,%d,%d)%*s | %6.3f / %6.3f (head %.3f, rec %.3f) | %14.2f | %9.3f / %9.3f | %8.2f | %9.3f / %9.3f | "
+        "%8.2f | %13.2f | %11.2f | %.1f\n",
+        r.s.B, r.s.T, r.s.H, r.s.K, int(20 - 13 - std::log10(double(r.s.T)) - std::log10(double(r.s.H))), "", r.pb,
+        r.pe, r.head, r.rec, r.pe / r.pb, r.tb, r.te, r.te / r.tb, r.db, r.de, r.de / r.db, r.fe / r.fb, r.fbe / r.fbb,
+        flop / (r.fb * 1e-3) / 1e12);
   }
   std::printf("\ndecode B=64 H=96 K=V=128: %.1f us/step, %.2f TB/s (state read+write); peer 266-277 us, ~3.0 TB/s;"
               " D2D copy of the state %.2f TB/s\n",

@@ -297,6 +297,7 @@ void run_forward_stage(const Problem& p, const Inputs& in, void* o, Stage st, vo
     case Stage::Prep: detail::launch_prep(op, pl.KP, pl.bounded, pl.gate_f32, false, s); break;
     case Stage::PrepBeforeTiles: detail::launch_prep(op, pl.KP, pl.bounded, pl.gate_f32, false, s, 1); break;
     case Stage::PrepThroughTiles: detail::launch_prep(op, pl.KP, pl.bounded, pl.gate_f32, false, s, 2); break;
+    case Stage::PrepThroughDiagonalTiles: detail::launch_prep(op, pl.KP, pl.bounded, pl.gate_f32, false, s, 3); break;
     case Stage::Recurrence: detail::launch_recur_fwd(op, pl.KP, pl.NW, pl.N, 0, s); break;
   }
   check(cudaGetLastError(), "stage launch");

@@ -68,7 +68,8 @@ void synchronize();
 // them over a scratch workspace it keeps between calls (release with release_bench_workspace).
 // PrepBeforeTiles / PrepThroughTiles run prep up to the intra-chunk A tiles (gate, cumsum, norms) and through
 // them: the difference of their times is the tile stage, where the bounded and exact diagonal paths differ.
-enum class Stage { Prep, Recurrence, PrepBeforeTiles, PrepThroughTiles };
+// PrepThroughDiagonalTiles computes only the diagonal tiles there (bounded: MMAs, exact: pairwise).
+enum class Stage { Prep, Recurrence, PrepBeforeTiles, PrepThroughTiles, PrepThroughDiagonalTiles };
 void run_forward_stage(const Problem& p, const Inputs& in, void* o, Stage s, void* stream = nullptr);
 void release_bench_workspace();
 

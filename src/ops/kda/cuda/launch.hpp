@@ -7,7 +7,8 @@
 namespace lm::kda::cuda::detail {
 
 // K1, per (chunk, head): gate, cumsum, L2 norms, A_qk, A_kk, M = (I + A_kk)^-1, W, U, Qg, Kd, Γ_last
-// (and M, P_kk for the backward when `bwd`). stop 1 / 2 (forward, benchmarks): end before / after the A tiles.
+// (and M, P_kk for the backward when `bwd`). stop 1 / 2 (forward, benchmarks): end before / after the A tiles;
+// 3: after the diagonal tiles alone.
 void launch_prep(const OpParams& p, int KP, bool bounded, bool gate_f32, bool bwd, cudaStream_t s, int stop = 0);
 // K2, per (sequence, head, value group of 16*NW columns): the chunk recurrence. mode 0: O and ht;
 // mode 1: the state at every chunk start (S0) and E, for the backward.

@@ -56,7 +56,8 @@ __device__ __forceinline__ void mm16_tf32(float (&C)[2][4], const float* A, int 
 }
 
 // STOP (benchmarks only): 0 the whole kernel; 1 ends before the A tiles, 2 right after them, so that the
-// difference of the two times is the intra-chunk tile stage where the bounded and exact paths differ.
+// difference of the two times is the intra-chunk tile stage where the bounded and exact paths differ; 3 as 2
+// with the diagonal tiles alone (the bounded MMAs or the exact pairwise sums), the diagonal-tile stage.
 template <int KP, bool BOUNDED, typename GT, bool BWD, int STOP = 0>
 __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
   constexpr bool F16 = !BWD;
@@ -170,7 +171,7 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
 #pragma unroll 1
     for (int s = 0; s < 2; ++s) {
       const int ti = pair ? 1 + s : 3 * s;
-      const int ntj = BOUNDED ? ti + 1 : ti;  // column tiles of this row tile (the exact path: below the diagonal)
+      const int ntj = BOUNDED ? ti + 1 : (STOP == 3 ? 0 : ti);  // column tiles (exact path: below the diagonal)
       if (ntj == 0) continue;
       const int r0 = 16 * ti + g, r1 = r0 + 8;
       const float* Ga = sG + 16 * ti * LDG;  // anchor row
@@ -215,6 +216,7 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
 #pragma unroll
         for (int tj = 0; tj < 4; ++tj) {
           if (tj >= ntj) break;  // warp-uniform
+          if (STOP == 3 && tj != ti) continue;
           // the bounded diagonal tile: hi/lo splits (three MMAs), since its rounding dominates o's error
           const bool split = BOUNDED && tj == ti;
 #pragma unroll
@@ -326,7 +328,7 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
     }
   }
   __syncthreads();  // A_qk's partial sums are read: v can land in their place, under the next phases
-  if constexpr (STOP == 2) return;
+  if constexpr (STOP >= 2) return;
   load_tile<64, KP, LDB, 256>(sV, p.v + row0 * HV + int64_t(h) * V, HV, len, V, tid);
   cp_commit();
 
@@ -474,6 +476,7 @@ void launch_t(const OpParams& p, bool bwd, int stop, cudaStream_t s) {
   if (bwd) launch_b<KP, BND, GT, true>(p, s);
   else if (stop == 1) launch_b<KP, BND, GT, false, 1>(p, s);
   else if (stop == 2) launch_b<KP, BND, GT, false, 2>(p, s);
+  else if (stop == 3) launch_b<KP, BND, GT, false, 3>(p, s);
   else launch_b<KP, BND, GT, false>(p, s);
 }
 
