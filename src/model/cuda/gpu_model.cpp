@@ -249,7 +249,8 @@ struct GpuModel::Impl {
   void* qkv_weight(int64_t i) const {
     const std::string A = P_(i) + ".self_attn.";
     const Slot &q = slot(A + "q_proj.weight"), &k = slot(A + "k_proj.weight"), &v = slot(A + "v_proj.weight");
-    LM_CHECK(k.off == q.off + size_t(q.numel) && v.off == k.off + size_t(k.numel), "gpu model: q/k/v projections of layer {} not adjacent", i);
+    LM_CHECK(k.off == q.off + size_t(q.numel) && v.off == k.off + size_t(k.numel),
+             "gpu model: q/k/v projections of layer {} not adjacent", i);
     return W(A + "q_proj.weight");
   }
 
@@ -396,7 +397,8 @@ struct GpuModel::Impl {
     auto* pre = static_cast<const uint16_t*>(qkvp);
     sec.emplace(section("kda.conv.bwd"));
     int64_t j = 0;
-    for (const auto& [conv, dpost] : {std::pair{"q_conv1d", dq}, std::pair{"k_conv1d", dk}, std::pair{"v_conv1d", dv}}) {
+    for (const auto& [conv, dpost] :
+         {std::pair{"q_conv1d", dq}, std::pair{"k_conv1d", dk}, std::pair{"v_conv1d", dv}}) {
       const std::string cw = A + conv + ".weight";
       kc::short_conv_backward(pre + j * HK, M(cw), dpost, dp + j * HK, G(cw), cs);
       ++j;

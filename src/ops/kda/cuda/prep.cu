@@ -25,7 +25,8 @@ struct PrepSmem {
   static constexpr int LDM = 72;      // f32 A_kk / M
   static constexpr int LDX = 20;      // f32 16x16 scratch of the tf32 products
   static constexpr int LDQ = 68;      // A_qk partial sums (32-bit), in v's place until v is loaded
-  static constexpr size_t VSLOT = size_t(64) * LDB * 2 > size_t(64) * LDQ * 4 ? size_t(64) * LDB * 2 : size_t(64) * LDQ * 4;
+  static constexpr size_t VBYTES = size_t(64) * LDB * 2, QBYTES = size_t(64) * LDQ * 4;
+  static constexpr size_t VSLOT = VBYTES > QBYTES ? VBYTES : QBYTES;
   static constexpr size_t bytes =
       size_t(2) * 64 * LDB * 2 + VSLOT + size_t(64) * LDG * 4 + size_t(64) * LDM * 4 + 2048 * 4 + 3 * 64 * 4 + 256 * 4;
 };

@@ -76,10 +76,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_kernel(const OpParams p)
       buf(s, sW, sQg, sKd, sA, sU, sGl);
       const int64_t ch = int64_t(c) * H + h;
       if (MODE == 1) {  // the state at the chunk start, [K][V] layout
-        stage_t<KP / 8, LDS>(stg, st, lane);
-        __syncwarp();
-        copy_out<KP, LDS>(p.ws.S0 + ch * KP * KP + ew, KP, stg, lane);
-        __syncwarp();
+        store_tile_t<KP, LDS>(p.ws.S0 + ch * KP * KP + ew, KP, stg, st, lane);
       }
       // Eᵀ (so far -Sᵀ Wᵀ) and Oᵀ = Sᵀ Qgᵀ over the KP keys
       float ae[8][4], ao[8][4];
@@ -104,23 +101,10 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_kernel(const OpParams p)
           }
         }
       }
-      uint32_t ea[4][4];  // Eᵀ as bf16 A fragments over the chunk rows
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        uint32_t u[4];
-        ldsm4t(u, sU + 16 * kk * LDU + 16 * warp + at_off(lane, LDU));
-        const float2 u0 = unpack2<F16>(u[0]), u1 = unpack2<F16>(u[1]), u2 = unpack2<F16>(u[2]), u3 = unpack2<F16>(u[3]);
-        float* e0 = ae[2 * kk];
-        float* e1 = ae[2 * kk + 1];
-        e0[0] = u0.x - e0[0], e0[1] = u0.y - e0[1], e0[2] = u1.x - e0[2], e0[3] = u1.y - e0[3];
-        e1[0] = u2.x - e1[0], e1[1] = u2.y - e1[1], e1[2] = u3.x - e1[2], e1[3] = u3.y - e1[3];
-        c_to_a<F16>(ea[kk], ae[2 * kk], ae[2 * kk + 1]);
-      }
+      uint32_t ea[4][4];  // Eᵀ = Uᵀ - Sᵀ Wᵀ as A fragments over the chunk rows
+      e_from_u<F16, LDU>(ea, ae, sU, 16 * warp, lane);
       if (MODE == 1) {
-        stage_t<8, LDS>(stg, ae, lane);
-        __syncwarp();
-        copy_out<64, LDS>(p.ws.E + ch * 64 * KP + ew, KP, stg, lane);
-        __syncwarp();
+        store_tile_t<64, LDS>(p.ws.E + ch * 64 * KP + ew, KP, stg, ae, lane);
       }
       if (MODE == 0) {
 #pragma unroll
@@ -216,10 +200,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_bwd_kernel(const OpParams p)
       float* sGl;
       buf(s, sW, sQg, sKd, sA, sO, sGl);
       const int64_t ch = int64_t(c) * H + h;
-      stage_t<KP / 8, LDS>(stg, st, lane);  // dS at the chunk end, [K][V]
-      __syncwarp();
-      copy_out<KP, LDS>(p.ws.dS + ch * KP * KP + ew, KP, stg, lane);
-      __syncwarp();
+      store_tile_t<KP, LDS>(p.ws.dS + ch * KP * KP + ew, KP, stg, st, lane);  // dS at the chunk end, [K][V]
       float acc[8][4];
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
@@ -250,10 +231,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_bwd_kernel(const OpParams p)
       uint32_t na[4][4];  // -dEᵀ
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) c_to_a(na[kk], acc[2 * kk], acc[2 * kk + 1], -1.f);
-      stage_t<8, LDS>(stg, acc, lane);
-      __syncwarp();
-      copy_out<64, LDS>(p.ws.dE + ch * 64 * KP + ew, KP, stg, lane);
-      __syncwarp();
+      store_tile_t<64, LDS>(p.ws.dE + ch * 64 * KP + ew, KP, stg, acc, lane);
 #pragma unroll
       for (int nt = 0; nt < KP / 8; ++nt) {
         const float2 gl = *reinterpret_cast<const float2*>(sGl + 8 * nt + 2 * t);

@@ -54,4 +54,29 @@ __device__ __forceinline__ void store_state(const float (*st)[4], float* dst, in
     }
 }
 
+// Eᵀ = Uᵀ - ae in place (ae: this warp's -Sᵀ Wᵀ, 16 value columns × 64 chunk rows; U [64][LDU] in shared memory,
+// fp16 or bf16, the warp's columns at `col`), and Eᵀ as A fragments over the chunk rows.
+template <bool F16, int LDU>
+__device__ __forceinline__ void e_from_u(uint32_t (&ea)[4][4], float (&ae)[8][4], const bf16* sU, int col, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    uint32_t u[4];
+    ldsm4t(u, sU + 16 * kk * LDU + col + at_off(lane, LDU));
+    const float2 u0 = unpack2<F16>(u[0]), u1 = unpack2<F16>(u[1]), u2 = unpack2<F16>(u[2]), u3 = unpack2<F16>(u[3]);
+    float* e0 = ae[2 * kk];
+    float* e1 = ae[2 * kk + 1];
+    e0[0] = u0.x - e0[0], e0[1] = u0.y - e0[1], e0[2] = u1.x - e0[2], e0[3] = u1.y - e0[3];
+    e1[0] = u2.x - e1[0], e1[1] = u2.y - e1[1], e1[2] = u3.x - e1[2], e1[3] = u3.y - e1[3];
+    c_to_a<F16>(ea[kk], ae[2 * kk], ae[2 * kk + 1]);
+  }
+}
+// A warp's accumulator tile (16 columns × R rows) to dst [R][ld] bf16 through its staging buffer.
+template <int R, int LDS>
+__device__ __forceinline__ void store_tile_t(bf16* dst, int64_t ld, bf16* stg, const float (*acc)[4], int lane) {
+  stage_t<R / 8, LDS>(stg, acc, lane);
+  __syncwarp();
+  copy_out<R, LDS>(dst, ld, stg, lane);
+  __syncwarp();
+}
+
 }  // namespace lm::kda::cuda::detail

@@ -22,7 +22,8 @@ namespace {
 namespace hp = lm::ops::cuda::detail;
 
 // D[64 x 64] (+)= A[64 x 16] (registers, bf16) · B[64 x 16]ᵀ (K-major in shared memory).
-__device__ __forceinline__ void wg_m64n64k16_rs_bf16(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+__device__ __forceinline__ void wg_m64n64k16_rs_bf16(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db,
+                                                     int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
@@ -30,7 +31,8 @@ __device__ __forceinline__ void wg_m64n64k16_rs_bf16(float (&d)[8][4], const uin
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 // The same with fp16 operands.
-__device__ __forceinline__ void wg_m64n64k16_rs_f16(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+__device__ __forceinline__ void wg_m64n64k16_rs_f16(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db,
+                                                    int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
@@ -38,7 +40,8 @@ __device__ __forceinline__ void wg_m64n64k16_rs_f16(float (&d)[8][4], const uint
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 // D[64 x 128] (+)= A[64 x 16] (registers, fp16) · B[16 x 128] (N-major in shared memory).
-__device__ __forceinline__ void wg_m64n128k16_rs_tb_f16(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+__device__ __forceinline__ void wg_m64n128k16_rs_tb_f16(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db,
+                                                        int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
@@ -47,7 +50,8 @@ __device__ __forceinline__ void wg_m64n128k16_rs_tb_f16(float (&d)[16][4], const
 }
 
 // The same with bf16 operands.
-__device__ __forceinline__ void wg_m64n128k16_rs_tb_bf16(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+__device__ __forceinline__ void wg_m64n128k16_rs_tb_bf16(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db,
+                                                         int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
@@ -55,7 +59,8 @@ __device__ __forceinline__ void wg_m64n128k16_rs_tb_bf16(float (&d)[16][4], cons
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 // D[64 x 64] (+)= A[64 x 16] (registers, bf16) · B[16 x 64] (N-major in shared memory).
-__device__ __forceinline__ void wg_m64n64k16_rs_tb_bf16(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+__device__ __forceinline__ void wg_m64n64k16_rs_tb_bf16(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db,
+                                                        int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
@@ -146,10 +151,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
     const float* sGl = reinterpret_cast<const float*>(b + 3 * TILE + ATILE + SM::U);
     const int64_t ch = int64_t(c) * H + h;
     if (MODE == 1) {  // the state at the chunk start, [K][V] layout
-      stage_t<KP / 8, LDS>(stg, st, lane);
-      __syncwarp();
-      copy_out<KP, LDS>(p.ws.S0 + ch * KP * KP + ew, KP, stg, lane);
-      __syncwarp();
+      store_tile_t<KP, LDS>(p.ws.S0 + ch * KP * KP + ew, KP, stg, st, lane);
     }
 
     // -Sᵀ Wᵀ and Sᵀ Qgᵀ over the 128 keys: Sᵀ as bf16 A fragments, W / Qg K-major
@@ -172,24 +174,10 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
     hp::wg_wait<0>();
     fence_acc(ae);
     fence_acc(ao);
-    // Eᵀ = Uᵀ - Sᵀ Wᵀ as A fragments over the chunk rows
-    uint32_t ea[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      uint32_t u[4];
-      ldsm4t(u, sU + 16 * kk * LDU + 16 * warp + at_off(lane, LDU));
-      const float2 u0 = unpack2<F16>(u[0]), u1 = unpack2<F16>(u[1]), u2 = unpack2<F16>(u[2]), u3 = unpack2<F16>(u[3]);
-      float* e0 = ae[2 * kk];
-      float* e1 = ae[2 * kk + 1];
-      e0[0] = u0.x - e0[0], e0[1] = u0.y - e0[1], e0[2] = u1.x - e0[2], e0[3] = u1.y - e0[3];
-      e1[0] = u2.x - e1[0], e1[1] = u2.y - e1[1], e1[2] = u3.x - e1[2], e1[3] = u3.y - e1[3];
-      c_to_a<F16>(ea[kk], ae[2 * kk], ae[2 * kk + 1]);
-    }
+    uint32_t ea[4][4];  // Eᵀ = Uᵀ - Sᵀ Wᵀ as A fragments over the chunk rows
+    e_from_u<F16, LDU>(ea, ae, sU, 16 * warp, lane);
     if (MODE == 1) {
-      stage_t<8, LDS>(stg, ae, lane);
-      __syncwarp();
-      copy_out<64, LDS>(p.ws.E + ch * 64 * KP + ew, KP, stg, lane);
-      __syncwarp();
+      store_tile_t<64, LDS>(p.ws.E + ch * 64 * KP + ew, KP, stg, ae, lane);
     } else {
       // Oᵀ += Eᵀ A_qkᵀ (A_qk K-major, fp16)
       hp::wg_fence();
@@ -288,10 +276,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_bwd_wgmma_kernel(const OpPar
     const bf16* sO = reinterpret_cast<const bf16*>(b + 3 * TILE + ATILE);
     const float* sGl = reinterpret_cast<const float*>(b + 3 * TILE + ATILE + SM::U);
     const int64_t ch = int64_t(c) * H + h;
-    stage_t<KP / 8, LDS>(stg, st, lane);  // dS at the chunk end, [K][V]
-    __syncwarp();
-    copy_out<KP, LDS>(p.ws.dS + ch * KP * KP + ew, KP, stg, lane);
-    __syncwarp();
+    store_tile_t<KP, LDS>(p.ws.dS + ch * KP * KP + ew, KP, stg, st, lane);  // dS at the chunk end, [K][V]
     uint32_t sa[KP / 16][4], oa[4][4];
 #pragma unroll
     for (int kk = 0; kk < KP / 16; ++kk) c_to_a(sa[kk], st[2 * kk], st[2 * kk + 1]);
@@ -325,10 +310,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_bwd_wgmma_kernel(const OpPar
       wg_m64n128k16_rs_tb_bf16(st, na[kk], hp::wg_desc_mn(b + kk * 16 * 128, 8192), 1);
     }
     hp::wg_commit();
-    stage_t<8, LDS>(stg, acc, lane);  // dE goes out while the state update runs
-    __syncwarp();
-    copy_out<64, LDS>(p.ws.dE + ch * 64 * KP + ew, KP, stg, lane);
-    __syncwarp();
+    store_tile_t<64, LDS>(p.ws.dE + ch * 64 * KP + ew, KP, stg, acc, lane);  // dE goes out while the state update runs
     hp::wg_wait<0>();
     fence_acc(st);
     __syncthreads();  // stage s is free for chunk c - 2

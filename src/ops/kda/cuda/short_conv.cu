@@ -7,7 +7,8 @@
 //   pre[t, c] = Σ_k w[c, k] · x[t − (W−1) + k, c] (zero before the sequence start), y = silu(pre)
 //   dpre = dy · silu'(pre);  dx[τ] = Σ_k w[k] · dpre[τ + (W−1) − k] (same sequence);  dw[k] = Σ_t dpre[t] · x[t − (W−1) + k]
 // Each thread walks TT consecutive tokens of VEC channels with the last W inputs in a register ring, so every
-// x is read ~once; inside one sequence it issues the loads of kU (backward kUB) tokens at once. Backward: the thread recomputes dpre for W−1 tokens past its range (dx needs the future
+// x is read ~once; inside one sequence it issues the loads of kU (backward kUB) tokens at once.
+// Backward: the thread recomputes dpre for W−1 tokens past its range (dx needs the future
 // taps) and scatters w[k]·dpre[t] into a ring of pending dx rows; a row is final once the stream has moved
 // W−1 past it. dw: per-thread sums, reduced over the block's threads in a fixed order into one partial per
 // grid row P, then the P partials summed in order per (c, k): deterministic, no atomics.
