@@ -164,7 +164,8 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
   // reused for every column tile. The four quarters' partial sums meet in shared memory as 2^29 fixed point
   // (integer shared atomics are native, float ones a compare-and-swap loop): every partial is a dot product
   // of unit vectors over a subset of the channels with decays <= 1, so |value| <= 1 and the step 2^-29 is far
-  // below the bf16 / fp16 rounding of the result.
+  // below the bf16 / fp16 rounding of the result. (Entries above the causal mask of a diagonal tile have growths
+  // instead of decays and saturate or wrap; the finish below discards them.)
   {
     const float off = BOUNDED ? 7.5f * p.lb : 0.f;
     const int pair = warp >> 2, quarter = warp & 3;
