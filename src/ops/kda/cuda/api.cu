@@ -99,11 +99,13 @@ Plan make_plan(const Problem& p) {
   }
   pl.NC = int(pl.chunks.size());
   // Warps per block of the recurrences: fewest waves (one block per SM: their shared memory), where two
-  // warps per scheduler (NW = 8) cost about half again per chunk; ties go to more, smaller blocks.
+  // warps per scheduler (NW = 8) cost about half again per chunk; ties go to more, smaller blocks. With
+  // K = V = 128 the warpgroup kernels take 4 or 8 warps, and only those are considered.
   const int TW = int((p.V + 15) / 16), sms = sm_count();
+  const bool wg = detail::wgmma_recurrences(int(p.K), int(p.V));
   double best = 1e300;
   for (int nw : {1, 2, 4, 8}) {
-    if (nw > pl.KP / 16 || (nw > 1 && nw / 2 >= TW)) continue;
+    if (nw > pl.KP / 16 || (nw > 1 && nw / 2 >= TW) || (wg && nw < 4)) continue;
     const int64_t blocks = int64_t(pl.N) * p.H * ((TW + nw - 1) / nw);
     const double cost = double((blocks + sms - 1) / sms) * (nw == 8 ? 1.5 : 1.0);
     if (cost < best - 1e-9) best = cost, pl.NW = nw;

@@ -18,6 +18,8 @@ bool launch_recur_fwd_wgmma(const OpParams& p, int NW, int N, int mode, cudaStre
 // Reverse recurrence of dS (SPEC §2.2): dS at every chunk end, dE, dh0.
 void launch_recur_bwd(const OpParams& p, int KP, int NW, int N, cudaStream_t s);
 bool launch_recur_bwd_wgmma(const OpParams& p, int NW, int N, cudaStream_t s);  // as launch_recur_fwd_wgmma
+// Whether the recurrences of a K x V problem run on the warpgroup kernels (given 4 or 8 warps per block).
+bool wgmma_recurrences(int K, int V);
 // Per (chunk, head): every gradient of the chunk from S0, dS, E, dE; partial dA_log / ddt_bias sums.
 void launch_chunk_bwd(const OpParams& p, int KP, bool bounded, bool gate_f32, cudaStream_t s);
 // dA_log, ddt_bias from the per-chunk partial sums.

@@ -330,14 +330,18 @@ void launch_bwd_nw(const OpParams& p, int N, cudaStream_t s) {
 }
 
 bool use_wgmma(const OpParams& p, int NW) {
+  return wgmma_recurrences(p.K, p.V) && (NW == 4 || NW == 8);
+}
+
+}  // namespace
+
+bool wgmma_recurrences(int K, int V) {
   static const bool off = [] {
     const char* e = std::getenv("LONGMOE_KDA_RECUR_MMA");  // 1: keep the mma.sync recurrences (comparisons)
     return e && e[0] == '1';
   }();
-  return !off && p.K == 128 && p.V == 128 && (NW == 4 || NW == 8);
+  return !off && K == 128 && V == 128;
 }
-
-}  // namespace
 
 bool launch_recur_bwd_wgmma(const OpParams& p, int NW, int N, cudaStream_t s) {
   if (!use_wgmma(p, NW)) return false;
