@@ -70,7 +70,6 @@ struct RunConfig {
 struct TrainOptions {
   bool resume = false;
   bool quiet = false;      // no progress bar (tests)
-  bool sample = true;      // print a short greedy sample at the end
   // "cuda": forward, backward, AdamW and Quantile Balancing on the GPU (model/cuda/gpu_model); needs
   // optimizer.kind "adamw" and balance qb (exact estimator) or none. Checkpoints are the same files either way.
   std::string device = "cpu";

@@ -63,7 +63,7 @@ TEST(TrainCuda, LossFallsResumesAndContinuesOnTheCpu) {
   const fs::path root = fs::path(::testing::TempDir()) / "lm_train_cuda";
   fs::remove_all(root);
   TrainOptions gpu;
-  gpu.quiet = true, gpu.sample = false, gpu.device = "cuda";
+  gpu.quiet = true, gpu.device = "cuda";
   const TrainResult full = lm::train::train(run(root, (root / "full").string()), gpu);
   ASSERT_EQ(full.steps, 12);
   std::printf("GPU losses %.4f -> %.4f, held-out ppl %.2f\n", full.losses.front(), full.losses.back(),
@@ -95,7 +95,7 @@ TEST(TrainCuda, LossFallsResumesAndContinuesOnTheCpu) {
   lm::train::train(cpu_part, gpu);
   cpu_part.max_steps = 7;
   TrainOptions cpu;
-  cpu.quiet = true, cpu.sample = false, cpu.resume = true;
+  cpu.quiet = true, cpu.resume = true;
   const TrainResult on_cpu = lm::train::train(cpu_part, cpu);
   ASSERT_EQ(on_cpu.losses.size(), 2u);
   EXPECT_NEAR(on_cpu.losses[0], full.losses[5], 2e-2);  // the CPU's fp32 step against the GPU's bf16 one

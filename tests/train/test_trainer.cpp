@@ -298,7 +298,7 @@ TEST(Trainer, BadRunConfigsAreClearErrors) {
   RunConfig c = RunConfig::from_json(j, "ok.json");
   c.data = (root / "missing").string();
   c.out = (root / "never").string();
-  EXPECT_THROW(lm::train::train(c, TrainOptions{false, true, false}), Error);
+  EXPECT_THROW(lm::train::train(c, TrainOptions{false, true}), Error);
 }
 
 // Every shipped run config parses (the README job, the experiments, the K3 recipe) and every model
