@@ -220,10 +220,12 @@ struct GpuModel::Impl {
         } else if (ends_with(s.name, ".gate_proj.weight") && s.component != Component::Mla) {
           place(s.name);
           place(fmt::format("{}.up_proj.weight", std::string_view(s.name).substr(0, s.name.size() - 17)));
-        } else if (s.component == Component::Kda && ends_with(s.name, ".q_proj.weight")) {
-          // KDA's q, k, v projections: one [3·H·K, d] matrix, one GEMM each way
+        } else if (s.component == Component::Kda &&
+                   (ends_with(s.name, ".q_proj.weight") || ends_with(s.name, ".k_proj.weight") ||
+                    ends_with(s.name, ".v_proj.weight"))) {
+          // KDA's q, k, v projections, whichever comes first: one [3·H·K, d] matrix (qkv_weight)
           const std::string pre = s.name.substr(0, s.name.size() - 14);
-          place(s.name), place(pre + ".k_proj.weight"), place(pre + ".v_proj.weight");
+          place(pre + ".q_proj.weight"), place(pre + ".k_proj.weight"), place(pre + ".v_proj.weight");
         } else {
           place(s.name);
         }
@@ -245,14 +247,8 @@ struct GpuModel::Impl {
   float* M(const std::string& n) const { return as<float>(master.p) + slot(n).off; }
   float* G(const std::string& n) const { return as<float>(grad.p) + slot(n).off; }
   void* W(const std::string& n) const { return as<uint16_t>(wbf.p) + slot(n).off; }
-  // KDA layer i's q, k, v projections as one [3·H·K, d] matrix (placed back to back by layout()).
-  void* qkv_weight(int64_t i) const {
-    const std::string A = P_(i) + ".self_attn.";
-    const Slot &q = slot(A + "q_proj.weight"), &k = slot(A + "k_proj.weight"), &v = slot(A + "v_proj.weight");
-    LM_CHECK(k.off == q.off + size_t(q.numel) && v.off == k.off + size_t(k.numel),
-             "gpu model: q/k/v projections of layer {} not adjacent", i);
-    return W(A + "q_proj.weight");
-  }
+  // KDA layer i's q, k, v projections as one [3·H·K, d] matrix (layout() places them back to back).
+  void* qkv_weight(int64_t i) const { return W(P_(i) + ".self_attn.q_proj.weight"); }
 
   // ---- activations ---------------------------------------------------------------------------
   template <class T = void>

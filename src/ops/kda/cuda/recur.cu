@@ -288,7 +288,7 @@ void bwd_t(const OpParams& p, int N, cudaStream_t s) {
 
 void launch_recur_fwd(const OpParams& p, int KP, int NW, int N, int mode, cudaStream_t s) {
   if (N == 0) return;
-  if (KP == 128 && launch_recur_fwd_wgmma(p, NW, N, mode, s)) return;
+  if (launch_recur_fwd_wgmma(p, NW, N, mode, s)) return;
   if (KP == 64) {
     switch (NW) {
       case 1: fwd_t<64, 1>(p, N, mode, s); break;
@@ -307,7 +307,7 @@ void launch_recur_fwd(const OpParams& p, int KP, int NW, int N, int mode, cudaSt
 
 void launch_recur_bwd(const OpParams& p, int KP, int NW, int N, cudaStream_t s) {
   if (N == 0) return;
-  if (KP == 128 && launch_recur_bwd_wgmma(p, NW, N, s)) return;
+  if (launch_recur_bwd_wgmma(p, NW, N, s)) return;
   if (KP == 64) {
     switch (NW) {
       case 1: bwd_t<64, 1>(p, N, s); break;

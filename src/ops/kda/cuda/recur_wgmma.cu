@@ -49,15 +49,6 @@ __device__ __forceinline__ void wg_m64n128k16_rs_tb_f16(float (&d)[16][4], const
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
-// The same with bf16 operands.
-__device__ __forceinline__ void wg_m64n128k16_rs_tb_bf16(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db,
-                                                         int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-}
 // D[64 x 64] (+)= A[64 x 16] (registers, bf16) · B[16 x 64] (N-major in shared memory).
 __device__ __forceinline__ void wg_m64n64k16_rs_tb_bf16(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db,
                                                         int scale_d) {
@@ -67,11 +58,12 @@ __device__ __forceinline__ void wg_m64n64k16_rs_tb_bf16(float (&d)[8][4], const 
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
-// fp16 (forward: U, Kd, A_qk and E in fp16) or bf16 (mode 1) forms of the products with E.
+// D[64 x 128] += A (registers) · B (N-major): fp16 (the forward's E · Kd) or bf16 (hopper.cuh's, shared with the
+// attention kernels; the accumulator tiles are the same 64 floats).
 template <bool F16>
-__device__ __forceinline__ void wg_e_kd(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db) {
+__device__ __forceinline__ void wg_n128_tb(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db) {
   if constexpr (F16) wg_m64n128k16_rs_tb_f16(d, a, db, 1);
-  else wg_m64n128k16_rs_tb_bf16(d, a, db, 1);
+  else hp::wgmma_m64n128k16_rs_tb(reinterpret_cast<float(&)[64]>(d), a, db);
 }
 
 template <int N>
@@ -196,7 +188,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
     hp::wg_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      wg_e_kd<F16>(st, ea[kk], hp::wg_desc_mn(b + 2 * TILE + kk * 16 * 128, 8192));
+      wg_n128_tb<F16>(st, ea[kk], hp::wg_desc_mn(b + 2 * TILE + kk * 16 * 128, 8192));
     hp::wg_commit();
     if (MODE == 0) {
       stage_t<8, LDS>(stg, ao, lane);
@@ -306,8 +298,8 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_bwd_wgmma_kernel(const OpPar
     hp::wg_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      wg_m64n128k16_rs_tb_bf16(st, oa[kk], hp::wg_desc_mn(b + TILE + kk * 16 * 128, 8192), 1);
-      wg_m64n128k16_rs_tb_bf16(st, na[kk], hp::wg_desc_mn(b + kk * 16 * 128, 8192), 1);
+      wg_n128_tb<false>(st, oa[kk], hp::wg_desc_mn(b + TILE + kk * 16 * 128, 8192));
+      wg_n128_tb<false>(st, na[kk], hp::wg_desc_mn(b + kk * 16 * 128, 8192));
     }
     hp::wg_commit();
     store_tile_t<64, LDS>(p.ws.dE + ch * 64 * KP + ew, KP, stg, acc, lane);  // dE goes out while the state update runs
@@ -345,7 +337,6 @@ bool wgmma_recurrences(int K, int V) {
 
 bool launch_recur_bwd_wgmma(const OpParams& p, int NW, int N, cudaStream_t s) {
   if (!use_wgmma(p, NW)) return false;
-  if (N == 0) return true;
   if (NW == 8) launch_bwd_nw<8>(p, N, s);
   else launch_bwd_nw<4>(p, N, s);
   return true;
@@ -353,7 +344,6 @@ bool launch_recur_bwd_wgmma(const OpParams& p, int NW, int N, cudaStream_t s) {
 
 bool launch_recur_fwd_wgmma(const OpParams& p, int NW, int N, int mode, cudaStream_t s) {
   if (!use_wgmma(p, NW)) return false;
-  if (N == 0) return true;
   if (NW == 8) mode ? launch_nw<8, 1>(p, N, s) : launch_nw<8, 0>(p, N, s);
   else mode ? launch_nw<4, 1>(p, N, s) : launch_nw<4, 0>(p, N, s);
   return true;
