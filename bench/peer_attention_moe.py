@@ -13,6 +13,9 @@ Peers (bf16, median of CUDA-event timings after warm-up):
   decode:    matmul → softmax (fp32) → matmul over the latent cache (PyTorch has no fused absorbed decode).
   grouped GEMM: torch._grouped_mm(x [M, K], W [E, K, N] (a transposed view of [E, N, K]), offs = cumulative
              row ends, int32); FLOPs 2·M·N·K.
+  expert weight gradients: torch._grouped_mm(dy^T [N, M] (a transposed view, or made contiguous), x [M, K],
+             offs) -> [E, N, K], the offsets splitting the reduction dim; bf16 output written (ours and cuBLAS
+             accumulate into fp32); FLOPs 2·M·N·K.
 """
 import argparse
 import math
@@ -153,6 +156,42 @@ def bench_gemm(reps):
     return res
 
 
+def bench_wgrad(reps):
+    res = {}
+    # As bench/cuda/moe.cu: k3-1b dW2 (dy = d_eo [M, 768], x = h [M, 384]) and dW13 (dab [M, 768], xs [M, 768]).
+    cases = [
+        ("k3_1b_dw2_uniform", [2048] * 64, 768, 384),
+        ("k3_1b_dw2_uneven", uneven(64, 2048), 768, 384),
+        ("k3_1b_dw13_uniform", [2048] * 64, 768, 768),
+        ("k3_1b_dw13_uneven", uneven(64, 2048), 768, 768),
+    ]
+    if not hasattr(torch, "_grouped_mm"):
+        return res  # bench_gemm has said so
+    for name, counts, N, K in cases:
+        if any(c % 8 for c in counts):
+            # torch's split of the reduction dim needs 16-byte group sizes; a failed device assert would end the
+            # whole process, so such cases are not run
+            print(f"# wgrad {name}: not run for torch._grouped_mm (row counts must be multiples of 8)")
+            continue
+        M = sum(counts)
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        offs = torch.tensor(counts, device="cuda", dtype=torch.int32).cumsum(0).to(torch.int32)
+        best = None
+        for label, a in (("dy^T view", dy.t()), ("dy^T contiguous", dy.t().contiguous())):
+            try:
+                t = median_ms(lambda: torch._grouped_mm(a, x, offs=offs), 3, reps)
+                if best is None or t < best[0]:
+                    best = (t, label)
+            except Exception as e:  # noqa: BLE001 - e.g. a build without the 2-D x 2-D (split-K) case
+                print(f"# wgrad {name}: torch._grouped_mm with {label} failed: {str(e).splitlines()[0][:120]}")
+        if best:
+            res[name] = (best[0], 2 * M * N * K / best[0] / 1e9, best[1])
+        del dy, x
+        torch.cuda.empty_cache()
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--attention", help="our attention RESULT lines")
@@ -165,6 +204,7 @@ def main():
     att = bench_attention(reps) if args.attention else {}
     dec = bench_decode(reps) if args.attention else {}
     gem = bench_gemm(reps) if args.moe else {}
+    wgr = bench_wgrad(reps) if args.moe else {}
 
     def o(k):
         return ours.get(k, math.nan)
@@ -203,6 +243,16 @@ def main():
             ours_t, ours_g = o(f"gemm_{key}_tflops"), o(f"gemm_{key}_glu_tflops")
             var = " / ".join(f"{o(f'gemm_{key}_o{a}e{b}_tflops'):5.0f}" for b in (0, 1) for a in (0, 1))
             print(f"{key:<24} | {ours_t:7.1f} | {ours_g:14.1f} | {tfl:17.1f} | {ours_t / tfl:6.2f} | {var:<35} | {label}")
+
+    if wgr:
+        print("\n## Expert weight gradients dW_e = dy_e^T x_e, bf16 in (TFLOP/s = 2MNK / time; "
+              "ours and cuBLAS += fp32, torch writes bf16)")
+        print(f"{'case':<20} | {'ours':>7} | {'cuBLAS/expert':>13} | {'torch._grouped_mm':>17} | "
+              f"{'ours/torch':>10} | {'ours/cuBLAS':>11} | ours ms | err vs cuBLAS | peer layout")
+        for key, (t, tfl, label) in wgr.items():
+            ours_t, cub_t = o(f"wgrad_{key}_tflops"), o(f"wgrad_{key}_cublas_tflops")
+            print(f"{key:<20} | {ours_t:7.1f} | {cub_t:13.1f} | {tfl:17.1f} | {ours_t / tfl:10.2f} | "
+                  f"{ours_t / cub_t:11.2f} | {o(f'wgrad_{key}_ms'):7.3f} | {o(f'wgrad_{key}_err'):13.1e} | {label}")
 
     route = {k: v for k, v in ours.items() if k.startswith("route_")}
     if route:

@@ -7,7 +7,8 @@
 //         ℓ expert width (the latent, routed_expert_hidden_size). FLOPs = 2·M·N·K.
 // Shapes: "g64": 64 experts × 2048 rows, 1024 → 768 (the issue's peer shape); "k3": K3's latent experts
 // (ℓ = 3584, I = 3072), 64 experts × 256 rows (uniform) and with uneven counts (mean 256): W13 (ℓ → 2I) and
-// W2 (I → ℓ).
+// W2 (I → ℓ). Weight gradients ("wgrad_k3_1b"): k3-1b training (E = 64, ℓ = 768, I = 384, mean 2048 rows),
+// dW2 [ℓ, I] += d_eoᵀ · h and dW13 [2I, ℓ] += dabᵀ · xs, beside the per-expert cuBLAS products they replace.
 // Run by `longmoe bench moe --device cuda [--reps N] [--peer]`.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -21,6 +22,7 @@
 
 #include "bench/cuda/benches.hpp"
 #include "bench/cuda/common.cuh"
+#include "ops/gemm/cuda/gemm_cuda.hpp"
 #include "ops/moe/cuda/moe_cuda.hpp"
 
 namespace oc = lm::ops::cuda;
@@ -91,6 +93,71 @@ int moe(int reps_arg) {
     unsetenv("LONGMOE_GG_EPI");
     std::fflush(stdout);
     for (void* p : std::vector<void*>{x, w, y, doff}) CK(cudaFree(p));
+  }
+
+  // Expert weight gradients at the k3-1b training shapes, accumulated into fp32 as the backward does
+  // (gpu_model.cpp), against the path they replace (its LONGMOE_MOE_WGRAD_CUBLAS=1 fallback): one cuBLAS product
+  // per expert, concurrent on side streams (gemm_bf16_grouped). speedup = cuBLAS ms / ours; err = rel. RMS of
+  // ours against cuBLAS (both written, not accumulated).
+  struct WgradCase {
+    std::string name;
+    std::vector<int> counts;
+    int N, K;
+  };
+  const std::vector<WgradCase> wcases = {
+      {"k3_1b_dw2_uniform", std::vector<int>(64, 2048), 768, 384},  // dy = d_eo [M, ℓ], x = h [M, I]
+      {"k3_1b_dw2_uneven", uneven(64, 2048), 768, 384},
+      {"k3_1b_dw13_uniform", std::vector<int>(64, 2048), 768, 768},  // dy = dab [M, 2I], x = xs [M, ℓ]
+      {"k3_1b_dw13_uneven", uneven(64, 2048), 768, 768},
+  };
+  for (const WgradCase& c : wcases) {
+    const int E = int(c.counts.size());
+    std::vector<int32_t> off(size_t(E + 1), 0);
+    for (int e = 0; e < E; ++e) off[size_t(e + 1)] = off[size_t(e)] + c.counts[size_t(e)];
+    const int64_t M = off.back(), N = c.N, K = c.K, NK = N * K;
+    auto* dy = rand_bf16(size_t(M) * N, 6, 1.f);
+    auto* x = rand_bf16(size_t(M) * K, 7, 1.f);
+    float* dw = rand_f32(size_t(E) * NK, 8, 1.f);
+    float* dw_ref = dalloc<float>(size_t(E) * NK);
+    int32_t* doff = dalloc<int32_t>(off.size());
+    CK(cudaMemcpy(doff, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
+    auto groups_into = [&](float* out) {  // as gpu_model.cpp's cuBLAS fallback builds them
+      std::vector<oc::GemmGroup> g;
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t r0 = off[size_t(e)], me = off[size_t(e + 1)] - r0;
+        g.push_back({N, K, me, dy + r0 * N, N, x + r0 * K, K, out + e * NK, K});
+      }
+      return g;
+    };
+    const std::vector<oc::GemmGroup> groups = groups_into(dw), groups_ref = groups_into(dw_ref);
+    CK(cudaDeviceSynchronize());
+    // Agreement first (written, not accumulated), so a wrong kernel's timing is not taken at face value.
+    oc::grouped_gemm_wgrad(dy, x, dw, doff, M, N, K, E, false);
+    oc::gemm_bf16_grouped(true, false, groups_ref, 1.f, 0.f, lm::DType::F32);
+    CK(cudaDeviceSynchronize());
+    std::vector<float> a(size_t(E) * NK), b(a.size());
+    CK(cudaMemcpy(a.data(), dw, a.size() * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(b.data(), dw_ref, b.size() * 4, cudaMemcpyDeviceToHost));
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      const double d = double(a[i]) - b[i];
+      num += d * d, den += double(b[i]) * b[i];
+    }
+    const double rel = std::sqrt(num / std::max(den, 1e-300));
+    const double tg = median_ms([&] { oc::grouped_gemm_wgrad(dy, x, dw, doff, M, N, K, E, true); }, 3, reps);
+    const double tb =
+        median_ms([&] { oc::gemm_bf16_grouped(true, false, groups, 1.f, 1.f, lm::DType::F32); }, 3, reps);
+    const double fl = 2.0 * M * N * K;
+    std::printf("wgrad %-20s M %lld N %lld K %lld: ours %.3f ms %.1f TFLOP/s | cuBLAS per expert %.3f ms "
+                "%.1f TFLOP/s | speed-up %.2f | rel. err vs cuBLAS %.1e\n",
+                c.name.c_str(), (long long)M, (long long)N, (long long)K, tg, fl / tg / 1e9, tb, fl / tb / 1e9, tb / tg,
+                rel);
+    const char* n = c.name.c_str();
+    result("RESULT wgrad_%s_ms %.4f\nRESULT wgrad_%s_tflops %.1f\n", n, tg, n, fl / tg / 1e9);
+    result("RESULT wgrad_%s_cublas_ms %.4f\nRESULT wgrad_%s_cublas_tflops %.1f\n", n, tb, n, fl / tb / 1e9);
+    result("RESULT wgrad_%s_speedup %.3f\nRESULT wgrad_%s_err %.2e\n", n, tb / tg, n, rel);
+    std::fflush(stdout);
+    for (void* p : std::vector<void*>{dy, x, dw, dw_ref, doff}) CK(cudaFree(p));
   }
 
   // Routing path at a K3-like step: m tokens, n = 896 experts, k = 16, d = 3584 (latent rows).

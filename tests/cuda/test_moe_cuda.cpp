@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -49,6 +50,20 @@ Vec ref_grouped(const Vec& x, const Vec& w, const std::vector<int32_t>& off, int
       }
   return y;
 }
+// dw [E, N, K] = dy_eᵀ · x_e per expert (zeros for an expert without rows), in double.
+std::vector<double> ref_wgrad(const Vec& dy, const Vec& x, const std::vector<int32_t>& off, int64_t N, int64_t K) {
+  const int64_t E = int64_t(off.size()) - 1;
+  std::vector<double> dw(size_t(E * N * K), 0.0);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = off[size_t(e)]; r < off[size_t(e + 1)]; ++r)
+      for (int64_t n = 0; n < N; ++n) {
+        const double g = dy[size_t(r * N + n)];
+        const float* xr = &x[size_t(r * K)];
+        double* a = &dw[size_t((e * N + n) * K)];
+        for (int64_t c = 0; c < K; ++c) a[c] += g * xr[c];
+      }
+  return dw;
+}
 
 }  // namespace
 
@@ -82,6 +97,76 @@ TEST(MoeCuda, GroupedGemm) {
     }
     unsetenv("LONGMOE_GG_ORDER");
     unsetenv("LONGMOE_GG_EPI");
+  }
+}
+
+TEST(MoeCuda, GroupedGemmWgrad) {
+  REQUIRE_GPU();
+  // Empty experts (first, middle, last), single rows, counts across 64-row steps; N and K off the tile sizes
+  // (not multiples of 128 or 192); the k3-1b dW2 shape with thousands of rows per expert.
+  struct WC {
+    std::vector<int> counts;
+    int64_t N, K;
+  };
+  for (const WC& wc : {WC{{0, 1, 130, 257, 40}, 264, 200}, WC{{0, 300, 1}, 8, 1032}, WC{{64, 127, 1, 65, 0}, 1032, 8},
+                       WC{{2048, 1900, 0, 2200}, 768, 384}}) {
+    const auto off = offsets_of(wc.counts);
+    const int64_t M = off.back(), E = int64_t(wc.counts.size()), N = wc.N, K = wc.K, NK = N * K;
+    const Vec dy = round_bf16(lm::testing::randn<float>(size_t(M * N), uint64_t(M + N + 7), 1.0));
+    const Vec x = round_bf16(lm::testing::randn<float>(size_t(M * K), uint64_t(M + K + 8), 1.0));
+    const Vec dw0 = lm::testing::randn<float>(size_t(E * NK), uint64_t(M + 9), 1.0);
+    const std::vector<double> prod = ref_wgrad(dy, x, off, N, K);
+    Vec ref(prod.size()), ref_acc(prod.size());
+    for (size_t i = 0; i < prod.size(); ++i) ref[i] = float(prod[i]), ref_acc[i] = float(dw0[i] + prod[i]);
+    Dev gdy(dy.size() * 2), gx(x.size() * 2), go(off.size() * 4);
+    up_bf16(gdy, dy), up_bf16(gx, x), up(go, off);
+    // Worst error over the experts with rows, so a small expert is not hidden behind the large ones.
+    auto worst = [&](const Vec& r, const Vec& got) {
+      double w = 0;
+      for (int64_t e = 0; e < E; ++e)
+        if (wc.counts[size_t(e)] > 0) {
+          const auto b = r.begin() + e * NK, g = got.begin() + e * NK;
+          w = std::max(w, err(Vec(b, b + NK), Vec(g, g + NK)));
+        }
+      return w;
+    };
+    // accumulate=false must overwrite, never read dw: poisoned with a huge value, then with NaN (0xff bytes; the
+    // memory a training step hands it may hold anything, and 0·NaN is NaN).
+    for (const bool nan_poison : {false, true}) {
+      Dev gdw(ref.size() * 4);  // 0xff: NaN
+      if (!nan_poison) up(gdw, Vec(ref.size(), 1e30f));
+      oc::grouped_gemm_wgrad(gdy.p, gx.p, gdw.f(), go.i(), M, N, K, E, false);
+      kc::synchronize();
+      const Vec got = down<float>(gdw, ref.size());
+      const double e = err(ref, got), ew = worst(ref, got);
+      std::printf("grouped wgrad M%lld N%lld K%lld E%lld =, poison %s: %.2e (worst expert %.2e)\n", (long long)M,
+                  (long long)N, (long long)K, (long long)E, nan_poison ? "NaN" : "1e30", e, ew);
+      EXPECT_LE(e, 1e-4);
+      EXPECT_LE(ew, 1e-4);
+      for (int64_t j = 0; j < E; ++j) {
+        if (wc.counts[size_t(j)] > 0) continue;
+        EXPECT_TRUE(std::all_of(got.begin() + j * NK, got.begin() + (j + 1) * NK, [](float v) { return v == 0.f; }))
+            << "empty expert " << j << " not zeroed";
+      }
+    }
+    // accumulate=true: dw0 + product; an expert without rows keeps dw0 bit for bit.
+    {
+      Dev gdw(ref.size() * 4);
+      up(gdw, dw0);
+      oc::grouped_gemm_wgrad(gdy.p, gx.p, gdw.f(), go.i(), M, N, K, E, true);
+      kc::synchronize();
+      const Vec got = down<float>(gdw, ref.size());
+      const double e = err(ref_acc, got), ew = worst(ref_acc, got);
+      std::printf("grouped wgrad M%lld N%lld K%lld E%lld +=: %.2e (worst expert %.2e)\n", (long long)M, (long long)N,
+                  (long long)K, (long long)E, e, ew);
+      EXPECT_LE(e, 1e-4);
+      EXPECT_LE(ew, 1e-4);
+      for (int64_t j = 0; j < E; ++j) {
+        if (wc.counts[size_t(j)] > 0) continue;
+        EXPECT_EQ(std::memcmp(got.data() + j * NK, dw0.data() + j * NK, size_t(NK) * sizeof(float)), 0)
+            << "empty expert " << j << " changed";
+      }
+    }
   }
 }
 

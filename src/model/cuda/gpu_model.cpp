@@ -46,6 +46,7 @@ std::vector<std::pair<std::string, double>> GpuModel::detail_profile() const { n
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <optional>
 #include <string>
@@ -130,7 +131,7 @@ struct GpuModel::Impl {
   DBuf ids_d, tgt_d;
   std::vector<int32_t> ids_h;
   // Per MoE layer, the expert offsets of the last forward, copied to pinned host memory without stopping the
-  // stream (only the backward's weight-gradient products read them, long after the copy has landed).
+  // stream (read by expert_loads and by the cuBLAS weight-gradient fallback, long after the copy has landed).
   struct HostOffsets {
     int32_t* p = nullptr;
     cudaEvent_t done = nullptr;
@@ -614,30 +615,33 @@ struct GpuModel::Impl {
     void* dh = buf("s.e_dh", size_t(Mr) * I * 2);
     void* dab = buf("s.e_dab", size_t(Mr) * 2 * I * 2);
     void* dxs = buf("s.dxs", size_t(Mr) * l * 2);
-    ck(cudaEventSynchronize(offsets_h[i].done), "offsets to host");
-    const int32_t* off = offsets_h[i].p;
     const auto* deo = static_cast<const uint16_t*>(d_eo);
     const auto* dabp = static_cast<const uint16_t*>(dab);
+    // Weight gradients (reductions over each expert's rows) by the grouped wgrad kernel; with
+    // LONGMOE_MOE_WGRAD_CUBLAS=1 as per-expert cuBLAS products on side streams (the host waits for the offsets).
+    static const bool cublas_wgrad = [] {
+      const char* v = std::getenv("LONGMOE_MOE_WGRAD_CUBLAS");
+      return v && v[0] == '1';
+    }();
+    auto wgrad = [&](const uint16_t* gy, const uint16_t* x, float* dw, int64_t N, int64_t Kd) {
+      if (!cublas_wgrad) return oc::grouped_gemm_wgrad(gy, x, dw, off_d, Mr, N, Kd, E, true);
+      ck(cudaEventSynchronize(offsets_h[i].done), "offsets to host");
+      const int32_t* off = offsets_h[i].p;
+      std::vector<oc::GemmGroup> groups;
+      for (int64_t e = 0; e < E; ++e) {  // dW_e += gy_eᵀ · x_e
+        const int64_t r0 = off[e], me = off[e + 1] - r0;
+        groups.push_back({N, Kd, me, gy + r0 * N, N, x + r0 * Kd, Kd, dw + e * N * Kd, Kd});
+      }
+      oc::gemm_bf16_grouped(true, false, groups, 1.f, 1.f, DType::F32);
+    };
     sec.emplace(section("moe.experts.bwd"));
-    // Input gradients with the forward's grouped kernel on the transposed weights; weight gradients (reductions
-    // over each expert's rows) as concurrent cuBLAS products.
     oc::grouped_gemm(d_eo, t2, dh, off_d, Mr, I, l, E);  // dh_e = d_eo_e · W2_e
-    std::vector<oc::GemmGroup> wgrad;
-    for (int64_t e = 0; e < E; ++e) {  // dW2_e += d_eo_eᵀ · h_e
-      const int64_t r0 = off[e], me = off[e + 1] - r0;
-      wgrad.push_back({l, I, me, deo + r0 * l, l, h + r0 * I, I, g2 + e * l * I, I});
-    }
-    oc::gemm_bf16_grouped(true, false, wgrad, 1.f, 1.f, DType::F32);
+    wgrad(deo, h, g2, l, I);                             // dW2_e += d_eo_eᵀ · h_e
     sec.emplace(section("moe.glu.bwd"));
     oc::glu_backward(get(K(i, "eab")), dh, DType::BF16, dab, Mr, I, glu());
     sec.emplace(section("moe.experts.bwd"));
     oc::grouped_gemm(dab, t13, dxs, off_d, Mr, l, 2 * I, E);  // dxs_e = dab_e · W13_e
-    wgrad.clear();
-    for (int64_t e = 0; e < E; ++e) {  // dW13_e += dab_eᵀ · xs_e
-      const int64_t r0 = off[e], me = off[e + 1] - r0;
-      wgrad.push_back({2 * I, l, me, dabp + r0 * 2 * I, 2 * I, xs + r0 * l, l, g13 + e * 2 * I * l, l});
-    }
-    oc::gemm_bf16_grouped(true, false, wgrad, 1.f, 1.f, DType::F32);
+    wgrad(dabp, xs, g13, 2 * I, l);                           // dW13_e += dab_eᵀ · xs_e
     sec.emplace(section("moe.route.bwd"));
     void* d_logits = buf("s.d_logits", size_t(n) * E * 2);
     oc::router_backward(get<float>(K(i, "logits")), get<int32_t>(K(i, "topk_idx")), d_topk_w, d_logits, true, n, E, k,

@@ -128,39 +128,25 @@ __global__ void __launch_bounds__(NWB * 32, 1) chunk_bwd_kernel(const OpParams p
     const GT* sg = reinterpret_cast<const GT*>(sG);
     float gv[RPT];
     float run = 0.f;
+    const float ca = -aexp * 1.4426950408889634f, cb = bias * ca;
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
       const int i = part * RPT + r;
       float gg = 0.f;
-      if (dch < K && i < len) gg = gate_fwd(to_f(sg[i * KP + dch]) + bias, aexp, p.lb, softplus);
+      if (dch < K && i < len) {
+        const float x = to_f(sg[i * KP + dch]);
+        gg = softplus ? gate_fwd(x + bias, aexp, p.lb, true) : gate_lb(x, ca, cb, p.lb);
+      }
       run += gg;
       gv[r] = run;
     }
     sTot[part * KP + dch] = run;
+    unit_row_norms<KP, LDB>(sQ, sK, sRq, sRk, warp, lane);  // under the gates' latency
     __syncthreads();
     float off = 0.f;
     for (int pp = 0; pp < part; ++pp) off += sTot[pp * KP + dch];
 #pragma unroll
     for (int r = 0; r < RPT; ++r) sG[(part * RPT + r) * LDG + dch] = gv[r] + off;
-  }
-  for (int rr = 0; rr < 64 / NWB; ++rr) {
-    const int i = warp * (64 / NWB) + rr;
-    float sq = 0.f, sk = 0.f;
-#pragma unroll
-    for (int d0 = lane * 2; d0 < KP; d0 += 64) {
-      const float2 x = ld_bf16x2(sQ + i * LDB + d0), y = ld_bf16x2(sK + i * LDB + d0);
-      sq += x.x * x.x + x.y * x.y;
-      sk += y.x * y.x + y.y * y.y;
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      sq += __shfl_xor_sync(0xffffffffu, sq, o);
-      sk += __shfl_xor_sync(0xffffffffu, sk, o);
-    }
-    if (lane == 0) {
-      sRq[i] = 1.f / sqrtf(sq + 1e-6f);
-      sRk[i] = 1.f / sqrtf(sk + 1e-6f);
-    }
   }
 
   const int rt = warp & 3, chh = warp >> 2, dbase = chh * (KP / NCH);

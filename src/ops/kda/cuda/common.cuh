@@ -178,10 +178,50 @@ __device__ __forceinline__ void load_f32(float* s, const float* g, int tid) {
 // ---- gate (SPEC §2): x = g_raw + dt_bias, a = exp(A_log) --------------------------------------
 // Fast reciprocal (MUFU): IEEE division costs ~10 instructions with a slow path, and every chunk kernel runs
 // 64 x K gates per block; 1 / inf = 0 keeps the large-negative limit.
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 __device__ __forceinline__ float sigmoidf_(float z) { return __fdividef(1.f, 1.f + __expf(-z)); }
 __device__ __forceinline__ float gate_fwd(float x, float a, float lb, bool softplus) {
   if (softplus) return -a * (x > 20.f ? x : log1pf(__expf(x)));
   return lb * sigmoidf_(a * x);
+}
+// Lower-bound form with the constants folded: lb·σ(a(x + bias)) = lb / (1 + 2^(x·ca + cb)), ca = -a·log2 e,
+// cb = bias·ca (one FMA and two MUFU ops per gate).
+__device__ __forceinline__ float gate_lb(float x, float ca, float cb, float lb) {
+  return lb * rcp_approx(1.f + ex2_approx(fmaf(x, ca, cb)));
+}
+
+// 1/|q_i|, 1/|k_i| (+1e-6 under the root) of the 64 rows of two [64][LDB] bf16 tiles, from the diagonals of the
+// 16x16 Gram blocks Q Qᵀ, K Kᵀ on tensor cores: warp w < 8 takes row block w & 3 of Q (w < 4) or K. The
+// ldmatrix A fragment of a row block doubles as the B fragments of its transpose; the sums are fp32 over exact
+// bf16 products, as CUDA-core sums would be, at ~24 instructions per warp instead of a shuffle tree per row.
+template <int KP, int LDB>
+__device__ __forceinline__ void unit_row_norms(const bf16* sQ, const bf16* sK, float* sRq, float* sRk, int warp,
+                                               int lane) {
+  if (warp >= 8) return;
+  const int ti = warp & 3, isk = warp >> 2, g = lane >> 2, t = lane & 3;
+  const bf16* src = (isk ? sK : sQ) + 16 * ti * LDB;
+  float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int ks = 0; ks < KP / 16; ++ks) {
+    uint32_t fr[4];
+    ldsm4(fr, src + 16 * ks + a_off(lane, LDB));
+    mma_bf16(c0, fr, fr[0], fr[2]);  // columns = rows 0..7 of the block
+    mma_bf16(c1, fr, fr[1], fr[3]);  // columns = rows 8..15
+  }
+  if ((g >> 1) == t) {  // this lane holds (g, g) of c0 and (g + 8, g + 8) of c1
+    float* dst = (isk ? sRk : sRq) + 16 * ti;
+    dst[g] = 1.f / sqrtf(((g & 1) ? c0[1] : c0[0]) + 1e-6f);
+    dst[g + 8] = 1.f / sqrtf(((g & 1) ? c1[3] : c1[2]) + 1e-6f);
+  }
 }
 // dg/dx and the dA_log term (dx * x for the bounded form, dg * g for softplus).
 __device__ __forceinline__ void gate_bwd(float x, float a, float lb, bool softplus, float dg, float& dx, float& dA) {

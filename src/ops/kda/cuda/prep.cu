@@ -84,6 +84,12 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const ChunkInfo ci = p.chunks[c];
+  // zero the fixed-point partial sums (A_kk in sM, A_qk in v's slot; the exact path's diagonal tiles in sScr)
+  // while the chunk's row range is on its way
+  for (int i = tid; i < 64 * LDM / 4; i += 256) reinterpret_cast<float4*>(sM)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (!BOUNDED)
+    for (int i = tid; i < 2048 / 4; i += 256) reinterpret_cast<float4*>(sScr)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int i = tid; i < 64 * LDQ / 4; i += 256) reinterpret_cast<int4*>(sAqI)[i] = make_int4(0, 0, 0, 0);
   const int len = ci.len;
   const int64_t row0 = ci.row0;
   const int H = p.H, K = p.K, V = p.V;
@@ -96,9 +102,6 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
   // the raw gate input goes where G will be (a dense [64][KP] tile of GT), asynchronously with q, k
   load_raw<KP, int(sizeof(GT)), 256>(sG, static_cast<const GT*>(p.g_raw) + row0 * HK + int64_t(h) * K, HK, len, K, tid);
   cp_commit();
-  for (int i = tid; i < 64 * LDM; i += 256) sM[i] = 0.f;
-  for (int i = tid; i < 2048; i += 256) sScr[i] = 0.f;
-  for (int i = tid; i < 64 * LDQ; i += 256) sAqI[i] = 0;
 
   // Gate and cumulative sum down the chunk: thread (d, part) owns RPT consecutive rows of channel d.
   constexpr int PARTS = 256 / KP, RPT = 64 / PARTS;
@@ -116,41 +119,27 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
     __syncthreads();  // q, k, v and the raw gate input have landed
     const GT* sg = reinterpret_cast<const GT*>(sG);
     float run = 0.f;
+    const float ca = -a * 1.4426950408889634f, cb = bias * ca;
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
       const int i = part * RPT + r;
       float gg = 0.f;  // padded rows and channels: no decay, so G_63 = G_last of the chunk
-      if (dok && i < len) gg = gate_fwd(to_f(sg[i * KP + dch]) + bias, a, p.lb, softplus);
+      if (dok && i < len) {
+        const float x = to_f(sg[i * KP + dch]);
+        gg = softplus ? gate_fwd(x + bias, a, p.lb, true) : gate_lb(x, ca, cb, p.lb);
+      }
       run += gg;
       gv[r] = run;
     }
     sTot[part * KP + dch] = run;
   }
-  __syncthreads();  // every raw value is read before G overwrites it
+  unit_row_norms<KP, LDB>(sQ, sK, sRq, sRk, warp, lane);  // under the gates' latency
+  __syncthreads();  // every raw value is read before G overwrites it; the norms are in
   {
     float off = 0.f;
     for (int pp = 0; pp < part; ++pp) off += sTot[pp * KP + dch];
 #pragma unroll
     for (int r = 0; r < RPT; ++r) sG[(part * RPT + r) * LDG + dch] = gv[r] + off;
-  }
-  for (int rr = 0; rr < 8; ++rr) {
-    const int i = warp * 8 + rr;
-    float sq = 0.f, sk = 0.f;
-#pragma unroll
-    for (int d0 = lane * 2; d0 < KP; d0 += 64) {
-      const float2 x = ld_bf16x2(sQ + i * LDB + d0), y = ld_bf16x2(sK + i * LDB + d0);
-      sq += x.x * x.x + x.y * x.y;
-      sk += y.x * y.x + y.y * y.y;
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      sq += __shfl_xor_sync(0xffffffffu, sq, o);
-      sk += __shfl_xor_sync(0xffffffffu, sk, o);
-    }
-    if (lane == 0) {
-      sRq[i] = 1.f / sqrtf(sq + 1e-6f);
-      sRk[i] = 1.f / sqrtf(sk + 1e-6f);
-    }
   }
   __syncthreads();
   if (tid < KP) p.ws.Gl[ch * KP + tid] = expf(sG[63 * LDG + tid]);
@@ -240,6 +229,7 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
 #pragma unroll
       for (int tj = 0; tj < 4; ++tj) {
         if (tj >= ntj) break;
+        if (STOP == 3 && tj != ti) continue;  // the diagonal-tile stage adds the diagonal tile alone
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -422,43 +412,51 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
   }
   cp_wait<0>();
   __syncthreads();  // v has landed
-  // ---- W = (M Diag(β)) (K⊙Γ), U = (M Diag(β)) V: warp (row tile rt, which); M Diag(β) as bf16 hi + lo ----
+  // ---- W = (M Diag(β)) (K⊙Γ), U = (M Diag(β)) V; M Diag(β) as bf16 hi + lo ----
+  // Warp (pair, which, column half): row tiles {0, 3} or {1, 2} (M is lower triangular, so five 16-row k steps
+  // either way: the warps are balanced) of W or U, over half of the columns.
   {
-    const int rt = warp & 3, which = warp >> 2;
+    const int pair = warp & 1, which = (warp >> 1) & 1, half = warp >> 2;
     const bf16* src = which ? sV : sK;
     uint16_t* dst = reinterpret_cast<uint16_t*>(which ? p.ws.U : p.ws.W) + ch * 64 * KP;
     const bool f16out = F16 && which;  // U (fp16 in the forward); W stays bf16
-    float acc[KP / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < KP / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    const float* M0 = sM + (16 * rt + g) * LDM;
-    const float* M1 = M0 + 8 * LDM;
+    constexpr int NP = KP / 32;        // 16-column ldmatrix groups per half
+    const int c0 = half * (KP / 2);
 #pragma unroll 1
-    for (int ks = 0; ks <= rt; ++ks) {  // M is lower triangular
-      const int cA = 16 * ks + 2 * t;
-      const float b0 = sB[cA], b1 = sB[cA + 1], b8 = sB[cA + 8], b9 = sB[cA + 9];
-      uint32_t a[4], al[4];
-      split_bf16(M0[cA] * b0, M0[cA + 1] * b1, a[0], al[0]);
-      split_bf16(M1[cA] * b0, M1[cA + 1] * b1, a[1], al[1]);
-      split_bf16(M0[cA + 8] * b8, M0[cA + 9] * b9, a[2], al[2]);
-      split_bf16(M1[cA + 8] * b8, M1[cA + 9] * b9, a[3], al[3]);
+    for (int s = 0; s < 2; ++s) {
+      const int rt = pair ? 1 + s : 3 * s;
+      float acc[2 * NP][4];
 #pragma unroll
-      for (int np = 0; np < KP / 16; ++np) {
-        uint32_t b[4];
-        ldsm4t(b, src + 16 * ks * LDB + 16 * np + bt_off(lane, LDB));
-        mma_bf16(acc[2 * np], a, b[0], b[1]);
-        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
-        mma_bf16(acc[2 * np], al, b[0], b[1]);
-        mma_bf16(acc[2 * np + 1], al, b[2], b[3]);
+      for (int nt = 0; nt < 2 * NP; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+      const float* M0 = sM + (16 * rt + g) * LDM;
+      const float* M1 = M0 + 8 * LDM;
+#pragma unroll 1
+      for (int ks = 0; ks <= rt; ++ks) {
+        const int cA = 16 * ks + 2 * t;
+        const float b0 = sB[cA], b1 = sB[cA + 1], b8 = sB[cA + 8], b9 = sB[cA + 9];
+        uint32_t a[4], al[4];
+        split_bf16(M0[cA] * b0, M0[cA + 1] * b1, a[0], al[0]);
+        split_bf16(M1[cA] * b0, M1[cA + 1] * b1, a[1], al[1]);
+        split_bf16(M0[cA + 8] * b8, M0[cA + 9] * b9, a[2], al[2]);
+        split_bf16(M1[cA + 8] * b8, M1[cA + 9] * b9, a[3], al[3]);
+#pragma unroll
+        for (int np = 0; np < NP; ++np) {
+          uint32_t b[4];
+          ldsm4t(b, src + 16 * ks * LDB + c0 + 16 * np + bt_off(lane, LDB));
+          mma_bf16(acc[2 * np], a, b[0], b[1]);
+          mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+          mma_bf16(acc[2 * np], al, b[0], b[1]);
+          mma_bf16(acc[2 * np + 1], al, b[2], b[3]);
+        }
       }
-    }
 #pragma unroll
-    for (int nt = 0; nt < KP / 8; ++nt) {
-      const int col = 8 * nt + 2 * t;
-      uint32_t* d0 = reinterpret_cast<uint32_t*>(dst + (16 * rt + g) * KP + col);
-      uint32_t* d1 = reinterpret_cast<uint32_t*>(dst + (16 * rt + g + 8) * KP + col);
-      *d0 = f16out ? pack_f16(acc[nt][0], acc[nt][1]) : pack_bf16(acc[nt][0], acc[nt][1]);
-      *d1 = f16out ? pack_f16(acc[nt][2], acc[nt][3]) : pack_bf16(acc[nt][2], acc[nt][3]);
+      for (int nt = 0; nt < 2 * NP; ++nt) {
+        const int col = c0 + 8 * nt + 2 * t;
+        uint32_t* d0 = reinterpret_cast<uint32_t*>(dst + (16 * rt + g) * KP + col);
+        uint32_t* d1 = reinterpret_cast<uint32_t*>(dst + (16 * rt + g + 8) * KP + col);
+        *d0 = f16out ? pack_f16(acc[nt][0], acc[nt][1]) : pack_bf16(acc[nt][0], acc[nt][1]);
+        *d1 = f16out ? pack_f16(acc[nt][2], acc[nt][3]) : pack_bf16(acc[nt][2], acc[nt][3]);
+      }
     }
   }
 }

@@ -28,6 +28,13 @@ struct GluArgs {
 void grouped_gemm_glu(const void* x, const void* w13, void* h, void* ab, const int32_t* offsets, int64_t M, int64_t I,
                       int64_t K, int64_t E, const GluArgs& g = {}, void* stream = nullptr);
 
+// Expert weight gradients, the backward of grouped_gemm (wgrad.cu): dw[e] [N, K] fp32 row-major (+)= dy_eᵀ · x_e,
+// a reduction over expert e's rows of dy [M, N] and x [M, K] (bf16, the same offsets). accumulate: += (else =,
+// and an expert without rows gets zeros). N and K multiples of 8. One persistent launch over (expert, N tile,
+// K tile), each tile reducing its expert's rows in 64-row steps.
+void grouped_gemm_wgrad(const void* dy, const void* x, float* dw, const int32_t* offsets, int64_t M, int64_t N,
+                        int64_t K, int64_t E, bool accumulate, void* stream = nullptr);
+
 // Expert FFNs of the permuted rows: eo [M, d] = GLU(xs · W13ᵀ) · W2ᵀ with W2 [E, d, I] (w2). The hidden h
 // [M, I] lives in stream-ordered scratch unless `h` is given (then it is kept).
 void moe_expert_ffn(const void* xs, const void* w13, const void* w2, void* eo, const int32_t* offsets, int64_t M,
