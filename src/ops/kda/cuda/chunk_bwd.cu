@@ -128,15 +128,11 @@ __global__ void __launch_bounds__(NWB * 32, 1) chunk_bwd_kernel(const OpParams p
     const GT* sg = reinterpret_cast<const GT*>(sG);
     float gv[RPT];
     float run = 0.f;
-    const float ca = -aexp * 1.4426950408889634f, cb = bias * ca;
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
       const int i = part * RPT + r;
-      float gg = 0.f;
-      if (dch < K && i < len) {
-        const float x = to_f(sg[i * KP + dch]);
-        gg = softplus ? gate_fwd(x + bias, aexp, p.lb, true) : gate_lb(x, ca, cb, p.lb);
-      }
+      const float gx = gate_fwd(to_f(sg[i * KP + dch]) + bias, aexp, p.lb, softplus);  // as the forward
+      const float gg = dch < K && i < len ? gx : 0.f;
       run += gg;
       gv[r] = run;
     }

@@ -178,11 +178,6 @@ __device__ __forceinline__ void load_f32(float* s, const float* g, int tid) {
 // ---- gate (SPEC §2): x = g_raw + dt_bias, a = exp(A_log) --------------------------------------
 // Fast reciprocal (MUFU): IEEE division costs ~10 instructions with a slow path, and every chunk kernel runs
 // 64 x K gates per block; 1 / inf = 0 keeps the large-negative limit.
-__device__ __forceinline__ float ex2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 __device__ __forceinline__ float rcp_approx(float x) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -191,14 +186,8 @@ __device__ __forceinline__ float rcp_approx(float x) {
 __device__ __forceinline__ float sigmoidf_(float z) { return __fdividef(1.f, 1.f + __expf(-z)); }
 __device__ __forceinline__ float gate_fwd(float x, float a, float lb, bool softplus) {
   if (softplus) return -a * (x > 20.f ? x : log1pf(__expf(x)));
-  return lb * sigmoidf_(a * x);
+  return lb * rcp_approx(1.f + __expf(-(a * x)));  // σ as sigmoidf_ without the division's range checks
 }
-// Lower-bound form with the constants folded: lb·σ(a(x + bias)) = lb / (1 + 2^(x·ca + cb)), ca = -a·log2 e,
-// cb = bias·ca (one FMA and two MUFU ops per gate).
-__device__ __forceinline__ float gate_lb(float x, float ca, float cb, float lb) {
-  return lb * rcp_approx(1.f + ex2_approx(fmaf(x, ca, cb)));
-}
-
 // 1/|q_i|, 1/|k_i| (+1e-6 under the root) of the 64 rows of two [64][LDB] bf16 tiles, from the diagonals of the
 // 16x16 Gram blocks Q Qᵀ, K Kᵀ on tensor cores: warp w < 8 takes row block w & 3 of Q (w < 4) or K. The
 // ldmatrix A fragment of a row block doubles as the B fragments of its transpose; the sums are fp32 over exact

@@ -42,6 +42,9 @@ __device__ __forceinline__ float4 bf4(const bf16* p) {
   return make_float4(a.x, a.y, b.x, b.y);
 }
 
+// Barrier 1 for the 128 threads of warps 0..3 (the inversion), so the other warps need not wait.
+__device__ __forceinline__ void named_sync_128() { asm volatile("bar.sync 1, 128;\n" ::: "memory"); }
+
 // C (16x16, two n8 tiles) += A (16x16 f32, row-major) * B (16x16 f32, row-major) in tf32.
 __device__ __forceinline__ void mm16_tf32(float (&C)[2][4], const float* A, int lda, const float* B, int ldb,
                                           int lane) {
@@ -119,15 +122,13 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
     __syncthreads();  // q, k, v and the raw gate input have landed
     const GT* sg = reinterpret_cast<const GT*>(sG);
     float run = 0.f;
-    const float ca = -a * 1.4426950408889634f, cb = bias * ca;
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
       const int i = part * RPT + r;
-      float gg = 0.f;  // padded rows and channels: no decay, so G_63 = G_last of the chunk
-      if (dok && i < len) {
-        const float x = to_f(sg[i * KP + dch]);
-        gg = softplus ? gate_fwd(x + bias, a, p.lb, true) : gate_lb(x, ca, cb, p.lb);
-      }
+      // padded rows and channels: no decay, so G_63 = G_last of the chunk. Computed for every row and then
+      // selected (no branch), so the rows' exp/rcp latencies overlap.
+      const float gx = gate_fwd(to_f(sg[i * KP + dch]) + bias, a, p.lb, softplus);  // finite: padding is zero
+      const float gg = dok && i < len ? gx : 0.f;
       run += gg;
       gv[r] = run;
     }
@@ -324,28 +325,66 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
   load_tile<64, KP, LDB, 256>(sV, p.v + row0 * HV + int64_t(h) * V, HV, len, V, tid);
   cp_commit();
 
-  // ---- inverse of the diagonal 16x16 blocks (forward substitution, lane = column) ----
+  // Warps 0..3 invert (I + A_kk) (M in sM, named barrier 1 among them) while warps 4..7 write Qg, Kd and turn
+  // sK into K⊙Γ: the two phases touch disjoint data, and the inversion is a short serial chain.
   if (warp < 4) {
-    float* L = sM + 16 * warp * LDM + 16 * warp;
-    const int cc = lane & 15;
-    float m[16];
+    // ---- inverse of the diagonal 16x16 blocks (forward substitution, lane = column) ----
+    {
+      float* L = sM + 16 * warp * LDM + 16 * warp;
+      const int cc = lane & 15;
+      float m[16];
 #pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      float acc = r == cc ? 1.f : 0.f;
+      for (int r = 0; r < 16; ++r) {
+        float acc = r == cc ? 1.f : 0.f;
 #pragma unroll
-      for (int q = 0; q < r; ++q) acc -= L[r * LDM + q] * m[q];
-      m[r] = r < cc ? 0.f : acc;
+        for (int q = 0; q < r; ++q) acc -= L[r * LDM + q] * m[q];
+        m[r] = r < cc ? 0.f : acc;
+      }
+      __syncwarp();
+      if (lane < 16)
+#pragma unroll
+        for (int r = 0; r < 16; ++r) L[r * LDM + cc] = m[r];
     }
-    __syncwarp();
-    if (lane < 16)
+    named_sync_128();  // every diagonal block is inverted
+    // ---- blocks below the diagonal, column j from right to left: M_ij = -(Σ_{k=j+1..i} M_ik L_kj) M_jj ----
+    for (int j = 2; j >= 0; --j) {
+      const bool active = warp < 3 - j;
+      const int i = j + 1 + warp;
+      float res[2][4] = {};
+      if (active) {
+        float X[2][4] = {};
+#pragma unroll 1
+        for (int kb = j + 1; kb <= i; ++kb)
+          mm16_tf32(X, sM + 16 * i * LDM + 16 * kb, LDM, sM + 16 * kb * LDM + 16 * j, LDM, lane);
+        float* sx = sScr + warp * 16 * LDX;
 #pragma unroll
-      for (int r = 0; r < 16; ++r) L[r * LDM + cc] = m[r];
-  }
-  // ---- Qg = scale q⊙Γ, Kd = k⊙e^{G_last - G} to the workspace; sK becomes K⊙Γ ----
-  {
+        for (int nt = 0; nt < 2; ++nt) {
+          sx[g * LDX + 8 * nt + 2 * t] = X[nt][0];
+          sx[g * LDX + 8 * nt + 2 * t + 1] = X[nt][1];
+          sx[(g + 8) * LDX + 8 * nt + 2 * t] = X[nt][2];
+          sx[(g + 8) * LDX + 8 * nt + 2 * t + 1] = X[nt][3];
+        }
+        __syncwarp();
+        mm16_tf32(res, sx, LDX, sM + 16 * j * LDM + 16 * j, LDM, lane);
+      }
+      named_sync_128();  // every read of column j's L blocks is done
+      if (active) {
+        float* Mb = sM + 16 * i * LDM + 16 * j;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          Mb[g * LDM + 8 * nt + 2 * t] = -res[nt][0];
+          Mb[g * LDM + 8 * nt + 2 * t + 1] = -res[nt][1];
+          Mb[(g + 8) * LDM + 8 * nt + 2 * t] = -res[nt][2];
+          Mb[(g + 8) * LDM + 8 * nt + 2 * t + 1] = -res[nt][3];
+        }
+      }
+      named_sync_128();
+    }
+  } else {
+    // ---- Qg = scale q⊙Γ, Kd = k⊙e^{G_last - G} to the workspace; sK becomes K⊙Γ ----
     bf16* Qg = p.ws.Qg + ch * 64 * KP;
     bf16* Kd = p.ws.Kd + ch * 64 * KP;
-    for (int idx = tid; idx < 64 * (KP / 8); idx += 256) {
+    for (int idx = tid - 128; idx < 64 * (KP / 8); idx += 128) {
       const int i = idx / (KP / 8), d = (idx % (KP / 8)) * 8;
       const uint4 qr = *reinterpret_cast<const uint4*>(sQ + i * LDB + d);
       const uint4 kr = *reinterpret_cast<const uint4*>(sK + i * LDB + d);
@@ -366,43 +405,8 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
       *reinterpret_cast<uint4*>(sK + i * LDB + d) = make_uint4(og[0], og[1], og[2], og[3]);
     }
   }
-  __syncthreads();
-
-  // ---- blocks below the diagonal, column j from right to left: M_ij = -(Σ_{k=j+1..i} M_ik L_kj) M_jj ----
-  for (int j = 2; j >= 0; --j) {
-    const bool active = warp < 3 - j;
-    const int i = j + 1 + warp;
-    float res[2][4] = {};
-    if (active) {
-      float X[2][4] = {};
-#pragma unroll 1
-      for (int kb = j + 1; kb <= i; ++kb)
-        mm16_tf32(X, sM + 16 * i * LDM + 16 * kb, LDM, sM + 16 * kb * LDM + 16 * j, LDM, lane);
-      float* sx = sScr + warp * 16 * LDX;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        sx[g * LDX + 8 * nt + 2 * t] = X[nt][0];
-        sx[g * LDX + 8 * nt + 2 * t + 1] = X[nt][1];
-        sx[(g + 8) * LDX + 8 * nt + 2 * t] = X[nt][2];
-        sx[(g + 8) * LDX + 8 * nt + 2 * t + 1] = X[nt][3];
-      }
-      __syncwarp();
-      mm16_tf32(res, sx, LDX, sM + 16 * j * LDM + 16 * j, LDM, lane);
-    }
-    __syncthreads();  // every read of column j's L blocks is done
-    if (active) {
-      float* Mb = sM + 16 * i * LDM + 16 * j;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        Mb[g * LDM + 8 * nt + 2 * t] = -res[nt][0];
-        Mb[g * LDM + 8 * nt + 2 * t + 1] = -res[nt][1];
-        Mb[(g + 8) * LDM + 8 * nt + 2 * t] = -res[nt][2];
-        Mb[(g + 8) * LDM + 8 * nt + 2 * t + 1] = -res[nt][3];
-      }
-    }
-    __syncthreads();
-  }
-
+  cp_wait<0>();
+  __syncthreads();  // M, K⊙Γ and v are in
   if (BWD) {
     bf16* Mo = p.ws.M + ch * 4096;
     for (int idx = tid; idx < 2048; idx += 256) {
@@ -410,8 +414,6 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
       st_bf16x2(Mo + r * 64 + cc, sM[r * LDM + cc], sM[r * LDM + cc + 1]);
     }
   }
-  cp_wait<0>();
-  __syncthreads();  // v has landed
   // ---- W = (M Diag(β)) (K⊙Γ), U = (M Diag(β)) V; M Diag(β) as bf16 hi + lo ----
   // Warp (pair, which, column half): row tiles {0, 3} or {1, 2} (M is lower triangular, so five 16-row k steps
   // either way: the warps are balanced) of W or U, over half of the columns.
