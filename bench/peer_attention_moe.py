@@ -124,6 +124,19 @@ def uneven(E, mean):
     return c
 
 
+def fastest_layout(name, reps, flops, variants):
+    """(ms, TFLOP/s, label) of the fastest (label, fn) variant; a failing variant is reported and skipped."""
+    best = None
+    for label, fn in variants:
+        try:
+            t = median_ms(fn, 3, reps)
+            if best is None or t < best[0]:
+                best = (t, label)
+        except Exception as e:  # noqa: BLE001
+            print(f"# {name}: torch._grouped_mm with {label} failed: {str(e).splitlines()[0][:120]}")
+    return (best[0], flops / best[0] / 1e9, best[1]) if best else None
+
+
 def bench_gemm(reps):
     res = {}
     cases = [
@@ -141,16 +154,11 @@ def bench_gemm(reps):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * 0.02
         offs = torch.tensor(counts, device="cuda", dtype=torch.int32).cumsum(0).to(torch.int32)
-        best = None
-        for label, wb in (("W[E,N,K]^T", w.transpose(-2, -1)), ("W[E,K,N]", w.transpose(-2, -1).contiguous())):
-            try:
-                t = median_ms(lambda: torch._grouped_mm(x, wb, offs=offs), 3, reps)
-                if best is None or t < best[0]:
-                    best = (t, label)
-            except Exception as e:  # noqa: BLE001
-                print(f"# {name}: torch._grouped_mm with {label} failed: {str(e).splitlines()[0][:120]}")
+        best = fastest_layout(name, reps, 2 * M * N * K, (
+            ("W[E,N,K]^T", lambda wb=w.transpose(-2, -1): torch._grouped_mm(x, wb, offs=offs)),
+            ("W[E,K,N]", lambda wb=w.transpose(-2, -1).contiguous(): torch._grouped_mm(x, wb, offs=offs))))
         if best:
-            res[name] = (best[0], 2 * M * N * K / best[0] / 1e9, best[1])
+            res[name] = best
         del x, w
         torch.cuda.empty_cache()
     return res
@@ -177,16 +185,12 @@ def bench_wgrad(reps):
         dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         offs = torch.tensor(counts, device="cuda", dtype=torch.int32).cumsum(0).to(torch.int32)
-        best = None
-        for label, a in (("dy^T view", dy.t()), ("dy^T contiguous", dy.t().contiguous())):
-            try:
-                t = median_ms(lambda: torch._grouped_mm(a, x, offs=offs), 3, reps)
-                if best is None or t < best[0]:
-                    best = (t, label)
-            except Exception as e:  # noqa: BLE001 - e.g. a build without the 2-D x 2-D (split-K) case
-                print(f"# wgrad {name}: torch._grouped_mm with {label} failed: {str(e).splitlines()[0][:120]}")
+        # a build without the 2-D x 2-D (split reduction) case only prints a note
+        best = fastest_layout(f"wgrad {name}", reps, 2 * M * N * K, (
+            ("dy^T view", lambda a=dy.t(): torch._grouped_mm(a, x, offs=offs)),
+            ("dy^T contiguous", lambda a=dy.t().contiguous(): torch._grouped_mm(a, x, offs=offs))))
         if best:
-            res[name] = (best[0], 2 * M * N * K / best[0] / 1e9, best[1])
+            res[name] = best
         del dy, x
         torch.cuda.empty_cache()
     return res

@@ -160,21 +160,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = it % kStages;
         mbar_wait(&full[s], (it / kStages) & 1);
         const unsigned char* st = smem + s * kStageBytes;
-        wg_fence_regs(acc);
-        wg_fence();
+        wg_consume_stage(acc, [&] {
 #pragma unroll
-        for (int k16 = 0; k16 < kBk / 16; ++k16)
-          wgmma_m64n256k16(acc, wg_desc(st + c * (kABytes / 2) + k16 * 32), wg_desc(st + kABytes + k16 * 32),
-                           (kt > 0 || k16 > 0) ? 1 : 0);
-        wg_commit();
-        wg_wait<1>();  // the previous stage's MMAs are done: hand that stage back
-        wg_fence_regs(acc);
-        if (prev >= 0) mbar_arrive(&empty[prev]);
-        prev = s;
+          for (int k16 = 0; k16 < kBk / 16; ++k16)
+            wgmma_m64n256k16(acc, wg_desc(st + c * (kABytes / 2) + k16 * 32), wg_desc(st + kABytes + k16 * 32),
+                             (kt > 0 || k16 > 0) ? 1 : 0);
+        }, empty, prev, s);
       }
-      wg_wait<0>();
-      wg_fence_regs(acc);
-      if (prev >= 0) mbar_arrive(&empty[prev]);
+      wg_drain(acc, empty, prev);
 
       // Epilogue. The accumulator holds rows g and g + 8 (of this warp's 16), columns 8j + 2t (+1).
       const int rl = row0 + c * 64 + warp * 16;

@@ -66,6 +66,27 @@ __device__ __forceinline__ void wg_fence_regs(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// One ring stage of a consumer warpgroup: issue(), its MMAs into acc, as one commit group; then wait until the
+// previous stage's MMAs are done and hand that stage back to the producer (`prev`: that stage, -1 for none).
+template <int N, class Issue>
+__device__ __forceinline__ void wg_consume_stage(float (&acc)[N], Issue&& issue, uint64_t* empty, int& prev, int s) {
+  wg_fence_regs(acc);
+  wg_fence();
+  issue();
+  wg_commit();
+  wg_wait<1>();
+  wg_fence_regs(acc);
+  if (prev >= 0) mbar_arrive(&empty[prev]);
+  prev = s;
+}
+// After a tile's last stage: every MMA done, the last stage handed back.
+template <int N>
+__device__ __forceinline__ void wg_drain(float (&acc)[N], uint64_t* empty, int prev) {
+  wg_wait<0>();
+  wg_fence_regs(acc);
+  if (prev >= 0) mbar_arrive(&empty[prev]);
+}
+
 // D[64 x 256] (+)= A[64 x 16] · B[256 x 16]ᵀ, both operands K-major in shared memory (descriptors).
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
   asm volatile(

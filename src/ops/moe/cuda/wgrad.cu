@@ -137,21 +137,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
       }
-      wg_fence_regs(acc);
-      wg_fence();
+      wg_consume_stage(acc, [&] {
 #pragma unroll
-      for (int k16 = 0; k16 < kBk / 16; ++k16)
-        mma_step<BN>(acc, wg_desc_mn(sA + k16 * 16 * 128, kAtom), wg_desc_mn(sB + k16 * 16 * 128, kAtom),
-                     (kt > 0 || k16 > 0) ? 1 : 0);
-      wg_commit();
-      wg_wait<1>();  // the previous stage's MMAs are done: hand that stage back
-      wg_fence_regs(acc);
-      if (prev >= 0) mbar_arrive(&empty[prev]);
-      prev = s;
+        for (int k16 = 0; k16 < kBk / 16; ++k16)
+          mma_step<BN>(acc, wg_desc_mn(sA + k16 * 16 * 128, kAtom), wg_desc_mn(sB + k16 * 16 * 128, kAtom),
+                       (kt > 0 || k16 > 0) ? 1 : 0);
+      }, empty, prev, s);
     }
-    wg_wait<0>();
-    wg_fence_regs(acc);
-    if (prev >= 0) mbar_arrive(&empty[prev]);
+    wg_drain(acc, empty, prev);
     if (me == 0 && p.accumulate) continue;  // (only without the sorted order: nothing to add)
 
     // Epilogue: the accumulator (rows 16·warp + g (+8) of this warpgroup's 64, columns 8j + 2t (+1)) goes to this
