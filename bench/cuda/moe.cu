@@ -40,6 +40,15 @@ std::vector<int> uneven(int E, int mean) {
   return c;
 }
 
+// Row offsets [E + 1] of per-expert counts, on the host and (out) on the device.
+std::vector<int32_t> offsets_of(const std::vector<int>& counts, int32_t** dev) {
+  std::vector<int32_t> off(counts.size() + 1, 0);
+  for (size_t e = 0; e < counts.size(); ++e) off[e + 1] = off[e] + counts[e];
+  *dev = lm::bench_cuda::dalloc<int32_t>(off.size());
+  CK(cudaMemcpy(*dev, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
+  return off;
+}
+
 struct GemmCase {
   std::string name;
   std::vector<int> counts;
@@ -66,14 +75,11 @@ int moe(int reps_arg) {
   };
   for (const GemmCase& c : cases) {
     const int E = int(c.counts.size());
-    std::vector<int32_t> off(size_t(E + 1), 0);
-    for (int e = 0; e < E; ++e) off[size_t(e + 1)] = off[size_t(e)] + c.counts[size_t(e)];
-    const int64_t M = off.back();
+    int32_t* doff = nullptr;
+    const int64_t M = offsets_of(c.counts, &doff).back();
     auto* x = rand_bf16(size_t(M) * c.K, 1, 1.f);
     auto* w = rand_bf16(size_t(E) * c.N * c.K, 2, 0.02f);
     auto* y = dalloc<__nv_bfloat16>(size_t(M) * c.N);
-    int32_t* doff = dalloc<int32_t>(off.size());
-    CK(cudaMemcpy(doff, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaDeviceSynchronize());
     auto run = [&] {
       if (c.glu) oc::grouped_gemm_glu(x, w, y, nullptr, doff, M, c.N / 2, c.K, E);
@@ -112,15 +118,13 @@ int moe(int reps_arg) {
   };
   for (const WgradCase& c : wcases) {
     const int E = int(c.counts.size());
-    std::vector<int32_t> off(size_t(E + 1), 0);
-    for (int e = 0; e < E; ++e) off[size_t(e + 1)] = off[size_t(e)] + c.counts[size_t(e)];
+    int32_t* doff = nullptr;
+    const std::vector<int32_t> off = offsets_of(c.counts, &doff);
     const int64_t M = off.back(), N = c.N, K = c.K, NK = N * K;
     auto* dy = rand_bf16(size_t(M) * N, 6, 1.f);
     auto* x = rand_bf16(size_t(M) * K, 7, 1.f);
     float* dw = rand_f32(size_t(E) * NK, 8, 1.f);
     float* dw_ref = dalloc<float>(size_t(E) * NK);
-    int32_t* doff = dalloc<int32_t>(off.size());
-    CK(cudaMemcpy(doff, off.data(), off.size() * 4, cudaMemcpyHostToDevice));
     auto groups_into = [&](float* out) {  // as gpu_model.cpp's cuBLAS fallback builds them
       std::vector<oc::GemmGroup> g;
       for (int64_t e = 0; e < E; ++e) {

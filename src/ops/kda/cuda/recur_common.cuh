@@ -30,28 +30,26 @@ __device__ __forceinline__ void copy_out(bf16* dst, int64_t ld, const bf16* stg,
   }
 }
 
-// State (Sᵀ fragments of value columns ew.., all KP keys) from / to a [K][V] f32 matrix.
-template <int KP>
-__device__ __forceinline__ void load_state(float (*st)[4], const float* src, int K, int V, int ew, int lane) {
-  const int g = lane >> 2, t = lane & 3;
+// State (Sᵀ fragments of value columns ew.., all KP keys) from / to a [K][V] f32 matrix: f(nt, x, d, e) for each
+// fragment element (nt, x) of the lane, which holds key d and value column e.
+template <int KP, class F>
+__device__ __forceinline__ void for_state(int ew, int lane, F&& f) {
 #pragma unroll
   for (int nt = 0; nt < KP / 8; ++nt)
 #pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      const int d = 8 * nt + 2 * t + (x & 1), e = ew + g + (x >> 1) * 8;
-      st[nt][x] = (src && d < K && e < V) ? src[int64_t(d) * V + e] : 0.f;
-    }
+    for (int x = 0; x < 4; ++x) f(nt, x, 8 * nt + 2 * (lane & 3) + (x & 1), ew + (lane >> 2) + (x >> 1) * 8);
+}
+template <int KP>
+__device__ __forceinline__ void load_state(float (*st)[4], const float* src, int K, int V, int ew, int lane) {
+  for_state<KP>(ew, lane, [&](int nt, int x, int d, int e) {
+    st[nt][x] = (src && d < K && e < V) ? src[int64_t(d) * V + e] : 0.f;
+  });
 }
 template <int KP>
 __device__ __forceinline__ void store_state(const float (*st)[4], float* dst, int K, int V, int ew, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < KP / 8; ++nt)
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      const int d = 8 * nt + 2 * t + (x & 1), e = ew + g + (x >> 1) * 8;
-      if (d < K && e < V) dst[int64_t(d) * V + e] = st[nt][x];
-    }
+  for_state<KP>(ew, lane, [&](int nt, int x, int d, int e) {
+    if (d < K && e < V) dst[int64_t(d) * V + e] = st[nt][x];
+  });
 }
 
 // Eᵀ = Uᵀ - ae in place (ae: this warp's -Sᵀ Wᵀ, 16 value columns × 64 chunk rows; U [64][LDU] in shared memory,

@@ -153,10 +153,7 @@ __global__ void __launch_bounds__(kBX* kBY) conv_fwd_kernel(const bf16* x, const
       }
       if (t >= sg.end) {  // a new sequence starts at t: everything in the ring is from earlier ones
         sg = seg_of(t, T, cu, N);
-#pragma unroll
-        for (int k = 0; k < W - 1; ++k)
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) xr[k][v] = 0.f;
+        preload<W, VEC>(x, ldx, c0, t, sg, xr);  // zeros (the ring's rows are before the sequence)
       }
       load_vec<VEC>(x + t * ldx + c0, xr[W - 1]);
       step(t);
@@ -245,10 +242,7 @@ __global__ void __launch_bounds__(kBX* kBY)
       }
       if (t >= sg.end) {
         sg = seg_of(t, T, cu, N);
-#pragma unroll
-        for (int k = 0; k < W - 1; ++k)
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) xr[k][v] = 0.f;
+        preload<W, VEC>(x, ldx, c0, t, sg, xr);  // zeros, as in the forward
       }
       load_vec<VEC>(x + t * ldx + c0, xr[W - 1]);
       float g[VEC];

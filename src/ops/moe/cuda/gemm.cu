@@ -240,23 +240,6 @@ void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
-// [rows, K] bf16 row-major, tiles of box_rows × 64 with the 128-byte swizzle.
-CUtensorMap tensor_map(const void* base, int64_t rows, int64_t K, int box_rows) {
-  const uint64_t dims[2] = {uint64_t(K), uint64_t(rows)}, strides[1] = {uint64_t(K) * 2};
-  const uint32_t box[2] = {uint32_t(kBk), uint32_t(box_rows)};
-  return bf16_tensor_map(base, 2, dims, strides, box);
-}
-
-int sm_count() {
-  static int n = [] {
-    int dev = 0, v = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
-    return v > 0 ? v : 132;
-  }();
-  return n;
-}
-
 template <bool GLU>
 void launch(const void* x, const void* w, const GemmParams& p, int64_t M, cudaStream_t s) {
   const int smem = kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + (p.E + 1) * 4 + 1024;
@@ -271,8 +254,8 @@ void launch(const void* x, const void* w, const GemmParams& p, int64_t M, cudaSt
   q.order = env ? std::atoi(env) : kDefaultOrder;
   const char* env2 = std::getenv("LONGMOE_GG_EPI");  // epilogue override (benchmarks, tests)
   q.epi = env2 ? std::atoi(env2) : kDefaultEpi;
-  const CUtensorMap ta = tensor_map(x, M, p.K, kBm);
-  const CUtensorMap tb = tensor_map(w, int64_t(p.E) * p.Nw, p.K, GLU ? kBn / 2 : kBn);
+  const CUtensorMap ta = bf16_row_map(x, M, p.K, kBm);
+  const CUtensorMap tb = bf16_row_map(w, int64_t(p.E) * p.Nw, p.K, GLU ? kBn / 2 : kBn);
   const int BNo = GLU ? kBn / 2 : kBn;
   const int64_t ub = ((M + kBm - 1) / kBm + p.E) * ((p.N + BNo - 1) / BNo);  // tiles, upper bound
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(sm_count(), ub)));

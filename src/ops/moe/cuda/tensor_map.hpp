@@ -1,5 +1,5 @@
 #pragma once
-// Host helper: TMA tensor maps for bf16 tensors (cuTensorMapEncodeTiled, fetched through the runtime so that
+// Host helpers: TMA tensor maps for bf16 tensors (cuTensorMapEncodeTiled, fetched through the runtime so that
 // nothing links libcuda), 128-byte swizzle, zero fill out of bounds. Used by the .cu files of ops/moe/cuda and
 // ops/attention/cuda.
 #include <cuda.h>
@@ -42,6 +42,24 @@ inline CUtensorMap bf16_tensor_map(const void* base, int rank, const uint64_t* d
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) throw Error("cuda: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
   return m;
+}
+
+// [rows, cols] bf16 row-major as boxes of 64 columns (128 bytes, the swizzle's width) by box_rows rows.
+inline CUtensorMap bf16_row_map(const void* base, int64_t rows, int64_t cols, int box_rows) {
+  const uint64_t dims[2] = {uint64_t(cols), uint64_t(rows)}, strides[1] = {uint64_t(cols) * 2};
+  const uint32_t box[2] = {64u, uint32_t(box_rows)};
+  return bf16_tensor_map(base, 2, dims, strides, box);
+}
+
+// Streaming multiprocessors of the current device (the persistent kernels' grid).
+inline int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
+    return v > 0 ? v : 132;
+  }();
+  return n;
 }
 
 }  // namespace lm::ops::cuda::detail

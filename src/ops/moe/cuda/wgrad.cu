@@ -180,13 +180,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 [[noreturn]] void fail(const std::string& m) { throw Error("moe cuda: " + m); }
 
-// [rows, cols] bf16 row-major as [64 rows][64 cols] boxes with the 128-byte swizzle.
-CUtensorMap row_map(const void* base, int64_t rows, int64_t cols) {
-  const uint64_t dims[2] = {uint64_t(cols), uint64_t(rows)}, strides[1] = {uint64_t(cols) * 2};
-  const uint32_t box[2] = {64u, 64u};
-  return bf16_tensor_map(base, 2, dims, strides, box);
-}
-
 template <int BN>
 void launch(const void* dy, const void* x, const WgradParams& p, int64_t M, cudaStream_t s) {
   constexpr int smem = WgSmem<BN>::bytes + 1024;
@@ -195,15 +188,9 @@ void launch(const void* dy, const void* x, const WgradParams& p, int64_t M, cuda
            cudaSuccess;
   }();
   (void)attr;
-  static int sms = [] {
-    int dev = 0, v = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
-    return v > 0 ? v : 132;
-  }();
-  const CUtensorMap tdy = row_map(dy, M, p.N), tx = row_map(x, M, p.K);
+  const CUtensorMap tdy = bf16_row_map(dy, M, p.N, kBk), tx = bf16_row_map(x, M, p.K, kBk);
   const int64_t tiles = int64_t(p.E) * ((p.N + kBm - 1) / kBm) * ((p.K + BN - 1) / BN);
-  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(sms, tiles)));
+  const int grid = int(std::max<int64_t>(1, std::min<int64_t>(sm_count(), tiles)));
   grouped_wgrad_kernel<BN><<<grid, kThreads, smem, s>>>(tdy, tx, p);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) fail(std::string("grouped wgrad launch: ") + cudaGetErrorString(err));
