@@ -1,20 +1,25 @@
-// Causal flash attention forward on Hopper warpgroup MMAs (FlashAttention-3 structure, without the ping-pong
-// schedule): TMA loads, wgmma bf16 → fp32, online softmax in registers.
+// Causal flash attention forward on Hopper warpgroup MMAs (FlashAttention-3 structure): TMA loads, wgmma
+// bf16 → fp32, online softmax in registers, intra-warpgroup overlap and a two-warpgroup ping-pong.
 //
 // Legend: T tokens of a sequence (len), H query heads, G = H / Hkv, Dk q/k head dim (128 | 192), Dv = 128,
 //         Bq = 128 query rows per block (2 consumer warpgroups × 64 rows), Bk = 128 keys per step.
 // Warp roles (384 threads): warpgroup 0 produces (one thread issues TMA: Q once, then K_j and V_j into a
-// two-stage ring, each stage with its own "K full", "V full" and "empty" mbarriers); warpgroups 1 and 2 each
-// own 64 query rows: S = Q·K_jᵀ (wgmma, both operands K-major in shared memory), mask and online softmax
-// on the accumulators, then O += P·V_j with P straight from registers (the accumulator layout of S is the
-// A-fragment layout of the next wgmma) and V read N-major (transposed) from shared memory.
+// two-stage ring; K and V each have "full" and "empty" mbarriers, so K_{j+2} loads as soon as S_j is done while
+// V_j is still being read); warpgroups 1 and 2 each own 64 query rows: S = Q·K_jᵀ (wgmma, both operands K-major
+// in shared memory), mask and online softmax on the accumulators, then O += P·V_j with P straight from
+// registers (the accumulator layout of S is the A-fragment layout of the next wgmma) and V read N-major
+// (transposed) from shared memory.
+// Schedule: S_j is issued together with O += P_{j-1}·V_{j-1}, and the softmax of S_j runs under that product
+// (P stays as 32 bf16x2 registers, so S, O and P fit in 240 registers for Dk = 192 too). The warpgroups take
+// turns issuing (named barriers): one's softmax runs under the other's products. Either alone was slower than
+// neither on the H200 (one run: 192/128 512 / 488 / 493 TFLOP/s serial / overlap / ping-pong, both 618).
 // Tiles in shared memory are [rows][64] bf16 boxes with the 128-byte swizzle (Dk/64 boxes for Q and K, 2
 // for V). The TMA maps view q, k, v as 3-D tensors [rows][heads][D], so one map serves every head; rows past
 // the sequence (the next sequence's, or zero fill past the end) are masked as keys and never stored as rows.
-// Key tiles run from the diagonal down (the masked tile first). Not done: FlashAttention-3's intra-warpgroup
-// overlap (S_{j-1} issued before the softmax of S_j): with two S accumulators ptxas runs out of registers and
-// serialises the MMAs (C7512), so each warpgroup waits for its own MMAs and the two warpgroups overlap instead.
+// Key tiles run from the diagonal down (the masked tile first).
 #include <cuda.h>
+
+#include <cstdlib>
 
 #include "ops/attention/cuda/kernels.hpp"
 #include "ops/attention/cuda/tc.cuh"
@@ -30,10 +35,10 @@ constexpr int kBq = 128, kBk = 128, kDv = 128, kThreads = 384;
 template <int DK>
 struct WgSmem {
   static constexpr int Q = DK * kBq * 2, K = DK * kBk * 2, V = kDv * kBk * 2;
-  static constexpr int oQ = 0, oK = Q, oV = oK + 2 * K, oBar = oV + 2 * V, bytes = oBar + 8 * 8 + 1024;
+  static constexpr int oQ = 0, oK = Q, oV = oK + 2 * K, oBar = oV + 2 * V, bytes = oBar + 16 * 8 + 1024;
 };
 
-template <int DK>
+template <int DK, bool OVERLAP, bool PINGPONG>
 __global__ void __launch_bounds__(kThreads, 1)
     attn_fwd_wgmma_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
                           const __grid_constant__ CUtensorMap tmV, const FwdParams p) {
@@ -42,7 +47,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   unsigned char* sQ = smem + L::oQ;
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + L::oBar);
-  uint64_t *fullQ = bar, *fullK = bar + 1, *fullV = bar + 3, *empty = bar + 5;
+  uint64_t *fullQ = bar, *fullK = bar + 1, *fullV = bar + 3, *emptyK = bar + 5, *emptyV = bar + 7;
 
   const int2 ht = head_and_tile(blockIdx.x, p.H, gridDim.x / p.H, p.head_group);
   const int h = ht.x;
@@ -54,7 +59,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid == 0) {
     mbar_init(fullQ, 1);
-    for (int s = 0; s < 2; ++s) mbar_init(&fullK[s], 1), mbar_init(&fullV[s], 1), mbar_init(&empty[s], 256);
+    for (int s = 0; s < 2; ++s)
+      mbar_init(&fullK[s], 1), mbar_init(&fullV[s], 1), mbar_init(&emptyK[s], 256), mbar_init(&emptyV[s], 256);
     fence_barrier_init();
   }
   __syncthreads();
@@ -66,11 +72,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int a = 0; a < DK / 64; ++a) tma_load_3d(sQ + a * kBq * 128, &tmQ, fullQ, 64 * a, h, s0 + q0);
       for (int it = 0; it < nkt; ++it) {
         const int j = nkt - 1 - it, s = it & 1;
-        mbar_wait(&empty[s], ((it >> 1) & 1) ^ 1);
         unsigned char* sK = smem + L::oK + s * L::K;
         unsigned char* sV = smem + L::oV + s * L::V;
+        mbar_wait(&emptyK[s], ((it >> 1) & 1) ^ 1);
         mbar_expect_tx(&fullK[s], L::K);
         for (int a = 0; a < DK / 64; ++a) tma_load_3d(sK + a * kBk * 128, &tmK, &fullK[s], 64 * a, hk, s0 + j * kBk);
+        mbar_wait(&emptyV[s], ((it >> 1) & 1) ^ 1);
         mbar_expect_tx(&fullV[s], L::V);
         for (int a = 0; a < kDv / 64; ++a) tma_load_3d(sV + a * kBk * 128, &tmV, &fullV[s], 64 * a, hk, s0 + j * kBk);
       }
@@ -159,17 +166,71 @@ __global__ void __launch_bounds__(kThreads, 1)
     wg_commit();
   };
 
+  // Ping-pong: warpgroup c issues its MMAs only in its turn (named barrier 1 + c, 256 threads: its own 128 wait,
+  // the other's 128 arrive) and hands the turn over right after issuing, so one warpgroup's softmax runs under
+  // the other's products instead of both softmaxes coinciding. Warpgroup 1 opens with warpgroup 0's turn and
+  // skips its last hand-over, so every barrier sees as many arrivals as waits.
+  int turns_left = 0;
+  auto turn_begin = [&] {
+    if constexpr (PINGPONG) asm volatile("bar.sync %0, 256;\n" ::"r"(1 + c) : "memory");
+  };
+  auto turn_end = [&] {
+    if constexpr (PINGPONG) {
+      if (c == 0 || --turns_left > 0) asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - c) : "memory");
+    }
+  };
+  if constexpr (PINGPONG) {
+    turns_left = OVERLAP ? nkt + 1 : 2 * nkt;
+    if (c == 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+  }
   float sc[64], alpha[2];
-  for (int it = 0; it < nkt; ++it) {
-    issue_s(sc, it);
+  if constexpr (OVERLAP) {
+    // S_it is issued before O += P_{it-1}·V_{it-1}; the softmax of S_it runs under that product.
+    turn_begin();
+    issue_s(sc, 0);
+    turn_end();
     wg_wait<0>();
     wg_fence_regs(sc);
-    softmax(sc, it, alpha);
+    mbar_arrive(&emptyK[0]);
+    softmax(sc, 0, alpha);
     prep_p(sc, alpha);
-    issue_pv(it);
+    for (int it = 1; it < nkt; ++it) {
+      turn_begin();
+      issue_s(sc, it);
+      issue_pv(it - 1);
+      turn_end();
+      wg_wait<1>();
+      wg_fence_regs(sc);
+      mbar_arrive(&emptyK[it & 1]);
+      softmax(sc, it, alpha);
+      wg_wait<0>();
+      wg_fence_regs(o);
+      mbar_arrive(&emptyV[(it - 1) & 1]);
+      prep_p(sc, alpha);
+    }
+    turn_begin();
+    issue_pv(nkt - 1);
+    turn_end();
     wg_wait<0>();
     wg_fence_regs(o);
-    mbar_arrive(&empty[it & 1]);
+    mbar_arrive(&emptyV[(nkt - 1) & 1]);
+  } else {
+    for (int it = 0; it < nkt; ++it) {
+      turn_begin();
+      issue_s(sc, it);
+      turn_end();
+      wg_wait<0>();
+      wg_fence_regs(sc);
+      mbar_arrive(&emptyK[it & 1]);
+      softmax(sc, it, alpha);
+      prep_p(sc, alpha);
+      turn_begin();
+      issue_pv(it);
+      turn_end();
+      wg_wait<0>();
+      wg_fence_regs(o);
+      mbar_arrive(&emptyV[it & 1]);
+    }
   }
 
   bf16* Og = static_cast<bf16*>(p.o) + int64_t(s0) * p.so + int64_t(h) * kDv;
@@ -198,24 +259,42 @@ CUtensorMap qkv_map(const void* base, int64_t rows, int64_t heads, int64_t D, in
   return bf16_tensor_map(base, 3, dims, strides, box);
 }
 
-template <int DK>
+template <int DK, bool OVERLAP, bool PINGPONG>
 void launch_t(const FwdParams& p, int64_t rows, int Hkv, int ntiles, cudaStream_t s) {
   constexpr int bytes = WgSmem<DK>::bytes;
   static bool attr = [] {
-    return cudaFuncSetAttribute(attn_fwd_wgmma_kernel<DK>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) ==
-           cudaSuccess;
+    return cudaFuncSetAttribute(attn_fwd_wgmma_kernel<DK, OVERLAP, PINGPONG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                bytes) == cudaSuccess;
   }();
   (void)attr;
   const CUtensorMap tq = qkv_map(p.q, rows, p.H, DK, kBq), tk = qkv_map(p.k, rows, Hkv, DK, kBk),
                     tv = qkv_map(p.v, rows, Hkv, kDv, kBk);
-  attn_fwd_wgmma_kernel<DK><<<ntiles * p.H, kThreads, bytes, s>>>(tq, tk, tv, p);
+  attn_fwd_wgmma_kernel<DK, OVERLAP, PINGPONG><<<ntiles * p.H, kThreads, bytes, s>>>(tq, tk, tv, p);
+}
+
+// LONGMOE_ATTN_FWD_MODE (A/B runs): bit 0 intra-warpgroup overlap, bit 1 ping-pong.
+int fwd_mode() {
+  static const int v = [] {
+    const char* e = std::getenv("LONGMOE_ATTN_FWD_MODE");
+    return e ? std::atoi(e) & 3 : 3;
+  }();
+  return v;
+}
+template <int DK>
+void launch_mode(const FwdParams& p, int64_t rows, int Hkv, int ntiles, cudaStream_t s) {
+  switch (fwd_mode()) {
+    case 0: return launch_t<DK, false, false>(p, rows, Hkv, ntiles, s);
+    case 1: return launch_t<DK, true, false>(p, rows, Hkv, ntiles, s);
+    case 2: return launch_t<DK, false, true>(p, rows, Hkv, ntiles, s);
+    default: return launch_t<DK, true, true>(p, rows, Hkv, ntiles, s);
+  }
 }
 
 }  // namespace
 
 void launch_fwd_wgmma(const FwdParams& p, int Dk, int64_t rows, int Hkv, int ntiles, cudaStream_t s) {
-  if (Dk == 192) return launch_t<192>(p, rows, Hkv, ntiles, s);
-  launch_t<128>(p, rows, Hkv, ntiles, s);
+  if (Dk == 192) return launch_mode<192>(p, rows, Hkv, ntiles, s);
+  launch_mode<128>(p, rows, Hkv, ntiles, s);
 }
 
 }  // namespace lm::ops::cuda::detail
