@@ -11,9 +11,16 @@
 //     [128 keys][64 queries] to shared memory, and each then computes 64-column slices of dQ_i = dS·K over all
 //     128 keys (warpgroup c: columns 64c..64c+63; with Dk = 192 the last 64 alternate by step), added to the
 //     fp32 accumulator [H, rows + 64, Dk] with 16-byte vector reductions straight from the registers.
-// Against bwd_wgmma.cu (64 keys, a separate dQ warpgroup) this halves the dQ reduction traffic per FLOP and
-// lets one compute warpgroup's softmax overlap the other's MMAs.
+// Against bwd.cu's 64-key blocks with a separate dQ warpgroup this halves the dQ reduction traffic per FLOP.
+// Schedule (as in the forward): the compute warpgroups take turns issuing their MMAs (named barriers 1 and 2),
+// so one's elementwise work (softmax, dS, the dQ reduction) runs under the other's products. Dk = 128: two
+// turns per step, (1) Sᵀ and dPᵀ together, the exponentials under dPᵀ, (2) dV, dK and the previous step's dQ
+// columns together, whose reduction then runs under the other warpgroup's turn; backward 334 -> 393-405
+// TFLOP/s in one H200 run. Dk = 192 has no registers for the deferred dQ next to dK: four turns (Sᵀ, dPᵀ,
+// dV + dK, dQ), ~3% over the serial order.
 #include <cuda.h>
+
+#include <cstdlib>
 
 #include "ops/attention/cuda/kernels.hpp"
 #include "ops/attention/cuda/tc.cuh"
@@ -35,7 +42,7 @@ struct Bw2Smem {
 
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-template <int DK>
+template <int DK, int SCHED>
 __global__ void __launch_bounds__(kThreads, 1)
     attn_bwd_wgmma_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
                            const __grid_constant__ CUtensorMap tmV, const __grid_constant__ CUtensorMap tmDO,
@@ -108,17 +115,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < DK / 2; ++i) dk[i] = 0.f;
 
-  // dQ_i[:, 64a .. 64a + 64) = dS·K over the 128 keys (one 64-column atom of K), reduced into the accumulator.
-  auto dq_atom = [&](int a, const unsigned char* sDS, int h, int q0) {
-    float dq[32];
-    wg_fence();
+  // dQ_i[:, 64a .. 64a + 64) = dS·K over the 128 keys (one 64-column atom of K), issued (not committed), then
+  // reduced into the accumulator.
+  auto dq_issue = [&](float (&dq)[32], int a, const unsigned char* sDS) {
 #pragma unroll
     for (int kk = 0; kk < kBk / 16; ++kk)
       wgmma_m64n64k16_ss_ta_tb(dq, wg_desc_mn(sDS + kk * 16 * 128, kBq * 128),
                                wg_desc_mn(sK + a * kBk * 128 + kk * 16 * 128, kBk * 128), kk > 0 ? 1 : 0);
-    wg_commit();
-    wg_wait<0>();
-    wg_fence_regs(dq);
+  };
+  auto dq_store = [&](const float (&dq)[32], int a, int h, int q0) {
     // Lane pairs (t, t^1) trade halves so that each lane holds 4 consecutive columns of one row: the even lane
     // row g, the odd lane row g + 8; one 16-byte reduction each.
     const bool odd = t & 1;
@@ -133,8 +138,209 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (row < len) atomicAdd(reinterpret_cast<float4*>(dst + 8 * n), v);
     }
   };
+  auto dq_atom = [&](int a, const unsigned char* sDS, int h, int q0) {
+    float dq[32];
+    wg_fence();
+    dq_issue(dq, a, sDS);
+    wg_commit();
+    wg_wait<0>();
+    wg_fence_regs(dq);
+    dq_store(dq, a, h, q0);
+  };
+  // P and dS fragments from the Sᵀ and dPᵀ accumulators (dS uses the bf16 P, and carries the softmax scale).
+  auto make_p = [&](float (&st)[32], uint32_t (&pa)[4][4], const float* stat, int q0, bool need_mask) {
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qc = 8 * n + 2 * t + (e & 1), key = k0 + 64 * c + 16 * warp + g + 8 * (e >> 1), q = q0 + qc;
+        float pv = fast_exp2(st[4 * n + e] * p.scale_log2 - stat[qc]);
+        if (need_mask && (key > q || q >= len)) pv = 0.f;
+        st[4 * n + e] = pv;
+      }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) pa[kk][r] = pack_bf16(st[8 * kk + 2 * r], st[8 * kk + 2 * r + 1]);
+  };
+  auto make_ds = [&](const float (&dpt)[32], const uint32_t (&pa)[4][4], uint32_t (&da)[4][4], const float* stat) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float2 pv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pa[kk][r]));
+        const int qc = 16 * kk + 8 * (r >> 1) + 2 * t;  // n8 block 2kk + (r >> 1), columns 2t, 2t + 1
+        const float d0 = dpt[8 * kk + 2 * r], d1 = dpt[8 * kk + 2 * r + 1];
+        da[kk][r] = pack_bf16(p.scale * pv.x * (d0 - stat[kBq + qc]), p.scale * pv.y * (d1 - stat[kBq + qc + 1]));
+      }
+  };
+  // This warpgroup's 64 rows of dSᵀ [128 keys][64 queries], 128-byte swizzle (chunk n of row r at n ^ (r % 8)).
+  auto write_ds = [&](unsigned char* sDS, const uint32_t (&da)[4][4]) {
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = 64 * c + 16 * warp + g + 8 * hr;
+        *reinterpret_cast<uint32_t*>(sDS + r * 128 + ((n ^ (r & 7)) << 4) + 4 * t) = da[n >> 1][(n & 1) * 2 + hr];
+      }
+    fence_proxy_async();
+  };
+  auto issue_dvdk = [&](const uint32_t (&pa)[4][4], const uint32_t (&da)[4][4], const unsigned char* sQ,
+                        const unsigned char* sDO) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k16_rs_tb(dv, pa[kk], wg_desc_mn(sDO + kk * 16 * 128, kBq * 128));
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      if constexpr (DK == 192) wgmma_m64n192k16_rs_tb(dk, da[kk], wg_desc_mn(sQ + kk * 16 * 128, kBq * 128));
+      else wgmma_m64n128k16_rs_tb(dk, da[kk], wg_desc_mn(sQ + kk * 16 * 128, kBq * 128));
+    }
+  };
 
   mbar_wait(kvfull, 0);
+  if constexpr (SCHED) {
+    // Turns (SCHED 2: Sᵀ + dPᵀ | dV + dK + dQ_{i-1}; 1: Sᵀ | dPᵀ | dV + dK + dQ_{i-1}; 3: Sᵀ | dPᵀ | dV + dK | dQ_i).
+    // Both halves of dSᵀ_{i-1} are written before either warpgroup's dV/dK turn of step i (each writes its half
+    // before its own dV/dK turn of step i-1). The barrier ids are registers and the hand-over unconditional:
+    // a branch around them made ptxas spill ~300 bytes and serialise the MMAs at Dk = 192.
+    auto turn_begin = [&] { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + c) : "memory"); };
+    auto turn_end = [&] { asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - c) : "memory"); };
+    if (c == 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+    int h_prev = 0, q0_prev = 0;
+    for (int step = 0; step < nsteps; ++step) {
+      const int s = step & 1, b = step & 1, h = hk * p.G + step / nsteps_h, q0 = (qt0 + step % nsteps_h) * kBq;
+      const uint32_t ph = (step >> 1) & 1;
+      const unsigned char* sQ = smem + L::oQ + s * L::Q;
+      const unsigned char* sDO = smem + L::oDO + s * L::DO;
+      unsigned char* sDS = smem + L::oDS + b * L::DS;
+      const float* stat = sST + s * 2 * kBq;
+      const bool need_mask = (q0 < k0 + kBk) || (q0 + kBq > len);
+      uint32_t pa[4][4], da[4][4];
+      if constexpr (SCHED == 2) {
+        float st[32], dpt[32];
+        mbar_wait(&qfull[s], ph);
+        turn_begin();
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < DK / 16; ++kk)
+          wgmma_m64n64k16_ss(st, wg_desc(sK + (kk >> 2) * kBk * 128 + c * 64 * 128 + (kk & 3) * 32),
+                             wg_desc(sQ + (kk >> 2) * kBq * 128 + (kk & 3) * 32), kk > 0 ? 1 : 0);
+        wg_commit();
+#pragma unroll
+        for (int kk = 0; kk < kDv / 16; ++kk)
+          wgmma_m64n64k16_ss(dpt, wg_desc(sV + (kk >> 2) * kBk * 128 + c * 64 * 128 + (kk & 3) * 32),
+                             wg_desc(sDO + (kk >> 2) * kBq * 128 + (kk & 3) * 32), kk > 0 ? 1 : 0);
+        wg_commit();
+        turn_end();
+        wg_wait<1>();
+        wg_fence_regs(st);
+        make_p(st, pa, stat, q0, need_mask);
+        wg_wait<0>();
+        wg_fence_regs(dpt);
+        make_ds(dpt, pa, da, stat);
+      } else {
+      {
+        float st[32];
+        mbar_wait(&qfull[s], ph);
+        turn_begin();
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < DK / 16; ++kk)
+          wgmma_m64n64k16_ss(st, wg_desc(sK + (kk >> 2) * kBk * 128 + c * 64 * 128 + (kk & 3) * 32),
+                             wg_desc(sQ + (kk >> 2) * kBq * 128 + (kk & 3) * 32), kk > 0 ? 1 : 0);
+        wg_commit();
+        turn_end();
+        wg_wait<0>();
+        wg_fence_regs(st);
+        make_p(st, pa, stat, q0, need_mask);
+      }
+      {
+        float dpt[32];
+        turn_begin();
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < kDv / 16; ++kk)
+          wgmma_m64n64k16_ss(dpt, wg_desc(sV + (kk >> 2) * kBk * 128 + c * 64 * 128 + (kk & 3) * 32),
+                             wg_desc(sDO + (kk >> 2) * kBq * 128 + (kk & 3) * 32), kk > 0 ? 1 : 0);
+        wg_commit();
+        turn_end();
+        wg_wait<0>();
+        wg_fence_regs(dpt);
+        make_ds(dpt, pa, da, stat);
+      }
+      }
+      mbar_wait(&dsempty[b], ph ^ 1);
+      write_ds(sDS, da);
+      mbar_arrive(&dsfull[b]);
+
+      if constexpr (SCHED == 3) {
+        // Dk = 192: no room for a dQ accumulator beside dV, dK in flight; dQ of this step gets its own turn.
+        turn_begin();
+        wg_fence_regs(dv);
+        wg_fence_regs(dk);
+        wg_fence();
+        issue_dvdk(pa, da, sQ, sDO);
+        wg_commit();
+        turn_end();
+        wg_wait<0>();
+        wg_fence_regs(dv);
+        wg_fence_regs(dk);
+        mbar_arrive(&qempty[s]);
+        float dq[32];
+        mbar_wait(&dsfull[b], ph);
+        turn_begin();
+        wg_fence();
+        dq_issue(dq, c, sDS);
+        wg_commit();
+        turn_end();
+        wg_wait<0>();
+        wg_fence_regs(dq);
+        dq_store(dq, c, h, q0);
+        if (DK == 192 && (step & 1) == c) dq_atom(2, sDS, h, q0);
+        mbar_arrive(&dsempty[b]);
+        continue;
+      }
+      float dq[32];
+      turn_begin();
+      wg_fence_regs(dv);
+      wg_fence_regs(dk);
+      wg_fence();
+      issue_dvdk(pa, da, sQ, sDO);
+      // Unconditional (a wgmma under a branch costs ptxas registers); at step 0 the product reads the idle
+      // buffer and is dropped.
+      if (step > 0) mbar_wait(&dsfull[b ^ 1], ((step - 1) >> 1) & 1);
+      dq_issue(dq, c, smem + L::oDS + (b ^ 1) * L::DS);
+      wg_commit();
+      turn_end();
+      wg_wait<0>();
+      wg_fence_regs(dv);
+      wg_fence_regs(dk);
+      wg_fence_regs(dq);
+      mbar_arrive(&qempty[s]);
+      if (step > 0) {
+        dq_store(dq, c, h_prev, q0_prev);
+        // Dk = 192: the third 64-column atom alternates between the warpgroups, outside the turns.
+        if (DK == 192 && ((step - 1) & 1) == c) dq_atom(2, smem + L::oDS + (b ^ 1) * L::DS, h_prev, q0_prev);
+        mbar_arrive(&dsempty[b ^ 1]);
+      }
+      h_prev = h, q0_prev = q0;
+    }
+    if constexpr (SCHED != 3) {
+      const int b = (nsteps - 1) & 1;
+      float dq[32];
+      turn_begin();
+      mbar_wait(&dsfull[b], ((nsteps - 1) >> 1) & 1);
+      wg_fence();
+      dq_issue(dq, c, smem + L::oDS + b * L::DS);
+      wg_commit();
+      turn_end();
+      wg_wait<0>();
+      wg_fence_regs(dq);
+      dq_store(dq, c, h_prev, q0_prev);
+      if (DK == 192 && ((nsteps - 1) & 1) == c) dq_atom(2, smem + L::oDS + b * L::DS, h_prev, q0_prev);
+    }
+    // Warpgroup 1's opening arrival leaves barrier 1 one arrival ahead; warpgroup 0 takes it here.
+    if (c == 0) asm volatile("bar.sync 1, 256;\n" ::: "memory");
+  } else {
   for (int step = 0; step < nsteps; ++step) {
     const int s = step & 1, b = step & 1, h = hk * p.G + step / nsteps_h, q0 = (qt0 + step % nsteps_h) * kBq;
     const uint32_t ph = (step >> 1) & 1;
@@ -142,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const unsigned char* sDO = smem + L::oDO + s * L::DO;
     unsigned char* sDS = smem + L::oDS + b * L::DS;
     // Sᵀ first, reduced to bf16 Pᵀ fragments, then dPᵀ: only one 32-register accumulator next to dK, dV (with
-    // both live, ptxas runs out of registers for Dk = 192 and serialises the MMAs). dS uses the bf16 P.
+    // both live, ptxas runs out of registers for Dk = 192 and serialises the MMAs).
     uint32_t pa[4][4], da[4][4];
     const float* stat = sST + s * 2 * kBq;
     const bool need_mask = (q0 < k0 + kBk) || (q0 + kBq > len);
@@ -157,19 +363,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wg_commit();
       wg_wait<0>();
       wg_fence_regs(st);
-#pragma unroll
-      for (int n = 0; n < 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qc = 8 * n + 2 * t + (e & 1), key = k0 + 64 * c + 16 * warp + g + 8 * (e >> 1), q = q0 + qc;
-          float pv = fast_exp2(st[4 * n + e] * p.scale_log2 - stat[qc]);
-          if (need_mask && (key > q || q >= len)) pv = 0.f;
-          st[4 * n + e] = pv;
-        }
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) pa[kk][r] = pack_bf16(st[8 * kk + 2 * r], st[8 * kk + 2 * r + 1]);
+      make_p(st, pa, stat, q0, need_mask);
     }
     {
       float dpt[32];
@@ -181,38 +375,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       wg_commit();
       wg_wait<0>();
       wg_fence_regs(dpt);
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const float2 pv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pa[kk][r]));
-          const int qc = 16 * kk + 8 * (r >> 1) + 2 * t;  // n8 block 2kk + (r >> 1), columns 2t, 2t + 1
-          const float d0 = dpt[8 * kk + 2 * r], d1 = dpt[8 * kk + 2 * r + 1];
-          da[kk][r] = pack_bf16(p.scale * pv.x * (d0 - stat[kBq + qc]), p.scale * pv.y * (d1 - stat[kBq + qc + 1]));
-        }
+      make_ds(dpt, pa, da, stat);
     }
-    // This warpgroup's 64 rows of dSᵀ [128 keys][64 queries], 128-byte swizzle (chunk n of row r at n ^ (r % 8)).
     mbar_wait(&dsempty[b], ((step >> 1) & 1) ^ 1);
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = 64 * c + 16 * warp + g + 8 * hr;
-        *reinterpret_cast<uint32_t*>(sDS + r * 128 + ((n ^ (r & 7)) << 4) + 4 * t) = da[n >> 1][(n & 1) * 2 + hr];
-      }
-    fence_proxy_async();
+    write_ds(sDS, da);
     mbar_arrive(&dsfull[b]);
 
     wg_fence_regs(dv);
     wg_fence_regs(dk);
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_m64n128k16_rs_tb(dv, pa[kk], wg_desc_mn(sDO + kk * 16 * 128, kBq * 128));
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      if constexpr (DK == 192) wgmma_m64n192k16_rs_tb(dk, da[kk], wg_desc_mn(sQ + kk * 16 * 128, kBq * 128));
-      else wgmma_m64n128k16_rs_tb(dk, da[kk], wg_desc_mn(sQ + kk * 16 * 128, kBq * 128));
-    }
+    issue_dvdk(pa, da, sQ, sDO);
     wg_commit();
     wg_wait<0>();
     wg_fence_regs(dv);
@@ -224,6 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     dq_atom(c, sDS, h, q0);
     if (DK == 192 && (step & 1) == c) dq_atom(2, sDS, h, q0);
     mbar_arrive(&dsempty[b]);
+  }
   }
 
   // dK, dV of the owned keys (dS already carries the softmax scale).
@@ -253,24 +426,37 @@ CUtensorMap qkv_map2(const void* base, int64_t rows, int64_t heads, int64_t D, i
   return bf16_tensor_map(base, 3, dims, strides, box);
 }
 
-template <int DK>
+template <int DK, int SCHED>
 void launch_t(const BwdParams& p, int ntiles, cudaStream_t s) {
   constexpr int bytes = Bw2Smem<DK>::bytes;
   static bool attr = [] {
-    return cudaFuncSetAttribute(attn_bwd_wgmma_kernel<DK>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) ==
+    return cudaFuncSetAttribute(attn_bwd_wgmma_kernel<DK, SCHED>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) ==
            cudaSuccess;
   }();
   (void)attr;
   const CUtensorMap tq = qkv_map2(p.q, p.rows, p.H, DK, kBq), tk = qkv_map2(p.k, p.rows, p.Hkv, DK, kBk),
                     tv = qkv_map2(p.v, p.rows, p.Hkv, kDv, kBk), tdo = qkv_map2(p.dout, p.rows, p.H, kDv, kBq);
-  attn_bwd_wgmma_kernel<DK><<<ntiles * p.Hkv, kThreads, bytes, s>>>(tq, tk, tv, tdo, p);
+  attn_bwd_wgmma_kernel<DK, SCHED><<<ntiles * p.Hkv, kThreads, bytes, s>>>(tq, tk, tv, tdo, p);
 }
 
 }  // namespace
 
 void launch_bwd_wgmma(const BwdParams& p, int Dk, int ntiles, cudaStream_t s) {
-  if (Dk == 192) return launch_t<192>(p, ntiles, s);
-  launch_t<128>(p, ntiles, s);
+  // LONGMOE_ATTN_BWD_MODE (A/B runs): 0 serial; ping-pong with 1 = 3 turns per step (dQ deferred), 2 = 2 turns
+  // (Sᵀ, dPᵀ together; Dk = 128 only), 3 = 4 turns (dQ in its own). Default: 2 for Dk = 128, 3 for 192.
+  static const int mode = [] {
+    const char* e = std::getenv("LONGMOE_ATTN_BWD_MODE");
+    return e ? std::atoi(e) : -1;
+  }();
+  if (Dk == 192) {
+    if (mode == 0) return launch_t<192, 0>(p, ntiles, s);
+    if (mode == 1) return launch_t<192, 1>(p, ntiles, s);
+    return launch_t<192, 3>(p, ntiles, s);
+  }
+  if (mode == 0) return launch_t<128, 0>(p, ntiles, s);
+  if (mode == 1) return launch_t<128, 1>(p, ntiles, s);
+  if (mode == 3) return launch_t<128, 3>(p, ntiles, s);
+  launch_t<128, 2>(p, ntiles, s);
 }
 
 }  // namespace lm::ops::cuda::detail

@@ -168,19 +168,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // Ping-pong: warpgroup c issues its MMAs only in its turn (named barrier 1 + c, 256 threads: its own 128 wait,
   // the other's 128 arrive) and hands the turn over right after issuing, so one warpgroup's softmax runs under
-  // the other's products instead of both softmaxes coinciding. Warpgroup 1 opens with warpgroup 0's turn and
-  // skips its last hand-over, so every barrier sees as many arrivals as waits.
-  int turns_left = 0;
+  // the other's products instead of both softmaxes coinciding. Warpgroup 1 opens with warpgroup 0's turn, and
+  // warpgroup 0 takes that extra arrival at the end (no branch around the hand-over; see bwd_wgmma.cu).
   auto turn_begin = [&] {
     if constexpr (PINGPONG) asm volatile("bar.sync %0, 256;\n" ::"r"(1 + c) : "memory");
   };
   auto turn_end = [&] {
-    if constexpr (PINGPONG) {
-      if (c == 0 || --turns_left > 0) asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - c) : "memory");
-    }
+    if constexpr (PINGPONG) asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - c) : "memory");
   };
   if constexpr (PINGPONG) {
-    turns_left = OVERLAP ? nkt + 1 : 2 * nkt;
     if (c == 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
   }
   float sc[64], alpha[2];
@@ -231,6 +227,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       wg_fence_regs(o);
       mbar_arrive(&emptyV[it & 1]);
     }
+  }
+
+  if constexpr (PINGPONG) {
+    if (c == 0) asm volatile("bar.sync 1, 256;\n" ::: "memory");
   }
 
   bf16* Og = static_cast<bf16*>(p.o) + int64_t(s0) * p.so + int64_t(h) * kDv;
