@@ -9,8 +9,11 @@
 //   warpgroups 1 and 2 (c = 0, 1) own keys 64c..64c+63: Sᵀ = K_c·Q_iᵀ, dPᵀ = V_c·dO_iᵀ; Pᵀ, dSᵀ in registers;
 //     dV_c += Pᵀ·dO_i, dK_c += dSᵀ·Q_i with the A operands from registers. Both write their half of dSᵀ
 //     [128 keys][64 queries] to shared memory, and each then computes 64-column slices of dQ_i = dS·K over all
-//     128 keys (warpgroup c: columns 64c..64c+63; with Dk = 192 the last 64 alternate by step), added to the
-//     fp32 accumulator [H, rows + 64, Dk] with 16-byte vector reductions straight from the registers.
+//     128 keys (warpgroup c: columns 64c..64c+63; with Dk = 192 the last 64 alternate by step), staged in shared
+//     memory and added to the fp32 accumulator [H, rows + 64, Dk] by TMA tensor reductions (add in L2).
+//     Against 16-byte vector atomics from the registers (LONGMOE_ATTN_BWD_DQ_ATOMIC=1), one H200 run: backward
+//     335 -> 360 TFLOP/s at 192/128, 359 -> 429 at 128/128; without any dQ reduction the backward ran ~25%
+//     faster at 192/128, so the reduction traffic is what still separates it from cuDNN.
 // Against bwd.cu's 64-key blocks with a separate dQ warpgroup this halves the dQ reduction traffic per FLOP.
 // Schedule (as in the forward): the compute warpgroups take turns issuing their MMAs (named barriers 1 and 2),
 // so one's elementwise work (softmax, dS, the dQ reduction) runs under the other's products. Dk = 128: two
@@ -36,17 +39,20 @@ constexpr int kBk = 128, kBq = 64, kDv = 128, kThreads = 384;
 template <int DK>
 struct Bw2Smem {
   static constexpr int K = DK * kBk * 2, V = kDv * kBk * 2, Q = DK * kBq * 2, DO = kDv * kBq * 2, DS = kBk * kBq * 2;
-  static constexpr int oK = 0, oV = oK + K, oQ = oV + V, oDO = oQ + 2 * Q, oDS = oDO + 2 * DO, oST = oDS + 2 * DS,
-                       oBar = oST + 2 * 2 * kBq * 4, bytes = oBar + 16 * 8 + 1024;
+  // DQ: per compute warpgroup, one 64 x 64 fp32 dQ tile staged for the bulk reduction, as two [64][32] boxes with
+  // the 128-byte swizzle (Dk = 192 uses 231,552 of the 232,448 bytes a block may have).
+  static constexpr int DQ = kBq * 64 * 4;
+  static constexpr int oK = 0, oV = oK + K, oQ = oV + V, oDO = oQ + 2 * Q, oDS = oDO + 2 * DO, oDQ = oDS + 2 * DS,
+                       oST = oDQ + 2 * DQ, oBar = oST + 2 * 2 * kBq * 4, bytes = oBar + 16 * 8 + 1024;
 };
 
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-template <int DK, int SCHED>
+template <int DK, int SCHED, bool BULK>
 __global__ void __launch_bounds__(kThreads, 1)
     attn_bwd_wgmma_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
                            const __grid_constant__ CUtensorMap tmV, const __grid_constant__ CUtensorMap tmDO,
-                           const BwdParams p) {
+                           const __grid_constant__ CUtensorMap tmDQ, const BwdParams p) {
   using L = Bw2Smem<DK>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -138,6 +144,36 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (row < len) atomicAdd(reinterpret_cast<float4*>(dst + 8 * n), v);
     }
   };
+  // The same through shared memory: the tile goes to this warpgroup's staging buffer and leaves as two TMA
+  // tensor reductions (add in L2) issued by one thread, so no thread waits on per-element atomics. Rows past the
+  // sequence hold exact zeros (P is masked to 0 there), so the 64-row box may add into the next sequence's rows
+  // or the accumulator's 64 spare rows.
+  auto dq_store_bulk = [&](const float (&dq)[32], int a, int h, int q0) {
+    unsigned char* stg = smem + L::oDQ + c * L::DQ;
+    if (ltid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // staging free again
+    asm volatile("bar.sync %0, 128;\n" ::"r"(3 + c) : "memory");
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = 16 * warp + g + 8 * hr, chunk = 2 * (n & 3) + (t >> 1);
+        *reinterpret_cast<float2*>(stg + (n >> 2) * (kBq * 128) + r * 128 + ((chunk ^ (r & 7)) << 4) + (t & 1) * 8) =
+            make_float2(dq[4 * n + 2 * hr], dq[4 * n + 2 * hr + 1]);
+      }
+    fence_proxy_async();
+    asm volatile("bar.sync %0, 128;\n" ::"r"(3 + c) : "memory");
+    if (ltid == 0) {
+      const int y = h * (p.rows + kBq) + s0 + q0;
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        asm volatile(
+            "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                &tmDQ),
+            "r"(64 * a + 32 * j), "r"(y), "r"(smem_addr(stg + j * kBq * 128))
+            : "memory");
+      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    }
+  };
   auto dq_atom = [&](int a, const unsigned char* sDS, int h, int q0) {
     float dq[32];
     wg_fence();
@@ -145,7 +181,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     wg_commit();
     wg_wait<0>();
     wg_fence_regs(dq);
-    dq_store(dq, a, h, q0);
+    if constexpr (BULK) dq_store_bulk(dq, a, h, q0);
+    else dq_store(dq, a, h, q0);
   };
   // P and dS fragments from the Sᵀ and dPᵀ accumulators (dS uses the bf16 P, and carries the softmax scale).
   auto make_p = [&](float (&st)[32], uint32_t (&pa)[4][4], const float* stat, int q0, bool need_mask) {
@@ -294,7 +331,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         turn_end();
         wg_wait<0>();
         wg_fence_regs(dq);
-        dq_store(dq, c, h, q0);
+        if constexpr (BULK) dq_store_bulk(dq, c, h, q0);
+        else dq_store(dq, c, h, q0);
         if (DK == 192 && (step & 1) == c) dq_atom(2, sDS, h, q0);
         mbar_arrive(&dsempty[b]);
         continue;
@@ -317,7 +355,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       wg_fence_regs(dq);
       mbar_arrive(&qempty[s]);
       if (step > 0) {
-        dq_store(dq, c, h_prev, q0_prev);
+        if constexpr (BULK) dq_store_bulk(dq, c, h_prev, q0_prev);
+        else dq_store(dq, c, h_prev, q0_prev);
         // Dk = 192: the third 64-column atom alternates between the warpgroups, outside the turns.
         if (DK == 192 && ((step - 1) & 1) == c) dq_atom(2, smem + L::oDS + (b ^ 1) * L::DS, h_prev, q0_prev);
         mbar_arrive(&dsempty[b ^ 1]);
@@ -335,7 +374,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       turn_end();
       wg_wait<0>();
       wg_fence_regs(dq);
-      dq_store(dq, c, h_prev, q0_prev);
+      if constexpr (BULK) dq_store_bulk(dq, c, h_prev, q0_prev);
+        else dq_store(dq, c, h_prev, q0_prev);
       if (DK == 192 && ((nsteps - 1) & 1) == c) dq_atom(2, smem + L::oDS + b * L::DS, h_prev, q0_prev);
     }
     // Warpgroup 1's opening arrival leaves barrier 1 one arrival ahead; warpgroup 0 takes it here.
@@ -399,6 +439,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   }
 
+  if (BULK && ltid == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // dQ reductions done
   // dK, dV of the owned keys (dS already carries the softmax scale).
   const int kr0 = k0 + 64 * c, nk = min(64, len - kr0);
   bf16* dKg = static_cast<bf16*>(p.dk) + (int64_t(s0 + kr0) * p.Hkv + hk) * DK;
@@ -426,37 +467,44 @@ CUtensorMap qkv_map2(const void* base, int64_t rows, int64_t heads, int64_t D, i
   return bf16_tensor_map(base, 3, dims, strides, box);
 }
 
-template <int DK, int SCHED>
+template <int DK, int SCHED, bool BULK>
 void launch_t(const BwdParams& p, int ntiles, cudaStream_t s) {
   constexpr int bytes = Bw2Smem<DK>::bytes;
   static bool attr = [] {
-    return cudaFuncSetAttribute(attn_bwd_wgmma_kernel<DK, SCHED>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) ==
-           cudaSuccess;
+    return cudaFuncSetAttribute(attn_bwd_wgmma_kernel<DK, SCHED, BULK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                bytes) == cudaSuccess;
   }();
   (void)attr;
   const CUtensorMap tq = qkv_map2(p.q, p.rows, p.H, DK, kBq), tk = qkv_map2(p.k, p.rows, p.Hkv, DK, kBk),
                     tv = qkv_map2(p.v, p.rows, p.Hkv, kDv, kBk), tdo = qkv_map2(p.dout, p.rows, p.H, kDv, kBq);
-  attn_bwd_wgmma_kernel<DK, SCHED><<<ntiles * p.Hkv, kThreads, bytes, s>>>(tq, tk, tv, tdo, p);
+  // dQ accumulator [H * (rows + 64)][Dk] fp32, boxes of 32 columns (128 bytes) x 64 rows.
+  const uint64_t dims[2] = {uint64_t(DK), uint64_t(p.H) * uint64_t(p.rows + kBq)}, strides[1] = {uint64_t(DK) * 4};
+  const uint32_t box[2] = {32u, uint32_t(kBq)};
+  const CUtensorMap tdq = tiled_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.dqacc, 2, dims, strides, box);
+  attn_bwd_wgmma_kernel<DK, SCHED, BULK><<<ntiles * p.Hkv, kThreads, bytes, s>>>(tq, tk, tv, tdo, tdq, p);
+}
+
+template <int DK, int SCHED>
+void launch_s(const BwdParams& p, int ntiles, cudaStream_t s) {
+  // LONGMOE_ATTN_BWD_DQ_ATOMIC=1 (A/B runs): dQ by 16-byte vector atomics from the registers.
+  static const bool atomic = [] {
+    const char* e = std::getenv("LONGMOE_ATTN_BWD_DQ_ATOMIC");
+    return e && *e == '1';
+  }();
+  if (atomic) return launch_t<DK, SCHED, false>(p, ntiles, s);
+  launch_t<DK, SCHED, true>(p, ntiles, s);
 }
 
 }  // namespace
 
 void launch_bwd_wgmma(const BwdParams& p, int Dk, int ntiles, cudaStream_t s) {
-  // LONGMOE_ATTN_BWD_MODE (A/B runs): 0 serial; ping-pong with 1 = 3 turns per step (dQ deferred), 2 = 2 turns
-  // (Sᵀ, dPᵀ together; Dk = 128 only), 3 = 4 turns (dQ in its own). Default: 2 for Dk = 128, 3 for 192.
-  static const int mode = [] {
+  // LONGMOE_ATTN_BWD_MODE=0 (A/B runs): the serial order, no ping-pong.
+  static const bool serial = [] {
     const char* e = std::getenv("LONGMOE_ATTN_BWD_MODE");
-    return e ? std::atoi(e) : -1;
+    return e && *e == '0';
   }();
-  if (Dk == 192) {
-    if (mode == 0) return launch_t<192, 0>(p, ntiles, s);
-    if (mode == 1) return launch_t<192, 1>(p, ntiles, s);
-    return launch_t<192, 3>(p, ntiles, s);
-  }
-  if (mode == 0) return launch_t<128, 0>(p, ntiles, s);
-  if (mode == 1) return launch_t<128, 1>(p, ntiles, s);
-  if (mode == 3) return launch_t<128, 3>(p, ntiles, s);
-  launch_t<128, 2>(p, ntiles, s);
+  if (Dk == 192) return serial ? launch_s<192, 0>(p, ntiles, s) : launch_s<192, 3>(p, ntiles, s);
+  serial ? launch_s<128, 0>(p, ntiles, s) : launch_s<128, 2>(p, ntiles, s);
 }
 
 }  // namespace lm::ops::cuda::detail

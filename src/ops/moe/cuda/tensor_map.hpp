@@ -1,5 +1,5 @@
 #pragma once
-// Host helpers: TMA tensor maps for bf16 tensors (cuTensorMapEncodeTiled, fetched through the runtime so that
+// Host helpers: TMA tensor maps (bf16 tiles, fp32 reduction targets) (cuTensorMapEncodeTiled, fetched through the runtime so that
 // nothing links libcuda), 128-byte swizzle, zero fill out of bounds. Used by the .cu files of ops/moe/cuda and
 // ops/attention/cuda.
 #include <cuda.h>
@@ -28,20 +28,24 @@ inline EncodeTiledFn tensor_map_encoder() {
   return fn;
 }
 
-// rank-R bf16 tensor: dims[0] innermost (contiguous), strides in bytes for dims 1..R-1, box in elements
-// (box[0] * 2 <= 128 bytes for the 128-byte swizzle).
-inline CUtensorMap bf16_tensor_map(const void* base, int rank, const uint64_t* dims, const uint64_t* strides_bytes,
-                                   const uint32_t* box) {
+// rank-R tensor of `type`: dims[0] innermost (contiguous), strides in bytes for dims 1..R-1, box in elements
+// (box[0] * element size <= 128 bytes for the 128-byte swizzle).
+inline CUtensorMap tiled_tensor_map(CUtensorMapDataType type, const void* base, int rank, const uint64_t* dims,
+                                    const uint64_t* strides_bytes, const uint32_t* box) {
   CUtensorMap m;
   cuuint64_t d[5], s[4];
   cuuint32_t b[5], e[5];
   for (int i = 0; i < rank; ++i) d[i] = dims[i], b[i] = box[i], e[i] = 1;
   for (int i = 0; i + 1 < rank; ++i) s[i] = strides_bytes[i];
-  const CUresult r = tensor_map_encoder()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), const_cast<void*>(base),
-                                          d, s, b, e, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  const CUresult r = tensor_map_encoder()(&m, type, cuuint32_t(rank), const_cast<void*>(base), d, s, b, e,
+                                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) throw Error("cuda: cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ")");
   return m;
+}
+inline CUtensorMap bf16_tensor_map(const void* base, int rank, const uint64_t* dims, const uint64_t* strides_bytes,
+                                   const uint32_t* box) {
+  return tiled_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, base, rank, dims, strides_bytes, box);
 }
 
 // [rows, cols] bf16 row-major as boxes of 64 columns (128 bytes, the swizzle's width) by box_rows rows.
