@@ -19,8 +19,8 @@
 // so one's elementwise work (softmax, dS, the dQ reduction) runs under the other's products. Dk = 128: two
 // turns per step, (1) Sᵀ and dPᵀ together, the exponentials under dPᵀ, (2) dV, dK and the previous step's dQ
 // columns together, whose reduction then runs under the other warpgroup's turn; backward 334 -> 393-405
-// TFLOP/s in one H200 run. Dk = 192 has no registers for the deferred dQ next to dK: four turns (Sᵀ, dPᵀ,
-// dV + dK, dQ), ~3% over the serial order.
+// TFLOP/s in one H200 run. Dk = 192 has no registers for the deferred dQ next to dK; its four-turn form (Sᵀ,
+// dPᵀ, dV + dK, dQ) trails the serial order once dQ leaves by bulk reductions, so Dk = 192 runs serially.
 #include <cuda.h>
 
 #include <cstdlib>
@@ -174,6 +174,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     }
   };
+  auto store_dq = [&](const float (&dq)[32], int a, int h, int q0) {
+    if constexpr (BULK) dq_store_bulk(dq, a, h, q0);
+    else dq_store(dq, a, h, q0);
+  };
   auto dq_atom = [&](int a, const unsigned char* sDS, int h, int q0) {
     float dq[32];
     wg_fence();
@@ -181,8 +185,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     wg_commit();
     wg_wait<0>();
     wg_fence_regs(dq);
-    if constexpr (BULK) dq_store_bulk(dq, a, h, q0);
-    else dq_store(dq, a, h, q0);
+    store_dq(dq, a, h, q0);
+  };
+  // Sᵀ = K_c·Q_iᵀ and dPᵀ = V_c·dO_iᵀ (issued, not committed).
+  auto issue_s = [&](float (&st)[32], const unsigned char* sQ) {
+#pragma unroll
+    for (int kk = 0; kk < DK / 16; ++kk)
+      wgmma_m64n64k16_ss(st, wg_desc(sK + (kk >> 2) * kBk * 128 + c * 64 * 128 + (kk & 3) * 32),
+                         wg_desc(sQ + (kk >> 2) * kBq * 128 + (kk & 3) * 32), kk > 0 ? 1 : 0);
+  };
+  auto issue_dp = [&](float (&dpt)[32], const unsigned char* sDO) {
+#pragma unroll
+    for (int kk = 0; kk < kDv / 16; ++kk)
+      wgmma_m64n64k16_ss(dpt, wg_desc(sV + (kk >> 2) * kBk * 128 + c * 64 * 128 + (kk & 3) * 32),
+                         wg_desc(sDO + (kk >> 2) * kBq * 128 + (kk & 3) * 32), kk > 0 ? 1 : 0);
   };
   // P and dS fragments from the Sᵀ and dPᵀ accumulators (dS uses the bf16 P, and carries the softmax scale).
   auto make_p = [&](float (&st)[32], uint32_t (&pa)[4][4], const float* stat, int q0, bool need_mask) {
@@ -233,110 +249,76 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
 
+  // Per step: Sᵀ, then bf16 Pᵀ; dPᵀ, then dSᵀ (from the bf16 P), written to shared memory; dV += Pᵀ·dO and
+  // dK += dSᵀ·Q from registers; dQ columns once both halves of dSᵀ are written. SCHED 0 runs that in order;
+  // SCHED 3 (Dk = 192) gives each product its own turn (Sᵀ | dPᵀ | dV + dK | dQ); SCHED 2 (Dk = 128) has two
+  // turns, Sᵀ + dPᵀ (the exponentials under dPᵀ) and dV + dK + the previous step's dQ (its reduction then runs
+  // under the other warpgroup's turn). Both halves of dSᵀ_{i-1} are written before either warpgroup's dV/dK turn
+  // of step i (each writes its half before its own dV/dK turn of step i-1). Turns: pingpong_* in tc.cuh.
+  constexpr bool kTurns = SCHED != 0;
+  auto turn_begin = [&] {
+    if constexpr (kTurns) pingpong_wait_turn(c);
+  };
+  auto turn_end = [&] {
+    if constexpr (kTurns) pingpong_pass_turn(c);
+  };
+  if constexpr (kTurns) pingpong_open(c);
   mbar_wait(kvfull, 0);
-  if constexpr (SCHED) {
-    // Turns (SCHED 2: Sᵀ + dPᵀ | dV + dK + dQ_{i-1}; 1: Sᵀ | dPᵀ | dV + dK + dQ_{i-1}; 3: Sᵀ | dPᵀ | dV + dK | dQ_i).
-    // Both halves of dSᵀ_{i-1} are written before either warpgroup's dV/dK turn of step i (each writes its half
-    // before its own dV/dK turn of step i-1). The barrier ids are registers and the hand-over unconditional:
-    // a branch around them made ptxas spill ~300 bytes and serialise the MMAs at Dk = 192.
-    auto turn_begin = [&] { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + c) : "memory"); };
-    auto turn_end = [&] { asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - c) : "memory"); };
-    if (c == 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
-    int h_prev = 0, q0_prev = 0;
-    for (int step = 0; step < nsteps; ++step) {
-      const int s = step & 1, b = step & 1, h = hk * p.G + step / nsteps_h, q0 = (qt0 + step % nsteps_h) * kBq;
-      const uint32_t ph = (step >> 1) & 1;
-      const unsigned char* sQ = smem + L::oQ + s * L::Q;
-      const unsigned char* sDO = smem + L::oDO + s * L::DO;
-      unsigned char* sDS = smem + L::oDS + b * L::DS;
-      const float* stat = sST + s * 2 * kBq;
-      const bool need_mask = (q0 < k0 + kBk) || (q0 + kBq > len);
-      uint32_t pa[4][4], da[4][4];
-      if constexpr (SCHED == 2) {
-        float st[32], dpt[32];
-        mbar_wait(&qfull[s], ph);
-        turn_begin();
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < DK / 16; ++kk)
-          wgmma_m64n64k16_ss(st, wg_desc(sK + (kk >> 2) * kBk * 128 + c * 64 * 128 + (kk & 3) * 32),
-                             wg_desc(sQ + (kk >> 2) * kBq * 128 + (kk & 3) * 32), kk > 0 ? 1 : 0);
-        wg_commit();
-#pragma unroll
-        for (int kk = 0; kk < kDv / 16; ++kk)
-          wgmma_m64n64k16_ss(dpt, wg_desc(sV + (kk >> 2) * kBk * 128 + c * 64 * 128 + (kk & 3) * 32),
-                             wg_desc(sDO + (kk >> 2) * kBq * 128 + (kk & 3) * 32), kk > 0 ? 1 : 0);
-        wg_commit();
-        turn_end();
-        wg_wait<1>();
-        wg_fence_regs(st);
-        make_p(st, pa, stat, q0, need_mask);
-        wg_wait<0>();
-        wg_fence_regs(dpt);
-        make_ds(dpt, pa, da, stat);
-      } else {
+  int h_prev = 0, q0_prev = 0;
+  for (int step = 0; step < nsteps; ++step) {
+    const int s = step & 1, b = step & 1, h = hk * p.G + step / nsteps_h, q0 = (qt0 + step % nsteps_h) * kBq;
+    const uint32_t ph = (step >> 1) & 1;
+    const unsigned char* sQ = smem + L::oQ + s * L::Q;
+    const unsigned char* sDO = smem + L::oDO + s * L::DO;
+    unsigned char* sDS = smem + L::oDS + b * L::DS;
+    const float* stat = sST + s * 2 * kBq;
+    const bool need_mask = (q0 < k0 + kBk) || (q0 + kBq > len);
+    uint32_t pa[4][4], da[4][4];
+    mbar_wait(&qfull[s], ph);
+    if constexpr (SCHED == 2) {
+      float st[32], dpt[32];
+      turn_begin();
+      wg_fence();
+      issue_s(st, sQ);
+      wg_commit();
+      issue_dp(dpt, sDO);
+      wg_commit();
+      turn_end();
+      wg_wait<1>();
+      wg_fence_regs(st);
+      make_p(st, pa, stat, q0, need_mask);
+      wg_wait<0>();
+      wg_fence_regs(dpt);
+      make_ds(dpt, pa, da, stat);
+    } else {
+      // One 32-register accumulator at a time next to dK, dV (with both live, ptxas runs out of registers for
+      // Dk = 192 and serialises the MMAs).
       {
         float st[32];
-        mbar_wait(&qfull[s], ph);
         turn_begin();
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < DK / 16; ++kk)
-          wgmma_m64n64k16_ss(st, wg_desc(sK + (kk >> 2) * kBk * 128 + c * 64 * 128 + (kk & 3) * 32),
-                             wg_desc(sQ + (kk >> 2) * kBq * 128 + (kk & 3) * 32), kk > 0 ? 1 : 0);
+        issue_s(st, sQ);
         wg_commit();
         turn_end();
         wg_wait<0>();
         wg_fence_regs(st);
         make_p(st, pa, stat, q0, need_mask);
       }
-      {
-        float dpt[32];
-        turn_begin();
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < kDv / 16; ++kk)
-          wgmma_m64n64k16_ss(dpt, wg_desc(sV + (kk >> 2) * kBk * 128 + c * 64 * 128 + (kk & 3) * 32),
-                             wg_desc(sDO + (kk >> 2) * kBq * 128 + (kk & 3) * 32), kk > 0 ? 1 : 0);
-        wg_commit();
-        turn_end();
-        wg_wait<0>();
-        wg_fence_regs(dpt);
-        make_ds(dpt, pa, da, stat);
-      }
-      }
-      mbar_wait(&dsempty[b], ph ^ 1);
-      write_ds(sDS, da);
-      mbar_arrive(&dsfull[b]);
+      float dpt[32];
+      turn_begin();
+      wg_fence();
+      issue_dp(dpt, sDO);
+      wg_commit();
+      turn_end();
+      wg_wait<0>();
+      wg_fence_regs(dpt);
+      make_ds(dpt, pa, da, stat);
+    }
+    mbar_wait(&dsempty[b], ph ^ 1);
+    write_ds(sDS, da);
+    mbar_arrive(&dsfull[b]);
 
-      if constexpr (SCHED == 3) {
-        // Dk = 192: no room for a dQ accumulator beside dV, dK in flight; dQ of this step gets its own turn.
-        turn_begin();
-        wg_fence_regs(dv);
-        wg_fence_regs(dk);
-        wg_fence();
-        issue_dvdk(pa, da, sQ, sDO);
-        wg_commit();
-        turn_end();
-        wg_wait<0>();
-        wg_fence_regs(dv);
-        wg_fence_regs(dk);
-        mbar_arrive(&qempty[s]);
-        float dq[32];
-        mbar_wait(&dsfull[b], ph);
-        turn_begin();
-        wg_fence();
-        dq_issue(dq, c, sDS);
-        wg_commit();
-        turn_end();
-        wg_wait<0>();
-        wg_fence_regs(dq);
-        if constexpr (BULK) dq_store_bulk(dq, c, h, q0);
-        else dq_store(dq, c, h, q0);
-        if (DK == 192 && (step & 1) == c) dq_atom(2, sDS, h, q0);
-        mbar_arrive(&dsempty[b]);
-        continue;
-      }
+    if constexpr (SCHED == 2) {
       float dq[32];
       turn_begin();
       wg_fence_regs(dv);
@@ -355,89 +337,51 @@ __global__ void __launch_bounds__(kThreads, 1)
       wg_fence_regs(dq);
       mbar_arrive(&qempty[s]);
       if (step > 0) {
-        if constexpr (BULK) dq_store_bulk(dq, c, h_prev, q0_prev);
-        else dq_store(dq, c, h_prev, q0_prev);
-        // Dk = 192: the third 64-column atom alternates between the warpgroups, outside the turns.
-        if (DK == 192 && ((step - 1) & 1) == c) dq_atom(2, smem + L::oDS + (b ^ 1) * L::DS, h_prev, q0_prev);
+        store_dq(dq, c, h_prev, q0_prev);
         mbar_arrive(&dsempty[b ^ 1]);
       }
       h_prev = h, q0_prev = q0;
-    }
-    if constexpr (SCHED != 3) {
-      const int b = (nsteps - 1) & 1;
-      float dq[32];
+    } else {
       turn_begin();
-      mbar_wait(&dsfull[b], ((nsteps - 1) >> 1) & 1);
+      wg_fence_regs(dv);
+      wg_fence_regs(dk);
       wg_fence();
-      dq_issue(dq, c, smem + L::oDS + b * L::DS);
+      issue_dvdk(pa, da, sQ, sDO);
+      wg_commit();
+      turn_end();
+      wg_wait<0>();
+      wg_fence_regs(dv);
+      wg_fence_regs(dk);
+      mbar_arrive(&qempty[s]);
+      // dQ columns: warpgroup c takes atom c; with Dk = 192 the third atom alternates between them by step.
+      float dq[32];
+      mbar_wait(&dsfull[b], ph);  // both halves of dSᵀ written
+      turn_begin();
+      wg_fence();
+      dq_issue(dq, c, sDS);
       wg_commit();
       turn_end();
       wg_wait<0>();
       wg_fence_regs(dq);
-      if constexpr (BULK) dq_store_bulk(dq, c, h_prev, q0_prev);
-        else dq_store(dq, c, h_prev, q0_prev);
-      if (DK == 192 && ((nsteps - 1) & 1) == c) dq_atom(2, smem + L::oDS + b * L::DS, h_prev, q0_prev);
+      store_dq(dq, c, h, q0);
+      if (DK == 192 && (step & 1) == c) dq_atom(2, sDS, h, q0);
+      mbar_arrive(&dsempty[b]);
     }
-    // Warpgroup 1's opening arrival leaves barrier 1 one arrival ahead; warpgroup 0 takes it here.
-    if (c == 0) asm volatile("bar.sync 1, 256;\n" ::: "memory");
-  } else {
-  for (int step = 0; step < nsteps; ++step) {
-    const int s = step & 1, b = step & 1, h = hk * p.G + step / nsteps_h, q0 = (qt0 + step % nsteps_h) * kBq;
-    const uint32_t ph = (step >> 1) & 1;
-    const unsigned char* sQ = smem + L::oQ + s * L::Q;
-    const unsigned char* sDO = smem + L::oDO + s * L::DO;
-    unsigned char* sDS = smem + L::oDS + b * L::DS;
-    // Sᵀ first, reduced to bf16 Pᵀ fragments, then dPᵀ: only one 32-register accumulator next to dK, dV (with
-    // both live, ptxas runs out of registers for Dk = 192 and serialises the MMAs).
-    uint32_t pa[4][4], da[4][4];
-    const float* stat = sST + s * 2 * kBq;
-    const bool need_mask = (q0 < k0 + kBk) || (q0 + kBq > len);
-    {
-      float st[32];
-      mbar_wait(&qfull[s], ph);
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < DK / 16; ++kk)
-        wgmma_m64n64k16_ss(st, wg_desc(sK + (kk >> 2) * kBk * 128 + c * 64 * 128 + (kk & 3) * 32),
-                           wg_desc(sQ + (kk >> 2) * kBq * 128 + (kk & 3) * 32), kk > 0 ? 1 : 0);
-      wg_commit();
-      wg_wait<0>();
-      wg_fence_regs(st);
-      make_p(st, pa, stat, q0, need_mask);
-    }
-    {
-      float dpt[32];
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < kDv / 16; ++kk)
-        wgmma_m64n64k16_ss(dpt, wg_desc(sV + (kk >> 2) * kBk * 128 + c * 64 * 128 + (kk & 3) * 32),
-                           wg_desc(sDO + (kk >> 2) * kBq * 128 + (kk & 3) * 32), kk > 0 ? 1 : 0);
-      wg_commit();
-      wg_wait<0>();
-      wg_fence_regs(dpt);
-      make_ds(dpt, pa, da, stat);
-    }
-    mbar_wait(&dsempty[b], ((step >> 1) & 1) ^ 1);
-    write_ds(sDS, da);
-    mbar_arrive(&dsfull[b]);
-
-    wg_fence_regs(dv);
-    wg_fence_regs(dk);
+  }
+  if constexpr (SCHED == 2) {  // the last step's dQ
+    const int b = (nsteps - 1) & 1;
+    float dq[32];
+    turn_begin();
+    mbar_wait(&dsfull[b], ((nsteps - 1) >> 1) & 1);
     wg_fence();
-    issue_dvdk(pa, da, sQ, sDO);
+    dq_issue(dq, c, smem + L::oDS + b * L::DS);
     wg_commit();
+    turn_end();
     wg_wait<0>();
-    wg_fence_regs(dv);
-    wg_fence_regs(dk);
-    mbar_arrive(&qempty[s]);
-
-    // dQ columns: warpgroup c takes atom c; with Dk = 192 the third atom alternates between them by step.
-    mbar_wait(&dsfull[b], (step >> 1) & 1);  // both halves of dSᵀ written
-    dq_atom(c, sDS, h, q0);
-    if (DK == 192 && (step & 1) == c) dq_atom(2, sDS, h, q0);
-    mbar_arrive(&dsempty[b]);
+    wg_fence_regs(dq);
+    store_dq(dq, c, h_prev, q0_prev);
   }
-  }
+  if constexpr (kTurns) pingpong_close(c);
 
   if (BULK && ltid == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // dQ reductions done
   // dK, dV of the owned keys (dS already carries the softmax scale).
@@ -498,13 +442,15 @@ void launch_s(const BwdParams& p, int ntiles, cudaStream_t s) {
 }  // namespace
 
 void launch_bwd_wgmma(const BwdParams& p, int Dk, int ntiles, cudaStream_t s) {
-  // LONGMOE_ATTN_BWD_MODE=0 (A/B runs): the serial order, no ping-pong.
-  static const bool serial = [] {
+  // Dk = 128: the two-turn ping-pong (SCHED 2); Dk = 192: the serial order (SCHED 0), which with the bulk dQ
+  // reductions ran 3-5% ahead of the four-turn ping-pong (SCHED 3) on the H200; with vector atomics SCHED 3 led
+  // by ~3%. LONGMOE_ATTN_BWD_MODE (A/B runs): 0 serial for both, 3 the four turns for Dk = 192.
+  static const int mode = [] {
     const char* e = std::getenv("LONGMOE_ATTN_BWD_MODE");
-    return e && *e == '0';
+    return e ? std::atoi(e) : -1;
   }();
-  if (Dk == 192) return serial ? launch_s<192, 0>(p, ntiles, s) : launch_s<192, 3>(p, ntiles, s);
-  serial ? launch_s<128, 0>(p, ntiles, s) : launch_s<128, 2>(p, ntiles, s);
+  if (Dk == 192) return mode == 3 ? launch_s<192, 3>(p, ntiles, s) : launch_s<192, 0>(p, ntiles, s);
+  mode == 0 ? launch_s<128, 0>(p, ntiles, s) : launch_s<128, 2>(p, ntiles, s);
 }
 
 }  // namespace lm::ops::cuda::detail

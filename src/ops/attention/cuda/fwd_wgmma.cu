@@ -166,19 +166,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     wg_commit();
   };
 
-  // Ping-pong: warpgroup c issues its MMAs only in its turn (named barrier 1 + c, 256 threads: its own 128 wait,
-  // the other's 128 arrive) and hands the turn over right after issuing, so one warpgroup's softmax runs under
-  // the other's products instead of both softmaxes coinciding. Warpgroup 1 opens with warpgroup 0's turn, and
-  // warpgroup 0 takes that extra arrival at the end (no branch around the hand-over; see bwd_wgmma.cu).
+  // Ping-pong (tc.cuh): one warpgroup's softmax runs under the other's products.
   auto turn_begin = [&] {
-    if constexpr (PINGPONG) asm volatile("bar.sync %0, 256;\n" ::"r"(1 + c) : "memory");
+    if constexpr (PINGPONG) pingpong_wait_turn(c);
   };
   auto turn_end = [&] {
-    if constexpr (PINGPONG) asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - c) : "memory");
+    if constexpr (PINGPONG) pingpong_pass_turn(c);
   };
-  if constexpr (PINGPONG) {
-    if (c == 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
-  }
+  if constexpr (PINGPONG) pingpong_open(c);
   float sc[64], alpha[2];
   if constexpr (OVERLAP) {
     // S_it is issued before O += P_{it-1}·V_{it-1}; the softmax of S_it runs under that product.
@@ -229,9 +224,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  if constexpr (PINGPONG) {
-    if (c == 0) asm volatile("bar.sync 1, 256;\n" ::: "memory");
-  }
+  if constexpr (PINGPONG) pingpong_close(c);
 
   bf16* Og = static_cast<bf16*>(p.o) + int64_t(s0) * p.so + int64_t(h) * kDv;
 #pragma unroll
