@@ -55,7 +55,8 @@ void print_profile(const model::Profile& p, const char* what, bool bwd, int reps
 }
 
 #ifdef LONGMOE_HAVE_CUDA
-// bf16 GEMM rate (TFLOP/s) of cuBLAS at n³, median of reps: the ceiling MFU is measured against.
+// bf16 GEMM rate (TFLOP/s) at n³ through ops/gemm (cuBLASLt's fastest candidate, or cublasGemmEx with
+// LONGMOE_GEMM_CUBLAS=1), median of reps: the ceiling MFU is measured against.
 double measure_bf16_gemm_tflops(int64_t n, int reps) {
   namespace kc = lm::kda::cuda;
   void* A = kc::device_alloc(size_t(n) * n * 2);
@@ -116,7 +117,7 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::ParamCou
   const double tb = app::time_median(train_step, a.reps, 1) / a.accum;  // per micro-batch
   const auto fl = model::flops_per_token(cfg, a.seq, a.seq);
   const double tflops = fl.train * rows / tb / 1e12;
-  std::printf("bf16 GEMM ceiling (cuBLAS 8192^3, same run): %.1f TFLOP/s\n", ceiling);
+  std::printf("bf16 GEMM ceiling (8192^3 through ops/gemm, same run): %.1f TFLOP/s\n", ceiling);
   std::printf("forward (loss)   %9.2f ms  %9.0f tokens/s\n", tf * 1e3, rows / tf);
   std::printf("training, per micro-batch %9.2f ms  %9.0f tokens/s  %.1f TFLOP/s by %.3f GFLOP/token (6 x %.3fB + attention "
               "%.3f GFLOP)  MFU %.1f%%\n",

@@ -1,12 +1,22 @@
 // Dense bf16 GEMMs through cuBLAS (row-major wrapper): the model's linear layers and the chunked LM head.
+// On the calling thread's main handle the product goes through cuBLASLt with the algorithm picked per problem
+// (shape, strides, transposes, output type, beta = 0 or not, operand alignments) by timing cuBLASLt's top
+// heuristic candidates once, on a scratch output; cublasGemmEx's default choice trailed the best candidate on
+// the model's projection shapes. LONGMOE_GEMM_CUBLAS=1 keeps cublasGemmEx (A/B runs); the grouped side streams
+// always use it (their concurrent products would share one cuBLASLt workspace).
 //
 // Legend: row-major C [M, N] = op(A) [M, K] · op(B) [K, N]. cuBLAS is column-major, and a row-major matrix
 // read column-major is its transpose, so the row-major product C = op(A)·op(B) is computed as the
 // column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: the operands swap places and keep their transpose flags.
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "ops/gemm/cuda/gemm_cuda.hpp"
@@ -46,6 +56,116 @@ cublasHandle_t side_handle(void* stream) {
   return nullptr;
 }
 
+bool use_lt() {
+  static const bool v = [] {
+    const char* e = std::getenv("LONGMOE_GEMM_CUBLAS");
+    return !(e && *e == '1');
+  }();
+  return v;
+}
+
+// Largest power of two (<= 256) dividing both the address and the row stride in bytes: the alignment cuBLASLt
+// may assume for every row of the operand.
+uint32_t alignment(const void* p, int64_t ld_bytes) {
+  const uint64_t a = reinterpret_cast<uint64_t>(p) | static_cast<uint64_t>(ld_bytes) | 256u;
+  return static_cast<uint32_t>(a & (~a + 1));
+}
+
+// One problem's descriptors and chosen algorithm (column-major view: D [N, M] = op(B) · op(A), see the legend).
+struct LtPlan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool ok = false;  // false: no cuBLASLt algorithm, use cublasGemmEx
+};
+using LtKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, bool, uint32_t,
+                         uint32_t, uint32_t>;
+
+struct Lt {
+  cublasLtHandle_t h = nullptr;
+  void* ws = nullptr;
+  size_t ws_bytes = 32u << 20;
+  std::map<LtKey, LtPlan> plans;
+  Lt() {
+    if (cublasLtCreate(&h) != CUBLAS_STATUS_SUCCESS) fail("cublasLtCreate failed (no device?)");
+    if (cudaMalloc(&ws, ws_bytes) != cudaSuccess) ws = nullptr, ws_bytes = 0;
+  }
+  ~Lt() {
+    for (auto& [k, pl] : plans) {
+      if (pl.op) cublasLtMatmulDescDestroy(pl.op);
+      for (auto l : {pl.la, pl.lb, pl.lc})
+        if (l) cublasLtMatrixLayoutDestroy(l);
+    }
+    if (h) cublasLtDestroy(h);
+    if (ws) cudaFree(ws);
+  }
+};
+
+// cuBLASLt's top candidates for the problem, each timed (median of 3 after a warm-up) on the caller's operands
+// and a scratch output; the fastest is kept. Runs once per problem (the first call waits for the timings).
+LtPlan make_plan(Lt& lt, bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const void* B,
+                 int64_t ldb, float beta, int64_t ldc, DType c_type, const uint32_t (&al)[3], cudaStream_t st) {
+  LtPlan pl;
+  const cudaDataType_t ct = c_type == DType::F32 ? CUDA_R_32F : CUDA_R_16BF;
+  const cublasOperation_t opa = tb ? CUBLAS_OP_T : CUBLAS_OP_N, opb = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (cublasLtMatmulDescCreate(&pl.op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) return pl;
+  cublasLtMatmulDescSetAttribute(pl.op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa);
+  cublasLtMatmulDescSetAttribute(pl.op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb);
+  if (cublasLtMatrixLayoutCreate(&pl.la, CUDA_R_16BF, tb ? K : N, tb ? N : K, ldb) != CUBLAS_STATUS_SUCCESS ||
+      cublasLtMatrixLayoutCreate(&pl.lb, CUDA_R_16BF, ta ? M : K, ta ? K : M, lda) != CUBLAS_STATUS_SUCCESS ||
+      cublasLtMatrixLayoutCreate(&pl.lc, ct, N, M, ldc) != CUBLAS_STATUS_SUCCESS)
+    return pl;
+  cublasLtMatmulPreference_t pref = nullptr;
+  if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return pl;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &lt.ws_bytes,
+                                       sizeof lt.ws_bytes);
+  const uint32_t a_first = al[1], a_second = al[0], a_c = al[2];  // first operand = B, second = A (the swap)
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &a_first, sizeof a_first);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &a_second, sizeof a_second);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &a_c, sizeof a_c);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &a_c, sizeof a_c);
+  constexpr int kCand = 8;
+  cublasLtMatmulHeuristicResult_t res[kCand];
+  int n = 0;
+  const cublasStatus_t hs =
+      cublasLtMatmulAlgoGetHeuristic(lt.h, pl.op, pl.la, pl.lb, pl.lc, pl.lc, pref, kCand, res, &n);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (hs != CUBLAS_STATUS_SUCCESS || n <= 0) return pl;
+  int best = 0;
+  if (n > 1) {
+    const size_t es = c_type == DType::F32 ? 4 : 2;
+    void* scratch = nullptr;
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    if (cudaMalloc(&scratch, size_t(ldc) * size_t(M) * es) == cudaSuccess &&
+        cudaEventCreate(&e0) == cudaSuccess && cudaEventCreate(&e1) == cudaSuccess) {
+      const float one = 1.f;
+      float best_ms = 1e30f;
+      for (int i = 0; i < n; ++i) {
+        if (res[i].state != CUBLAS_STATUS_SUCCESS) continue;
+        float t[3] = {0, 0, 0};
+        bool ok = true;
+        for (int r = 0; r < 4 && ok; ++r) {
+          cudaEventRecord(e0, st);
+          ok = cublasLtMatmul(lt.h, pl.op, &one, B, pl.la, A, pl.lb, &beta, scratch, pl.lc, scratch, pl.lc,
+                              &res[i].algo, lt.ws, lt.ws_bytes, st) == CUBLAS_STATUS_SUCCESS;
+          cudaEventRecord(e1, st);
+          cudaEventSynchronize(e1);
+          if (r > 0) cudaEventElapsedTime(&t[r - 1], e0, e1);
+        }
+        std::sort(t, t + 3);
+        if (ok && t[1] < best_ms) best_ms = t[1], best = i;
+      }
+    }
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    if (scratch) cudaFree(scratch);
+    cudaGetLastError();  // a candidate that failed to launch leaves nothing behind
+  }
+  pl.algo = res[best].algo;
+  pl.ok = true;
+  return pl;
+}
+
 }  // namespace
 
 void* blas_handle(void* stream) {
@@ -73,6 +193,25 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
     }
     if (beta == 1.f) return;
     fail("K == 0 with beta other than 0 or 1");
+  }
+  if (use_lt() && !side_handle(stream)) {
+    thread_local Lt lt;
+    const size_t es = c_type == DType::F32 ? 4 : 2;
+    const uint32_t al[3] = {alignment(A, lda * 2), alignment(B, ldb * 2), alignment(C, ldc * int64_t(es))};
+    const LtKey key{ta, tb, M, N, K, lda, ldb, ldc, int(c_type), beta == 0.f, al[0], al[1], al[2]};
+    auto it = lt.plans.find(key);
+    auto cs = static_cast<cudaStream_t>(stream);
+    if (it == lt.plans.end())
+      it = lt.plans.emplace(key, make_plan(lt, ta, tb, M, N, K, A, lda, B, ldb, beta, ldc, c_type, al, cs)).first;
+    const LtPlan& pl = it->second;
+    if (pl.ok) {
+      const cublasStatus_t s2 = cublasLtMatmul(lt.h, pl.op, &alpha, B, pl.la, A, pl.lb, &beta, C, pl.lc, C, pl.lc,
+                                               &pl.algo, lt.ws, lt.ws_bytes, cs);
+      if (s2 != CUBLAS_STATUS_SUCCESS)
+        fail("cublasLtMatmul failed (status " + std::to_string(static_cast<int>(s2)) + ") for M=" +
+             std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K));
+      return;
+    }
   }
   const cublasStatus_t st = cublasGemmEx(
       h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),

@@ -1,0 +1,87 @@
+// Dense bf16 GEMMs on the GPU (ops/gemm/cuda: cuBLASLt with a timed algorithm choice, cublasGemmEx fallback)
+// against a double-precision product of the same bf16 values. Skips without a CUDA device.
+//
+// Legend: row-major C [M, N] = alpha · op(A) · op(B) + beta · C; lda, ldb, ldc row strides in elements.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "core/dtype.hpp"
+#include "ops/gemm/cuda/gemm_cuda.hpp"
+#include "cuda_testing.hpp"
+#include "testing.hpp"
+
+using namespace lm;
+namespace oc = lm::ops::cuda;
+using namespace lm::cuda_testing;  // Dev, Vec, copies, err
+
+namespace {
+
+struct Case {
+  bool ta, tb;
+  int64_t M, N, K, pad;  // pad: extra elements per row of A, B and C (odd pads misalign the rows)
+  float beta;
+  DType ct;
+};
+
+// op(X)[r, c] of a row-major [rows, ld] matrix stored transposed when t.
+double at(const Vec& x, int64_t ld, bool t, int64_t r, int64_t c) { return t ? x[c * ld + r] : x[r * ld + c]; }
+
+void run(const Case& cs, uint64_t seed) {
+  const int64_t ar = cs.ta ? cs.K : cs.M, ac = cs.ta ? cs.M : cs.K;  // A as stored
+  const int64_t br = cs.tb ? cs.N : cs.K, bc = cs.tb ? cs.K : cs.N;
+  const int64_t lda = ac + cs.pad, ldb = bc + cs.pad, ldc = cs.N + cs.pad;
+  const Vec A = round_bf16(lm::testing::randn<float>(size_t(ar * lda), seed));
+  const Vec B = round_bf16(lm::testing::randn<float>(size_t(br * ldb), seed + 1));
+  const Vec C0 = round_bf16(lm::testing::randn<float>(size_t(cs.M * ldc), seed + 2));
+  const float alpha = 0.75f;
+  Vec ref(size_t(cs.M * cs.N)), got(size_t(cs.M * cs.N));
+  for (int64_t i = 0; i < cs.M; ++i)
+    for (int64_t j = 0; j < cs.N; ++j) {
+      double acc = 0;
+      for (int64_t k = 0; k < cs.K; ++k) acc += at(A, lda, cs.ta, i, k) * at(B, ldb, cs.tb, k, j);
+      ref[size_t(i * cs.N + j)] = float(alpha * acc + cs.beta * C0[size_t(i * ldc + j)]);
+    }
+  Dev dA(A.size() * 2), dB(B.size() * 2), dC(C0.size() * 4);
+  up_bf16(dA, A), up_bf16(dB, B);
+  if (cs.ct == DType::F32)
+    up(dC, C0);
+  else
+    up_bf16(dC, C0);
+  oc::gemm_bf16(cs.ta, cs.tb, cs.M, cs.N, cs.K, alpha, dA.p, lda, dB.p, ldb, cs.beta, dC.p, ldc, cs.ct);
+  const Vec out = cs.ct == DType::F32 ? down<float>(dC, C0.size()) : down_bf16(dC, C0.size());
+  for (int64_t i = 0; i < cs.M; ++i)
+    for (int64_t j = 0; j < cs.N; ++j) got[size_t(i * cs.N + j)] = out[size_t(i * ldc + j)];
+  // The padding columns of C keep their values (no write past N).
+  for (int64_t i = 0; i < cs.M; ++i)
+    for (int64_t j = cs.N; j < ldc; ++j)
+      ASSERT_EQ(out[size_t(i * ldc + j)], C0[size_t(i * ldc + j)]) << "C padding written at " << i << "," << j;
+  const double e = err(ref, got);
+  std::printf("gemm ta%d tb%d M%lld N%lld K%lld pad%lld beta %.0f %s: %.2e\n", cs.ta, cs.tb, (long long)cs.M,
+              (long long)cs.N, (long long)cs.K, (long long)cs.pad, cs.beta, cs.ct == DType::F32 ? "f32" : "bf16", e);
+  EXPECT_LT(e, cs.ct == DType::F32 ? 1e-5 : 5e-3);
+}
+
+TEST(GemmCuda, EveryLayoutAgainstDoubleReference) {
+  REQUIRE_GPU();
+  uint64_t seed = 11;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (const DType ct : {DType::F32, DType::BF16}) {
+        run({ta, tb, 192, 320, 256, 0, 0.f, ct}, seed += 3);   // tile-aligned, fresh output
+        run({ta, tb, 77, 136, 264, 8, 1.f, ct}, seed += 3);    // ragged M, padded rows, accumulate
+        run({ta, tb, 37, 50, 24, 1, 1.f, ct}, seed += 3);      // odd strides: 2-byte aligned rows
+      }
+}
+
+// The same problem twice (the second call reuses the chosen algorithm) and after a different one in between.
+TEST(GemmCuda, RepeatedProblemsGiveTheSameResult) {
+  REQUIRE_GPU();
+  run({false, true, 256, 384, 512, 0, 0.f, DType::F32}, 101);
+  run({true, false, 384, 512, 256, 0, 1.f, DType::F32}, 202);
+  run({false, true, 256, 384, 512, 0, 0.f, DType::F32}, 303);
+}
+
+}  // namespace
