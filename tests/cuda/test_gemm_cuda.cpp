@@ -84,4 +84,29 @@ TEST(GemmCuda, RepeatedProblemsGiveTheSameResult) {
   run({false, true, 256, 384, 512, 0, 0.f, DType::F32}, 303);
 }
 
+// A product large enough for the timed algorithm choice (2·M·N·K >= 1e10), accumulating into fp32 as the model's
+// residual projections do; checked on sampled rows (a full double reference would take seconds).
+TEST(GemmCuda, LargeProductWithTimedChoice) {
+  REQUIRE_GPU();
+  const int64_t M = 4096, N = 1024, K = 1280;
+  const Vec A = round_bf16(lm::testing::randn<float>(size_t(M * K), 7));
+  const Vec W = round_bf16(lm::testing::randn<float>(size_t(N * K), 8));  // [N, K]: op(B) = Wᵀ
+  const Vec C0 = lm::testing::randn<float>(size_t(M * N), 9);
+  Dev dA(A.size() * 2), dW(W.size() * 2), dC(C0.size() * 4);
+  up_bf16(dA, A), up_bf16(dW, W), up(dC, C0);
+  oc::gemm_bf16(false, true, M, N, K, 1.f, dA.p, K, dW.p, K, 1.f, dC.p, N, DType::F32);
+  const Vec out = down<float>(dC, C0.size());
+  Vec ref, got;
+  for (int64_t i = 5; i < M; i += 85)
+    for (int64_t j = 0; j < N; ++j) {
+      double acc = C0[size_t(i * N + j)];
+      for (int64_t k = 0; k < K; ++k) acc += double(A[size_t(i * K + k)]) * W[size_t(j * K + k)];
+      ref.push_back(float(acc)), got.push_back(out[size_t(i * N + j)]);
+    }
+  const double e = err(ref, got);
+  std::printf("gemm M%lld N%lld K%lld += (timed choice), %zu sampled rows: %.2e\n", (long long)M, (long long)N,
+              (long long)K, ref.size() / size_t(N), e);
+  EXPECT_LT(e, 1e-5);
+}
+
 }  // namespace

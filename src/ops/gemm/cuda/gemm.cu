@@ -82,6 +82,7 @@ using LtKey = std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t
                          uint32_t, uint32_t>;
 
 struct Lt {
+  static constexpr size_t kMaxPlans = 4096;  // beyond: start over (a server meeting ever new shapes)
   cublasLtHandle_t h = nullptr;
   void* ws = nullptr;
   size_t ws_bytes = 32u << 20;
@@ -90,12 +91,16 @@ struct Lt {
     if (cublasLtCreate(&h) != CUBLAS_STATUS_SUCCESS) fail("cublasLtCreate failed (no device?)");
     if (cudaMalloc(&ws, ws_bytes) != cudaSuccess) ws = nullptr, ws_bytes = 0;
   }
-  ~Lt() {
+  void clear() {
     for (auto& [k, pl] : plans) {
       if (pl.op) cublasLtMatmulDescDestroy(pl.op);
       for (auto l : {pl.la, pl.lb, pl.lc})
         if (l) cublasLtMatrixLayoutDestroy(l);
     }
+    plans.clear();
+  }
+  ~Lt() {
+    clear();
     if (h) cublasLtDestroy(h);
     if (ws) cudaFree(ws);
   }
@@ -103,6 +108,8 @@ struct Lt {
 
 // cuBLASLt's top candidates for the problem, each timed (median of 3 after a warm-up) on the caller's operands
 // and a scratch output; the fastest is kept. Runs once per problem (the first call waits for the timings).
+// Products under kTimedFlops take the heuristic's first choice untimed: timing them would cost more than it can
+// win, and inference meets many small shapes (a new row count per prompt or decode batch).
 LtPlan make_plan(Lt& lt, bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const void* B,
                  int64_t ldb, float beta, int64_t ldc, DType c_type, const uint32_t (&al)[3], cudaStream_t st) {
   LtPlan pl;
@@ -132,7 +139,8 @@ LtPlan make_plan(Lt& lt, bool ta, bool tb, int64_t M, int64_t N, int64_t K, cons
   cublasLtMatmulPreferenceDestroy(pref);
   if (hs != CUBLAS_STATUS_SUCCESS || n <= 0) return pl;
   int best = 0;
-  if (n > 1) {
+  constexpr double kTimedFlops = 1e10;
+  if (n > 1 && 2.0 * double(M) * double(N) * double(K) >= kTimedFlops) {
     const size_t es = c_type == DType::F32 ? 4 : 2;
     void* scratch = nullptr;
     cudaEvent_t e0 = nullptr, e1 = nullptr;
@@ -201,8 +209,10 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
     const LtKey key{ta, tb, M, N, K, lda, ldb, ldc, int(c_type), beta == 0.f, al[0], al[1], al[2]};
     auto it = lt.plans.find(key);
     auto cs = static_cast<cudaStream_t>(stream);
-    if (it == lt.plans.end())
+    if (it == lt.plans.end()) {
+      if (lt.plans.size() >= Lt::kMaxPlans) lt.clear();
       it = lt.plans.emplace(key, make_plan(lt, ta, tb, M, N, K, A, lda, B, ldb, beta, ldc, c_type, al, cs)).first;
+    }
     const LtPlan& pl = it->second;
     if (pl.ok) {
       const cublasStatus_t s2 = cublasLtMatmul(lt.h, pl.op, &alpha, B, pl.la, A, pl.lb, &beta, C, pl.lc, C, pl.lc,
