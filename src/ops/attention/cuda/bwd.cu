@@ -14,6 +14,7 @@
 
 #include "ops/attention/cuda/kernels.hpp"
 #include "ops/attention/cuda/tc.cuh"
+#include "ops/moe/cuda/hopper.cuh"  // bulk reductions
 
 namespace lm::ops::cuda::detail {
 
@@ -29,14 +30,6 @@ struct BwdSmem {
                        oL = oDQ + kB * LDQ32 * 4, oD = oL + 2 * kB * 4, bytes = oD + 2 * kB * 4;
 };
 
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_reduce_add_f32(float* g, const float* s, int bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(g),
-               "r"(smem_u32(s)), "r"(bytes)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 
 // kB fp32 row statistics by 4-byte cp.async (the rows start anywhere); entries >= nv zero-filled.
 __device__ __forceinline__ void load_stats(float* s, const float* g, int nv, int i) {
@@ -209,9 +202,11 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_kernel(const BwdParams p
       fence_proxy_async();  // the generic-proxy stores above are read next by the bulk copy engine
       __syncwarp();
       const int r = w4 * 16 + lane;
-      if (lane < 16 && q0 + r < len)
+      if (lane < 16 && q0 + r < len) {
         bulk_reduce_add_f32(p.dqacc + (int64_t(h) * (p.rows + kB) + s0 + q0 + r) * DK + w2 * (DK / 2),
-                            sDQ + r * LDQ32 + w2 * (DK / 2), DK / 2 * 4);
+                            smem_u32(sDQ + r * LDQ32 + w2 * (DK / 2)), DK / 2 * 4);
+        bulk_commit();
+      }
     }
   }
   if (lane < 16) bulk_wait_read();  // the staging rows stay valid until the last reductions have read them

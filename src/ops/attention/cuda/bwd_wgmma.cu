@@ -46,8 +46,6 @@ struct Bw2Smem {
                        oST = oDQ + 2 * DQ, oBar = oST + 2 * 2 * kBq * 4, bytes = oBar + 16 * 8 + 1024;
 };
 
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 template <int DK, int SCHED, bool BULK>
 __global__ void __launch_bounds__(kThreads, 1)
     attn_bwd_wgmma_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
@@ -150,8 +148,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // or the accumulator's 64 spare rows.
   auto dq_store_bulk = [&](const float (&dq)[32], int a, int h, int q0) {
     unsigned char* stg = smem + L::oDQ + c * L::DQ;
-    if (ltid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // staging free again
-    asm volatile("bar.sync %0, 128;\n" ::"r"(3 + c) : "memory");
+    if (ltid == 0) bulk_wait_read();  // staging free again
+    named_bar_sync<128>(3 + c);
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -161,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             make_float2(dq[4 * n + 2 * hr], dq[4 * n + 2 * hr + 1]);
       }
     fence_proxy_async();
-    asm volatile("bar.sync %0, 128;\n" ::"r"(3 + c) : "memory");
+    named_bar_sync<128>(3 + c);
     if (ltid == 0) {
       const int y = h * (p.rows + kBq) + s0 + q0;
 #pragma unroll
@@ -171,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 &tmDQ),
             "r"(64 * a + 32 * j), "r"(y), "r"(smem_addr(stg + j * kBq * 128))
             : "memory");
-      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+      bulk_commit();
     }
   };
   auto store_dq = [&](const float (&dq)[32], int a, int h, int q0) {
@@ -254,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // SCHED 3 (Dk = 192) gives each product its own turn (Sᵀ | dPᵀ | dV + dK | dQ); SCHED 2 (Dk = 128) has two
   // turns, Sᵀ + dPᵀ (the exponentials under dPᵀ) and dV + dK + the previous step's dQ (its reduction then runs
   // under the other warpgroup's turn). Both halves of dSᵀ_{i-1} are written before either warpgroup's dV/dK turn
-  // of step i (each writes its half before its own dV/dK turn of step i-1). Turns: pingpong_* in tc.cuh.
+  // of step i (each writes its half before its own dV/dK turn of step i-1). Turns: pingpong_* in hopper.cuh.
   constexpr bool kTurns = SCHED != 0;
   auto turn_begin = [&] {
     if constexpr (kTurns) pingpong_wait_turn(c);
@@ -383,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if constexpr (kTurns) pingpong_close(c);
 
-  if (BULK && ltid == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // dQ reductions done
+  if (BULK && ltid == 0) bulk_wait();  // dQ reductions done
   // dK, dV of the owned keys (dS already carries the softmax scale).
   const int kr0 = k0 + 64 * c, nk = min(64, len - kr0);
   bf16* dKg = static_cast<bf16*>(p.dk) + (int64_t(s0 + kr0) * p.Hkv + hk) * DK;

@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wg_commit();
   };
 
-  // Ping-pong (tc.cuh): one warpgroup's softmax runs under the other's products.
+  // Ping-pong (hopper.cuh): one warpgroup's softmax runs under the other's products.
   auto turn_begin = [&] {
     if constexpr (PINGPONG) pingpong_wait_turn(c);
   };

@@ -84,20 +84,4 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: exp2(-inf)
   return y;
 }
 
-// Ping-pong of two compute warpgroups (c = 0, 1) over their MMA issue: named barrier 1 + c is warpgroup c's turn
-// (256 threads: its own 128 wait, the other's 128 arrive). A warpgroup waits for its turn, issues, and hands the
-// turn over at once, so one's elementwise work runs under the other's products. Warpgroup 1 opens with warpgroup
-// 0's first turn and warpgroup 0 absorbs the one surplus arrival at the end, so the hand-over never sits under a
-// branch (one made ptxas spill and serialise the MMAs of the Dk = 192 backward). Barrier 0 is __syncthreads'.
-__device__ __forceinline__ void pingpong_open(int c) {
-  if (c == 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
-}
-__device__ __forceinline__ void pingpong_wait_turn(int c) { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + c) : "memory"); }
-__device__ __forceinline__ void pingpong_pass_turn(int c) {
-  asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - c) : "memory");
-}
-__device__ __forceinline__ void pingpong_close(int c) {
-  if (c == 0) asm volatile("bar.sync 1, 256;\n" ::: "memory");
-}
-
 }  // namespace lm::ops::cuda::detail

@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
     if (c + 1 < ce) issue(c + 1, s ^ 1);
     cp_commit();
     cp_wait<1>();
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async data -> wgmma's async proxy
+    hp::fence_proxy_async();  // cp.async data -> wgmma's async proxy
     __syncthreads();
     const unsigned char* b = smem + s * SM::stage;
     const bf16* sU = reinterpret_cast<const bf16*>(b + 3 * TILE + ATILE);
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_bwd_wgmma_kernel(const OpPar
     if (c - 1 >= cs) issue(c - 1, s ^ 1);
     cp_commit();
     cp_wait<1>();
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    hp::fence_proxy_async();
     __syncthreads();
     const unsigned char* b = smem + s * SM::stage;
     const bf16* sO = reinterpret_cast<const bf16*>(b + 3 * TILE + ATILE);

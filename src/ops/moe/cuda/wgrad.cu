@@ -134,8 +134,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (valid < kBk) {  // rows past the expert: zero them in this warpgroup's A atom (whole 128-byte rows)
         for (int i = ltid; i < (kBk - valid) * 8; i += 128)
           *reinterpret_cast<uint4*>(sA + (valid + (i >> 3)) * 128 + (i & 7) * 16) = make_uint4(0, 0, 0, 0);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + c) : "memory");
+        fence_proxy_async();
+        named_bar_sync<128>(1 + c);
       }
       wg_consume_stage(acc, [&] {
 #pragma unroll
@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // warp's staging rows, and lanes 0..15 hand one dw row each to the bulk copy engine (an fp32 add in L2, or a
     // store), which runs on while the warp starts its next tile. The staging is reused once the engine has read it.
     float* stg = reinterpret_cast<float*>(smem + L::oStg) + (c * 4 + warp) * 16 * L::LDS;
-    if (lane < 16) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    if (lane < 16) bulk_wait_read();
     __syncwarp();
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j)
@@ -159,23 +159,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int hr = 0; hr < 2; ++hr)
         *reinterpret_cast<float2*>(stg + (g + 8 * hr) * L::LDS + 8 * j + 2 * t) =
             make_float2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    fence_proxy_async();
     __syncwarp();
     const int row = n0 + 64 * c + 16 * warp + lane;
     if (lane < 16 && row < p.N) {
       const uint32_t src = smem_addr(stg + lane * L::LDS), bytes = uint32_t(min(BN, p.K - k0)) * 4;
       float* dst = p.dw + (int64_t(e) * p.N + row) * p.K + k0;
-      if (p.accumulate)
-        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
-                     "r"(bytes)
-                     : "memory");
-      else
-        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
-                     : "memory");
+      if (p.accumulate) bulk_reduce_add_f32(dst, src, bytes);
+      else bulk_store(dst, src, bytes);
     }
-    if (lane < 16) asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    if (lane < 16) bulk_commit();
   }
-  if (lane < 16) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // every dw row written
+  if (lane < 16) bulk_wait();  // every dw row written
 }
 
 [[noreturn]] void fail(const std::string& m) { throw Error("moe cuda: " + m); }
