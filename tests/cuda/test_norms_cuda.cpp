@@ -329,6 +329,108 @@ TEST(NormsCuda, AttnRes) {
   }
 }
 
+// A read fused with the RMSNorm that consumes it, against the CPU ops in turn: forward y (bf16) and rstd; backward
+// from the norm output's gradient: dv (one source skipped), dw, dgamma, the norm gain's dgn, and dlast (the last
+// source's updated gradient as bf16). N = 9 and d = 9000 take the composed fallback.
+TEST(NormsCuda, AttnResNorm) {
+  REQUIRE_GPU();
+  struct AC {
+    int64_t N, T, d;
+  };
+  const float eps = 1e-6f, eps_n = 1e-5f;
+  for (const AC ac : {AC{1, 50, 256}, AC{2, 3000, 1536}, AC{3, 77, 2048}, AC{5, 3000, 1536}, AC{4, 200, 1536},
+                      AC{2, 33, 130}, AC{8, 70, 1024}, AC{9, 40, 100}, AC{3, 5, 9000}}) {
+    const size_t n = size_t(ac.T * ac.d);
+    std::vector<Vec> v, dv0;
+    for (int64_t j = 0; j < ac.N; ++j) {
+      v.push_back(randn(n, uint64_t(300 * ac.N + j), 1.0 + 0.5 * double(j)));
+      dv0.push_back(randn(n, uint64_t(400 * ac.N + j), 0.1));
+    }
+    const Vec w = randn(size_t(ac.d), uint64_t(ac.d + 41), 0.05);
+    const Vec gamma = gain(size_t(ac.d), uint64_t(ac.d + 42), 0.2), gn = gain(size_t(ac.d), uint64_t(ac.d + 43), 0.2);
+    const Vec dy = randn(n, uint64_t(ac.d + 44), 1.0);
+    const Vec dw0 = randn(size_t(ac.d), uint64_t(ac.d + 45), 0.1), dg0 = randn(size_t(ac.d), uint64_t(ac.d + 46), 0.1),
+              dgn0 = randn(size_t(ac.d), uint64_t(ac.d + 47), 0.1);
+    auto skipped = [&](int64_t j) { return ac.N > 2 && j == 1; };
+
+    // CPU: h = read(v); y = norm(h); dh = norm'(dy); dv, dw, dgamma = read'(dh).
+    std::vector<const float*> vp;
+    std::vector<float*> dvp;
+    std::vector<Vec> dv_ref = dv0;
+    for (int64_t j = 0; j < ac.N; ++j) {
+      vp.push_back(v[size_t(j)].data());
+      dvp.push_back(skipped(j) ? nullptr : dv_ref[size_t(j)].data());
+    }
+    Vec h(n), y_ref(n), rstd_ref(size_t(ac.T)), dh(n), dw_ref = dw0, dg_ref = dg0, dgn_ref = dgn0;
+    ops::attnres_forward<float>(vp.data(), ac.N, ac.T, ac.d, w.data(), gamma.data(), eps, h.data());
+    ops::rmsnorm_forward<float>(h.data(), gn.data(), y_ref.data(), rstd_ref.data(), ac.T, ac.d, eps_n);
+    ops::rmsnorm_backward<float>(h.data(), gn.data(), rstd_ref.data(), dy.data(), dh.data(), dgn_ref.data(), ac.T,
+                                 ac.d, eps_n);
+    ops::attnres_backward<float>(vp.data(), ac.N, ac.T, ac.d, w.data(), gamma.data(), eps, dh.data(), dvp.data(),
+                                 dw_ref.data(), dg_ref.data());
+
+    std::vector<std::unique_ptr<Dev>> gv, gdv;
+    std::vector<const float*> gvp;
+    std::vector<float*> gdvp;
+    for (int64_t j = 0; j < ac.N; ++j) {
+      gv.push_back(std::make_unique<Dev>(n * 4));
+      gdv.push_back(std::make_unique<Dev>(n * 4));
+      up(*gv.back(), v[size_t(j)]);
+      gvp.push_back(gv.back()->f());
+      gdvp.push_back(skipped(j) ? nullptr : gdv.back()->f());
+    }
+    Dev gw(w.size() * 4), gg(gamma.size() * 4), ggn(gn.size() * 4), gy(n * 2), grs(rstd_ref.size() * 4), gdy(n * 4),
+        gdw(w.size() * 4), gdg(gamma.size() * 4), gdgn(gn.size() * 4), glast(n * 2);
+    up(gw, w), up(gg, gamma), up(ggn, gn), up(gdy, dy);
+    oc::attnres_norm_forward(gvp.data(), ac.N, ac.T, ac.d, gw.f(), gg.f(), eps, ggn.f(), eps_n, gy.p, grs.f());
+    kc::synchronize();
+    const double ey = err(y_ref, down_bf16(gy, n)), er = err(rstd_ref, down<float>(grs, rstd_ref.size()));
+    // Backward twice from the same state: bitwise equal results (fixed reduction orders).
+    std::vector<std::vector<Vec>> dv_out(2);
+    Vec dw_out[2], dg_out[2], dgn_out[2], last_out[2];
+    for (int rep = 0; rep < 2; ++rep) {
+      for (int64_t j = 0; j < ac.N; ++j) up(*gdv[size_t(j)], dv0[size_t(j)]);
+      up(gdw, dw0), up(gdg, dg0), up(gdgn, dgn0);
+      oc::attnres_norm_backward(gvp.data(), ac.N, ac.T, ac.d, gw.f(), gg.f(), eps, ggn.f(), eps_n, grs.f(), gdy.f(),
+                                gdvp.data(), gdw.f(), gdg.f(), gdgn.f(), glast.p);
+      kc::synchronize();
+      for (int64_t j = 0; j < ac.N; ++j) dv_out[rep].push_back(down<float>(*gdv[size_t(j)], n));
+      dw_out[rep] = down<float>(gdw, w.size()), dg_out[rep] = down<float>(gdg, gamma.size());
+      dgn_out[rep] = down<float>(gdgn, gn.size()), last_out[rep] = down_bf16(glast, n);
+    }
+    EXPECT_EQ(dv_out[0], dv_out[1]) << "dv not reproducible";
+    EXPECT_EQ(dw_out[0], dw_out[1]) << "dw not reproducible";
+    EXPECT_EQ(dgn_out[0], dgn_out[1]) << "dgn not reproducible";
+    double edv = 0;
+    for (int64_t j = 0; j < ac.N; ++j) {
+      if (skipped(j)) {
+        EXPECT_EQ(dv_out[0][size_t(j)], dv0[size_t(j)]) << "skipped source " << j << " was written";
+        continue;
+      }
+      edv = std::max(edv, err(dv_ref[size_t(j)], dv_out[0][size_t(j)]));
+    }
+    const double edw = err(dw_ref, dw_out[0]), edg = err(dg_ref, dg_out[0]), edgn = err(dgn_ref, dgn_out[0]);
+    const double elast = err(dv_ref[size_t(ac.N - 1)], last_out[0]);
+    std::printf("attnres+norm N%lld T%lld d%lld: y %.2e rstd %.2e dv %.2e dw %.2e dgamma %.2e dgn %.2e dlast %.2e\n",
+                (long long)ac.N, (long long)ac.T, (long long)ac.d, ey, er, edv, edw, edg, edgn, elast);
+    EXPECT_LE(ey, kTolBf16);
+    EXPECT_LE(er, kTolF32);
+    EXPECT_LE(edv, 1e-4);  // dh is rebuilt in registers in another order than the CPU's two passes
+    EXPECT_LE(edw, 1e-4);
+    EXPECT_LE(edg, 1e-4);
+    EXPECT_LE(edgn, 1e-4);
+    EXPECT_LE(elast, kTolBf16);
+  }
+  // Bad arguments: no gain, dlast without the last source's gradient.
+  Dev a(64 * 4), y(64 * 2), r(4 * 4);
+  const float* src[1] = {a.f()};
+  float* none[1] = {nullptr};
+  EXPECT_THROW(oc::attnres_norm_forward(src, 1, 4, 16, a.f(), a.f(), 1e-6f, nullptr, 1e-5f, y.p, r.f()), Error);
+  EXPECT_THROW(oc::attnres_norm_backward(src, 1, 4, 16, a.f(), a.f(), 1e-6f, a.f(), 1e-5f, r.f(), a.f(), none,
+                                         nullptr, nullptr, nullptr, y.p),
+               Error);
+}
+
 // ---- embedding -------------------------------------------------------------------------------------------
 
 TEST(NormsCuda, Embedding) {

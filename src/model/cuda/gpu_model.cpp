@@ -140,6 +140,10 @@ struct GpuModel::Impl {
   int64_t rows = 0;
   Seqs seqs;
   int64_t nblocks = 0;  // AttnRes closed blocks of the last forward
+  // AttnRes states of the last forward (buffers in `act`): each layer's input state, the closed blocks, and the
+  // state after the last layer.
+  std::vector<const float*> state_in, block_src;
+  const float* state_last = nullptr;
   Profile* prof = nullptr;
   bool profiling = false;
 
@@ -307,8 +311,8 @@ struct GpuModel::Impl {
     return s;
   }
 
-  // y [rows, d] fp32 (=|+=) mixer(xn).
-  void kda_forward(int64_t i, const void* xn, float* y, bool accumulate) {
+  // y [rows, d] fp32 = base + mixer(xn) (base null: y = mixer(xn); base == y: in place).
+  void kda_forward(int64_t i, const void* xn, float* y, const float* base) {
     const int64_t H = c.kda_num_heads, Kd = c.kda_head_dim, HK = H * Kd, n = rows;
     const std::string A = P_(i) + ".self_attn.";
     auto bf = [&](const char* nm, int64_t w) { return buf(K(i, nm), size_t(n) * w * 2); };
@@ -343,7 +347,7 @@ struct GpuModel::Impl {
     sec.emplace(section("kda.onorm.fwd"));
     oc::rmsnorm_gated_forward(o, go, M(A + "o_norm.weight"), on, orstd, n * H, Kd, eps());
     sec.emplace(section("kda.proj.fwd"));
-    oc::linear_fwd(on, W(A + "o_proj.weight"), y, DType::F32, n, HK, d, accumulate);
+    oc::linear_fwd(on, W(A + "o_proj.weight"), y, DType::F32, n, HK, d, false, nullptr, 0, 0, base);
   }
 
   // dxn [rows, d] fp32 written from dy bf16 [rows, d].
@@ -413,7 +417,7 @@ struct GpuModel::Impl {
     return a;
   }
 
-  void mla_forward(int64_t i, const void* xn, float* y, bool accumulate) {
+  void mla_forward(int64_t i, const void* xn, float* y, const float* base) {
     const int64_t H = c.num_attention_heads, Dn = c.qk_nope_head_dim, Dr = c.qk_rope_head_dim, Dv = c.v_head_dim,
                   R = c.kv_lora_rank, Q = c.q_lora_rank.value_or(0), Dq = Dn + Dr, Dkv = Dn + Dv, RD = R + Dr,
                   n = rows;
@@ -448,7 +452,7 @@ struct GpuModel::Impl {
       sigmoid_gate_forward(o, graw, og, n * H * Dv);
       o_in = og;
     }
-    oc::linear_fwd(o_in, W(A + "o_proj.weight"), y, DType::F32, n, H * Dv, d, accumulate);
+    oc::linear_fwd(o_in, W(A + "o_proj.weight"), y, DType::F32, n, H * Dv, d, false, nullptr, 0, 0, base);
   }
 
   void mla_backward(int64_t i, const void* dy, float* dxn) {
@@ -502,12 +506,13 @@ struct GpuModel::Impl {
   ops::GluParams glu() const { return glu_params(c); }
 
   // Dense GLU FFN under `prefix` (gate_proj and up_proj adjacent: one [2I, din] weight) over x [n, din] bf16.
+  // y = base + ffn(x) (base null: y = ffn(x); base == y: in place).
   void ffn_forward(const std::string& key, const std::string& prefix, const void* x, int64_t n, int64_t din, int64_t I,
-                   float* y, bool accumulate) {
+                   float* y, const float* base) {
     void *ab = buf(key + ".ab", size_t(n) * 2 * I * 2), *h = buf(key + ".h", size_t(n) * I * 2);
     oc::linear_fwd(x, W(prefix + ".gate_proj.weight"), ab, DType::BF16, n, din, 2 * I);
     oc::glu_forward(ab, h, n, I, glu());
-    oc::linear_fwd(h, W(prefix + ".down_proj.weight"), y, DType::F32, n, I, din, accumulate);
+    oc::linear_fwd(h, W(prefix + ".down_proj.weight"), y, DType::F32, n, I, din, false, nullptr, 0, 0, base);
   }
   void ffn_backward(const std::string& key, const std::string& prefix, const void* x, int64_t n, int64_t din,
                     int64_t I, const void* dy, float* dx, bool accumulate_dx) {
@@ -521,7 +526,8 @@ struct GpuModel::Impl {
                    2 * I, accumulate_dx);
   }
 
-  void moe_forward(int64_t i, const void* yn, float* y) {
+  // y [rows, d] fp32 = base + moe(yn) (base == y: in place).
+  void moe_forward(int64_t i, const void* yn, float* y, const float* base) {
     const int64_t E = c.num_experts, k = c.num_experts_per_token, I = c.moe_intermediate_size, l = c.expert_width(),
                   n = rows, Mr = n * k;
     const bool latent = c.has_latent_moe();
@@ -573,13 +579,13 @@ struct GpuModel::Impl {
         oc::rmsnorm_forward(u, DType::BF16, M(B + "routed_expert_norm.weight"), unb, urs, n, l, eps());
         un = unb;
       }
-      oc::linear_fwd(un, W(B + "routed_expert_up_proj.weight"), y, DType::F32, n, l, d, true);
+      oc::linear_fwd(un, W(B + "routed_expert_up_proj.weight"), y, DType::F32, n, l, d, false, nullptr, 0, 0, base);
     } else {
       throw Error("gpu model: MoE without a latent projection (Kimi Linear) is not supported on the GPU yet");
     }
     sec.emplace(section("moe.shared.fwd"));
     if (c.num_shared_experts > 0)
-      ffn_forward(K(i, "shared"), B + "shared_experts", yn, n, d, c.shared_intermediate_size(), y, true);
+      ffn_forward(K(i, "shared"), B + "shared_experts", yn, n, d, c.shared_intermediate_size(), y, y);
   }
 
   void moe_backward(int64_t i, const void* dy, float* dyn) {
@@ -659,22 +665,22 @@ struct GpuModel::Impl {
   }
 
   // ================================ the stack (model.cpp) =======================================
-  void mixer_forward(int64_t i, const void* xn, float* y, bool accumulate) {
+  void mixer_forward(int64_t i, const void* xn, float* y, const float* base) {
     if (c.is_kda(i)) {
       Timed t(part(Profile::Kda, false));
-      kda_forward(i, xn, y, accumulate);
+      kda_forward(i, xn, y, base);
     } else {
       Timed t(part(Profile::Mla, false));
-      mla_forward(i, xn, y, accumulate);
+      mla_forward(i, xn, y, base);
     }
   }
-  void ffn_fwd(int64_t i, const void* yn, float* y) {
+  void ffn_fwd(int64_t i, const void* yn, float* y, const float* base) {
     if (c.is_moe(i)) {
       Timed t(part(Profile::Moe, false));
-      moe_forward(i, yn, y);
+      moe_forward(i, yn, y, base);
     } else {
       Timed t(part(Profile::DenseFfn, false));
-      ffn_forward(K(i, "mlp"), P_(i) + ".mlp", yn, rows, d, c.intermediate_size, y, true);
+      ffn_forward(K(i, "mlp"), P_(i) + ".mlp", yn, rows, d, c.intermediate_size, y, base);
     }
   }
   void norm_fwd(const float* x, const std::string& w, const std::string& key_y, const std::string& key_rstd) {
@@ -682,9 +688,13 @@ struct GpuModel::Impl {
     oc::rmsnorm_forward(x, DType::F32, M(w), buf(key_y, size_t(rows) * d * 2),
                         buf<float>(key_rstd, size_t(rows) * 4), rows, d, eps());
   }
-  void read(const std::vector<const float*>& src, const std::string& w, const std::string& g, float* h) {
+  // An AttnRes read over src with (w, g) and the RMSNorm (gain nw) that consumes it, fused: only the bf16 norm
+  // output and its rstd are stored (the backward rebuilds h from the sources).
+  void read_norm(const std::vector<const float*>& src, const std::string& w, const std::string& g,
+                 const std::string& nw, const std::string& key_y, const std::string& key_rstd) {
     Timed t(part(Profile::AttnRes, false));
-    oc::attnres_forward(src.data(), static_cast<int64_t>(src.size()), rows, d, M(w), M(g), eps(), h);
+    oc::attnres_norm_forward(src.data(), static_cast<int64_t>(src.size()), rows, d, M(w), M(g), eps(), M(nw), eps(),
+                             buf(key_y, size_t(rows) * d * 2), buf<float>(key_rstd, size_t(rows) * 4));
   }
   void copy(float* dst, const float* src) {
     ck(cudaMemcpyAsync(dst, src, size_t(rows) * d * 4, cudaMemcpyDeviceToDevice, nullptr), "copy");
@@ -716,59 +726,56 @@ struct GpuModel::Impl {
       oc::embedding_forward(as<int32_t>(ids_d.p), rows, W("model.embed_tokens.weight"), d, prefix);
     }
     if (c.has_attn_res()) {
+      // Every state of the partial block sum has its own buffer (the embedding in "prefix", then each layer
+      // part's output: "pmid" after the mixer, "pout" after the FFN), written by the layer part's last GEMM as
+      // state + product: no copies, and the closed blocks are the states themselves.
       const int64_t bs = *c.attn_res_block_size;
       std::vector<const float*> blocks;
-      nblocks = 0;
+      state_in.assign(L, nullptr);
+      const float* cur = prefix;
+      auto with = [&](const float* last) {
+        std::vector<const float*> src = blocks;
+        src.push_back(last);
+        return src;
+      };
       for (int64_t i = 0; i < L; ++i) {
         const std::string Pi = P_(i);
-        float* prefix_in = buf<float>(K(i, "prefix_in"), RD4);
-        copy(prefix_in, prefix);
-        const float* x_in = prefix_in;
-        if (!blocks.empty()) {
-          std::vector<const float*> src = blocks;
-          src.push_back(prefix);
-          float* xi = buf<float>(K(i, "x_in"), RD4);
-          read(src, Pi + ".self_attention_res_proj.weight", Pi + ".self_attention_res_norm.weight", xi);
-          x_in = xi;
-        }
+        state_in[i] = cur;
+        if (blocks.empty())
+          norm_fwd(cur, Pi + ".input_layernorm.weight", K(i, "xn"), K(i, "rstd1"));
+        else
+          read_norm(with(cur), Pi + ".self_attention_res_proj.weight", Pi + ".self_attention_res_norm.weight",
+                    Pi + ".input_layernorm.weight", K(i, "xn"), K(i, "rstd1"));
         const bool reset = i % bs == 0;
-        if (reset) {
-          float* blk = buf<float>(fmt::format("block{}", nblocks++), RD4);
-          copy(blk, prefix);
-          blocks.push_back(blk);
-        }
-        norm_fwd(x_in, Pi + ".input_layernorm.weight", K(i, "xn"), K(i, "rstd1"));
-        mixer_forward(i, get(K(i, "xn")), prefix, !reset);
-        float* mid = buf<float>(K(i, "prefix_mid"), RD4);
-        copy(mid, prefix);
-        std::vector<const float*> src = blocks;
-        src.push_back(prefix);
-        float* y_in = buf<float>(K(i, "y_in"), RD4);
-        read(src, Pi + ".mlp_res_proj.weight", Pi + ".mlp_res_norm.weight", y_in);
-        norm_fwd(y_in, Pi + ".post_attention_layernorm.weight", K(i, "yn"), K(i, "rstd2"));
-        ffn_fwd(i, get(K(i, "yn")), prefix);
+        if (reset) blocks.push_back(cur);
+        float* mid = buf<float>(K(i, "pmid"), RD4);
+        mixer_forward(i, get(K(i, "xn")), mid, reset ? nullptr : cur);
+        read_norm(with(mid), Pi + ".mlp_res_proj.weight", Pi + ".mlp_res_norm.weight",
+                  Pi + ".post_attention_layernorm.weight", K(i, "yn"), K(i, "rstd2"));
+        float* out = buf<float>(K(i, "pout"), RD4);
+        ffn_fwd(i, get(K(i, "yn")), out, mid);
+        cur = out;
       }
-      float* residual = buf<float>("residual", RD4);
-      copy(residual, prefix);
-      std::vector<const float*> src = blocks;
-      src.push_back(residual);
-      read(src, "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight",
-           buf<float>("h_final", RD4));
+      block_src = blocks;
+      nblocks = static_cast<int64_t>(blocks.size());
+      state_last = cur;
+      read_norm(with(cur), "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight",
+                "model.norm.weight", "hn", "rstd_f");
     } else {
       for (int64_t i = 0; i < L; ++i) {
         const std::string Pi = P_(i);
         float* x_in = buf<float>(K(i, "x_in"), RD4);
         copy(x_in, prefix);
         norm_fwd(x_in, Pi + ".input_layernorm.weight", K(i, "xn"), K(i, "rstd1"));
-        mixer_forward(i, get(K(i, "xn")), prefix, true);
+        mixer_forward(i, get(K(i, "xn")), prefix, prefix);
         float* y_in = buf<float>(K(i, "y_in"), RD4);
         copy(y_in, prefix);
         norm_fwd(y_in, Pi + ".post_attention_layernorm.weight", K(i, "yn"), K(i, "rstd2"));
-        ffn_fwd(i, get(K(i, "yn")), prefix);
+        ffn_fwd(i, get(K(i, "yn")), prefix, prefix);
       }
       copy(buf<float>("h_final", RD4), prefix);
+      norm_fwd(get<float>("h_final"), "model.norm.weight", "hn", "rstd_f");
     }
-    norm_fwd(get<float>("h_final"), "model.norm.weight", "hn", "rstd_f");
     return n_valid;
   }
 
@@ -777,11 +784,13 @@ struct GpuModel::Impl {
     Timed t(part(Profile::Norm, true));
     oc::rmsnorm_backward(x, DType::F32, M(w), rstd, dy, DType::F32, dx, DType::F32, G(w), rows, d, eps());
   }
-  void read_bwd(const std::vector<const float*>& src, const std::vector<float*>& dsrc, const std::string& w,
-                const std::string& g, const float* dh) {
+  // Backward of read_norm from the norm output's gradient dy: adds into dsrc (the last one is also written to
+  // dyb as bf16, the upstream gradient of the layer part that produced the last source).
+  void read_norm_bwd(const std::vector<const float*>& src, const std::vector<float*>& dsrc, const std::string& w,
+                     const std::string& g, const std::string& nw, const float* rstd, const float* dy, void* dyb) {
     Timed t(part(Profile::AttnRes, true));
-    oc::attnres_backward(src.data(), static_cast<int64_t>(src.size()), rows, d, M(w), M(g), eps(), dh, dsrc.data(),
-                         G(w), G(g));
+    oc::attnres_norm_backward(src.data(), static_cast<int64_t>(src.size()), rows, d, M(w), M(g), eps(), M(nw), eps(),
+                              rstd, dy, dsrc.data(), G(w), G(g), G(nw), dyb);
   }
   // d(layer part) fp32 -> bf16 for the GEMMs.
   const void* to_bf16(const float* x) {
@@ -789,8 +798,8 @@ struct GpuModel::Impl {
     cast_f32_bf16(x, y, rows * d);
     return y;
   }
-  void mixer_bwd(int64_t i, const float* dy, float* dxn) {
-    const void* dyb = to_bf16(dy);
+  // dyb: the bf16 gradient of the mixer's output.
+  void mixer_bwd(int64_t i, const void* dyb, float* dxn) {
     if (c.is_kda(i)) {
       Timed t(part(Profile::Kda, true));
       kda_backward(i, dyb, dxn);
@@ -799,8 +808,7 @@ struct GpuModel::Impl {
       mla_backward(i, dyb, dxn);
     }
   }
-  void ffn_bwd(int64_t i, const float* dy, float* dyn) {
-    const void* dyb = to_bf16(dy);
+  void ffn_bwd(int64_t i, const void* dyb, float* dyn) {
     if (c.is_moe(i)) {
       Timed t(part(Profile::Moe, true));
       moe_backward(i, dyb, dyn);
@@ -812,64 +820,61 @@ struct GpuModel::Impl {
 
   void backward(const float* d_hn) {
     const size_t RD4 = size_t(rows) * d * 4;
-    float* dh_final = buf<float>("s.dh_final", RD4);
     float* dnorm = buf<float>("s.dnorm", RD4);
     float* dx_in = buf<float>("s.dx_in", RD4);
-    norm_bwd(get<float>("h_final"), "model.norm.weight", get<float>("rstd_f"), d_hn, dh_final);
     float* d_prefix = buf<float>("s.d_prefix", RD4);
+    void* dyb = buf("s.dy_bf", size_t(rows) * d * 2);
     if (c.has_attn_res()) {
       const int64_t bs = *c.attn_res_block_size;
       ck(cudaMemsetAsync(d_prefix, 0, RD4, nullptr), "memset");
-      std::vector<const float*> blocks;
       std::vector<float*> d_blocks;
       for (int64_t j = 0; j < nblocks; ++j) {
-        blocks.push_back(get<float>(fmt::format("block{}", j)));
         float* db = buf<float>(fmt::format("s.d_block{}", j), RD4);
         ck(cudaMemsetAsync(db, 0, RD4, nullptr), "memset");
         d_blocks.push_back(db);
       }
-      auto sources = [&](int64_t nb, const float* partial, float* d_partial, std::vector<const float*>& src,
-                         std::vector<float*>& dsrc) {
-        src.assign(blocks.begin(), blocks.begin() + nb);
-        dsrc.assign(d_blocks.begin(), d_blocks.begin() + nb);
-        src.push_back(partial), dsrc.push_back(d_partial);
-      };
+      // The first nb closed blocks and a last source, with their gradients (d_prefix for the last).
       std::vector<const float*> src;
       std::vector<float*> dsrc;
-      sources(nblocks, get<float>("residual"), d_prefix, src, dsrc);
-      read_bwd(src, dsrc, "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight", dh_final);
+      auto sources = [&](int64_t nb, const float* last) {
+        src.assign(block_src.begin(), block_src.begin() + nb);
+        dsrc.assign(d_blocks.begin(), d_blocks.begin() + nb);
+        src.push_back(last), dsrc.push_back(d_prefix);
+      };
+      sources(nblocks, state_last);
+      read_norm_bwd(src, dsrc, "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight",
+                    "model.norm.weight", get<float>("rstd_f"), d_hn, dyb);
       int64_t nb = nblocks;
       for (int64_t i = L - 1; i >= 0; --i) {
         const std::string Pi = P_(i);
         const bool reset = i % bs == 0;
         const int64_t nb_mlp = nb, nb_attn = reset ? nb - 1 : nb;
-        ffn_bwd(i, d_prefix, dnorm);
-        float* dy_in = buf<float>("s.dy_in", RD4);
-        norm_bwd(get<float>(K(i, "y_in")), Pi + ".post_attention_layernorm.weight", get<float>(K(i, "rstd2")), dnorm,
-                 dy_in);
-        sources(nb_mlp, get<float>(K(i, "prefix_mid")), d_prefix, src, dsrc);
-        read_bwd(src, dsrc, Pi + ".mlp_res_proj.weight", Pi + ".mlp_res_norm.weight", dy_in);
-        mixer_bwd(i, d_prefix, dnorm);
-        const float* x_in = nb_attn == 0 ? get<float>(K(i, "prefix_in")) : get<float>(K(i, "x_in"));
-        norm_bwd(x_in, Pi + ".input_layernorm.weight", get<float>(K(i, "rstd1")), dnorm, dx_in);
-        if (reset) std::swap(d_prefix, d_blocks[nb_attn]);  // the block pushed here was prefix_in
+        ffn_bwd(i, dyb, dnorm);  // dyb: bf16 of d_prefix, the gradient of this layer's output state
+        sources(nb_mlp, get<float>(K(i, "pmid")));
+        read_norm_bwd(src, dsrc, Pi + ".mlp_res_proj.weight", Pi + ".mlp_res_norm.weight",
+                      Pi + ".post_attention_layernorm.weight", get<float>(K(i, "rstd2")), dnorm, dyb);
+        mixer_bwd(i, dyb, dnorm);
+        if (reset) std::swap(d_prefix, d_blocks[nb_attn]);  // the block closed here was this layer's input state
         if (nb_attn == 0) {
+          norm_bwd(state_in[i], Pi + ".input_layernorm.weight", get<float>(K(i, "rstd1")), dnorm, dx_in);
           add_f32(d_prefix, dx_in, rows * d);
+          if (i > 0) cast_f32_bf16(d_prefix, dyb, rows * d);
         } else {
-          sources(nb_attn, get<float>(K(i, "prefix_in")), d_prefix, src, dsrc);
-          read_bwd(src, dsrc, Pi + ".self_attention_res_proj.weight", Pi + ".self_attention_res_norm.weight", dx_in);
+          sources(nb_attn, state_in[i]);
+          read_norm_bwd(src, dsrc, Pi + ".self_attention_res_proj.weight", Pi + ".self_attention_res_norm.weight",
+                        Pi + ".input_layernorm.weight", get<float>(K(i, "rstd1")), dnorm, dyb);
         }
         nb = nb_attn;
       }
     } else {
-      copy(d_prefix, dh_final);
+      norm_bwd(get<float>("h_final"), "model.norm.weight", get<float>("rstd_f"), d_hn, d_prefix);
       for (int64_t i = L - 1; i >= 0; --i) {
         const std::string Pi = P_(i);
-        ffn_bwd(i, d_prefix, dnorm);
+        ffn_bwd(i, to_bf16(d_prefix), dnorm);
         norm_bwd(get<float>(K(i, "y_in")), Pi + ".post_attention_layernorm.weight", get<float>(K(i, "rstd2")), dnorm,
                  dx_in);
         add_f32(d_prefix, dx_in, rows * d);
-        mixer_bwd(i, d_prefix, dnorm);
+        mixer_bwd(i, to_bf16(d_prefix), dnorm);
         norm_bwd(get<float>(K(i, "x_in")), Pi + ".input_layernorm.weight", get<float>(K(i, "rstd1")), dnorm, dx_in);
         add_f32(d_prefix, dx_in, rows * d);
       }

@@ -1,7 +1,7 @@
 // Block Attention Residuals read on the GPU (ops/attnres/cuda/attnres_cuda.hpp), fp32: the formulas of
 // ops/attnres/attnres.cpp (one-shot forward and backward).
 //
-// Legend: N sources (<= 32), T tokens, d hidden, q = gamma ⊙ w, NT threads per token (blockDim), V floats per
+// Legend: N sources (<= 32), T tokens, d hidden, q = gamma ⊙ w, gn the fused RMSNorm's gain, NT threads per token (blockDim), V floats per
 //         vector access (4 when d % 4 == 0 and every pointer is 16-byte aligned, else 1), VPT vectors per
 //         thread and row (register path), nb fixed token blocks of the backward (<= kMaxBlocks).
 // One block per token at a time. Two paths:
@@ -13,10 +13,13 @@
 //     the softmax itself (lane j holds source j) and the column pass runs from registers.
 //   loop path (anything else): per source one pass over its row into per-warp partials, warp 0 finishes the
 //     softmax, a last column pass re-reads the sources (L1/L2) and writes h, or dv and the dq partials.
+// attnres_norm_*: the register path with the following RMSNorm applied in registers (NORM kernels: a second
+// reduction per token); the loop path composes the two ops through a scratch h.
 // Backward: nb blocks, each a contiguous token range; dq = Σ_t Σ_j dz_j v_j / r_j accumulates per block
 // (registers, or shared memory on the loop path; each thread owns its columns), is written to scratch [nb, d],
 // and a second kernel sums it over b in a fixed order (double: strided slices, then a fixed tree), adding
 // dq ⊙ gamma to dw and dq ⊙ w to dgamma: reproducible for given T and d.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -27,6 +30,7 @@
 
 #include "ops/attnres/cuda/attnres_cuda.hpp"
 #include "ops/kda/cuda/cuda_error.hpp"
+#include "ops/rmsnorm/cuda/rmsnorm_cuda.hpp"
 
 namespace lm::ops::cuda {
 
@@ -37,6 +41,9 @@ constexpr int kMaxWarps = 8;     // loop path: NT <= 256
 constexpr int kRegMaxSources = 8;     // register path: N is a template argument up to here
 constexpr int kRegMaxThreads = 512;   // register path: NT <= 512, so ptxas may use up to 128 registers
 constexpr int kRegMaxWarps = kRegMaxThreads / 32;
+// The fused-norm kernels hold more rows per thread: NT <= 192 with two blocks per SM, so ptxas may use up to 168
+// registers (at 128 the backward needed 384-thread blocks, one per SM: half the tokens in flight).
+constexpr int kNormMaxThreads = 192;
 constexpr int64_t kMaxBlocks = 1024;
 constexpr int64_t kMaxGrid = 1024;  // forward loop path: blocks loop over tokens, so q is built once per block
 constexpr size_t kDefaultSmem = 48 * 1024;
@@ -47,11 +54,17 @@ constexpr int kRedCols = 8, kRedSlices = 64;  // dq reduction block: 8 columns (
 // stay under 128 registers without spilling.
 // Scalar accesses (V = 1) need an address per element, so the backward holds at most 2 of them.
 constexpr int bwd_max_elems(int n) { return n <= 2 ? 16 : n <= 5 ? 8 : 4; }
+// The fused norm's backward also holds h (rebuilt) and the gain's partial sums: (2N + 4)·E floats.
+constexpr int bwd_norm_max_elems(int n) { return n <= 5 ? 8 : 4; }
+constexpr int bwd_max_elems_for(int n, bool norm) { return norm ? bwd_norm_max_elems(n) : bwd_max_elems(n); }
 constexpr int fwd_max_elems(int n) { return n <= 4 ? 16 : 8; }
+constexpr int fwd_norm_max_elems(int n) { return n <= 5 ? 16 : 8; }
+constexpr int fwd_max_elems_for(int n, bool norm) { return norm ? fwd_norm_max_elems(n) : fwd_max_elems(n); }
 constexpr int bwd_max_vpt(int v) { return v == 1 ? 2 : 4; }
 constexpr int fwd_max_vpt(int) { return 4; }
 
 [[noreturn]] void fail(const std::string& m) { throw Error("attnres cuda: " + m); }
+
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
 }
@@ -62,6 +75,22 @@ struct Srcs {
 };
 struct DSrcs {
   float* p[kMaxSources];  // null: that source's gradient is skipped
+};
+// The RMSNorm that follows a read, fused (attnres_norm_*): y = bf16(h · rstd · gn), rstd = 1/sqrt(mean(h²) + eps).
+struct NormFwd {
+  const float* gn = nullptr;
+  float eps = 0.f;
+  __nv_bfloat16* y = nullptr;
+  float* rstd = nullptr;
+};
+// Its backward: dy [T, d] fp32 (the gradient of y), rstd from the forward; dgn partials per token block go to
+// dgn_part [nb, d]; dlast (nullable) receives the updated dv[N−1] rounded to bf16.
+struct NormBwd {
+  const float* gn = nullptr;
+  const float* rstd = nullptr;
+  const float* dy = nullptr;
+  float* dgn_part = nullptr;
+  __nv_bfloat16* dlast = nullptr;
 };
 
 // ---- device helpers ---------------------------------------------------------------------------------
@@ -81,6 +110,17 @@ __device__ __forceinline__ void store(float* p, const float (&v)[V]) {
     *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
   else
     *p = v[0];
+}
+template <int V>
+__device__ __forceinline__ void store_bf16(__nv_bfloat16* p, const float (&v)[V]) {
+  if constexpr (V == 4) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+    uint2 u;
+    u.x = *reinterpret_cast<const uint32_t*>(&lo), u.y = *reinterpret_cast<const uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(p) = u;
+  } else {
+    *p = __float2bfloat16_rn(v[0]);
+  }
 }
 template <int V>
 __device__ __forceinline__ void zero(float (&v)[V]) {
@@ -109,14 +149,18 @@ __device__ __forceinline__ void load_query(float* q, const float* w, const float
 
 // h = Σ_j a_j v_j with every source row read once into registers. The grid is one resident wave; blocks
 // stride over tokens. q (VPT·V floats) stays in registers for the whole kernel.
-template <int V, int VPT, int NS>
-__global__ void __launch_bounds__(kRegMaxThreads) fwd_reg_kernel(Srcs v, int64_t T, int d, const float* w,
-                                                                 const float* gamma, float eps, float* h) {
+// NORM: the RMSNorm that follows the read is applied in registers (a second reduction per token, Σh²), and
+// its bf16 output and rstd are written instead of (or besides, when h is not null) h.
+template <int V, int VPT, int NS, bool NORM>
+__global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM ? 2 : 1) fwd_reg_kernel(Srcs v, int64_t T, int d, const float* w,
+                                                                 const float* gamma, float eps, float* h,
+                                                                 NormFwd nf) {
   __shared__ float2 red[2][NS][kRegMaxWarps];  // (Σv², q·v) per token parity, source and warp
+  __shared__ float red2[2][kRegMaxWarps];      // NORM: Σh² per token parity and warp
   const int tid = threadIdx.x, NT = blockDim.x, warp = tid >> 5, lane = tid & 31, nw = NT >> 5;
   int col[VPT];
   bool ok[VPT];
-  float q[VPT][V];
+  float q[VPT][V], gn[NORM ? VPT : 1][V];
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
     col[k] = (k * NT + tid) * V;
@@ -126,6 +170,10 @@ __global__ void __launch_bounds__(kRegMaxThreads) fwd_reg_kernel(Srcs v, int64_t
     if (ok[k]) load<V>(w + col[k], wv), load<V>(gamma + col[k], gv);
 #pragma unroll
     for (int e = 0; e < V; ++e) q[k][e] = gv[e] * wv[e];
+    if constexpr (NORM) {
+      zero(gn[k]);
+      if (ok[k]) load<V>(nf.gn + col[k], gn[k]);
+    }
   }
   int par = 0;
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x, par ^= 1) {
@@ -169,9 +217,31 @@ __global__ void __launch_bounds__(kRegMaxThreads) fwd_reg_kernel(Srcs v, int64_t
 #pragma unroll
         for (int e = 0; e < V; ++e) o[k][e] = j == 0 ? aj * x[j][k][e] : o[k][e] + aj * x[j][k][e];
     }
+    if (!NORM || h)
 #pragma unroll
-    for (int k = 0; k < VPT; ++k)
-      if (ok[k]) store<V>(h + off + col[k], o[k]);
+      for (int k = 0; k < VPT; ++k)
+        if (ok[k]) store<V>(h + off + col[k], o[k]);
+    if constexpr (NORM) {
+      float ss = 0.f;
+#pragma unroll
+      for (int k = 0; k < VPT; ++k)
+#pragma unroll
+        for (int e = 0; e < V; ++e) ss += o[k][e] * o[k][e];
+      ss = warp_sum(ss);
+      if (lane == 0) red2[par][warp] = ss;
+      __syncthreads();  // red2 is double-buffered like red (two barriers per token now)
+      float tot = red2[par][0];
+      for (int i = 1; i < nw; ++i) tot += red2[par][i];
+      const float r = 1.f / sqrtf(tot / float(d) + nf.eps);
+      if (tid == 0) nf.rstd[t] = r;
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        float y[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) y[e] = o[k][e] * r * gn[k][e];
+        if (ok[k]) store_bf16<V>(nf.y + off + col[k], y);
+      }
+    }
   }
 }
 
@@ -179,24 +249,35 @@ __global__ void __launch_bounds__(kRegMaxThreads) fwd_reg_kernel(Srcs v, int64_t
 //   dv_j += a_j δ + (dz_j / r_j) q − (dz_j z_j / (r_j² d)) v_j,   dq += Σ_j (dz_j / r_j) v_j.
 // The dv[j] rows are loaded together with the sources, before the barrier, so their latency hides behind
 // the reductions; every element is read before the same thread writes it, so dh or a source may alias dv[j].
-template <int V, int VPT, int NS>
-__global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(Srcs v, DSrcs dv, int64_t T, int d,
+// NORM: δ is the RMSNorm's input gradient, made in registers from its output gradient dy (loaded in place of
+// dh): with ĝ = gn ⊙ dy and h = Σ_j a_j v_j rebuilt from the sources, δ = rstd·ĝ − rstd³ (ĝ·h / d)·h, where
+// ĝ·h = Σ_j a_j ĝ·v_j comes out of the first reduction; δ·v_j needs a second one (two barriers per token).
+template <int V, int VPT, int NS, bool NORM>
+__global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM ? 2 : 1) bwd_reg_kernel(Srcs v, DSrcs dv, int64_t T, int d,
                                                                  const float* w, const float* gamma, float eps,
-                                                                 const float* dh, float* part) {
-  extern __shared__ float4 smem_q[];  // q [d] (read twice per token rather than held across the barrier)
-  __shared__ float red[2][3][NS][kRegMaxWarps];  // Σv², q·v, δ·v per token parity, source and warp
+                                                                 const float* dh, float* part, NormBwd nb_) {
+  extern __shared__ float4 smem_q[];  // q [d] (read twice per token rather than held across the barrier); NORM: gn [d]
+  __shared__ float red[2][3][NS][kRegMaxWarps];  // Σv², q·v, δ·v (NORM: ĝ·v) per token parity, source and warp
+  __shared__ float red2[2][NORM ? NS : 1][kRegMaxWarps];  // NORM: δ·v
   float* q = reinterpret_cast<float*>(smem_q);
+  float* gn = q + d;
   const int tid = threadIdx.x, NT = blockDim.x, warp = tid >> 5, lane = tid & 31, nw = NT >> 5;
   load_query(q, w, gamma, d);
+  if constexpr (NORM)
+    for (int c = tid; c < d; c += NT) gn[c] = nb_.gn[c];
   int col[VPT];
   bool ok[VPT];
-  float dq[VPT][V];
+  float dq[VPT][V], dgn[NORM ? VPT : 1][V];
 #pragma unroll
-  for (int k = 0; k < VPT; ++k) col[k] = (k * NT + tid) * V, ok[k] = col[k] < d, zero(dq[k]);
+  for (int k = 0; k < VPT; ++k) {
+    col[k] = (k * NT + tid) * V, ok[k] = col[k] < d, zero(dq[k]);
+    if constexpr (NORM) zero(dgn[k]);
+  }
   __syncthreads();
   const float inv_d = 1.f / float(d);
   const int64_t b = blockIdx.x, nb = gridDim.x;
   const int64_t t_end = (b + 1) * T / nb;
+  const float* din = NORM ? nb_.dy : dh;
   int par = 0;
   for (int64_t t = b * T / nb; t < t_end; ++t, par ^= 1) {
     const int64_t off = t * d;
@@ -204,7 +285,7 @@ __global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(Srcs v, DSrcs d
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       zero(de[k]);
-      if (ok[k]) load<V>(dh + off + col[k], de[k]);
+      if (ok[k]) load<V>(din + off + col[k], de[k]);
     }
 #pragma unroll
     for (int j = 0; j < NS; ++j)
@@ -219,24 +300,29 @@ __global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(Srcs v, DSrcs d
 #pragma unroll
         for (int k = 0; k < VPT; ++k)
           if (ok[k]) load<V>(gp + off + col[k], g[j][k]);
+    float rs = 0.f;  // NORM: the forward's rstd of this token
+    if constexpr (NORM) rs = nb_.rstd[t];
 #pragma unroll
     for (int j = 0; j < NS; ++j) {
       float ss = 0.f, qv = 0.f, dd = 0.f;
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
-        float qq[V];
-        zero(qq);
-        if (ok[k]) load<V>(q + col[k], qq);
+        float qq[V], gg[V];
+        zero(qq), zero(gg);
+        if (ok[k]) {
+          load<V>(q + col[k], qq);
+          if constexpr (NORM) load<V>(gn + col[k], gg);
+        }
 #pragma unroll
         for (int e = 0; e < V; ++e) {
           const float xe = x[j][k][e];
-          ss += xe * xe, qv += qq[e] * xe, dd += de[k][e] * xe;
+          ss += xe * xe, qv += qq[e] * xe, dd += (NORM ? gg[e] * de[k][e] : de[k][e]) * xe;
         }
       }
       ss = warp_sum(ss), qv = warp_sum(qv), dd = warp_sum(dd);
       if (lane == 0) red[par][0][j][warp] = ss, red[par][1][j][warp] = qv, red[par][2][j][warp] = dd;
     }
-    __syncthreads();  // the only barrier per token (red is double-buffered, as in the forward)
+    __syncthreads();  // red (and red2) are double-buffered, as in the forward
     // Every warp finishes the softmax itself (lane j: source j), in the same order: identical coefficients.
     float z = -INFINITY, ri = 0.f, dd = 0.f;
     if (lane < NS) {
@@ -249,6 +335,48 @@ __global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(Srcs v, DSrcs d
     const float m = warp_max(z);
     const float ex = lane < NS ? expf(z - m) : 0.f;
     const float a = ex * (1.f / warp_sum(ex));
+    if constexpr (NORM) {
+      // dd holds ĝ·v_j here: turn dy into δ (see above), then reduce δ·v_j.
+      const float c = rs * rs * rs * warp_sum(lane < NS ? a * dd : 0.f) * inv_d;
+      float hv[VPT][V];
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) zero(hv[k]);
+#pragma unroll
+      for (int j = 0; j < NS; ++j) {
+        const float aj = __shfl_sync(0xffffffffu, a, j);
+#pragma unroll
+        for (int k = 0; k < VPT; ++k)
+#pragma unroll
+          for (int e = 0; e < V; ++e) hv[k][e] += aj * x[j][k][e];
+      }
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        float gg[V];
+        zero(gg);
+        if (ok[k]) load<V>(gn + col[k], gg);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          dgn[k][e] += de[k][e] * hv[k][e] * rs;
+          de[k][e] = rs * gg[e] * de[k][e] - c * hv[k][e];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < NS; ++j) {
+        float s2 = 0.f;
+#pragma unroll
+        for (int k = 0; k < VPT; ++k)
+#pragma unroll
+          for (int e = 0; e < V; ++e) s2 += de[k][e] * x[j][k][e];
+        s2 = warp_sum(s2);
+        if (lane == 0) red2[par][j][warp] = s2;
+      }
+      __syncthreads();
+      dd = 0.f;
+      if (lane < NS) {
+        dd = red2[par][lane][0];
+        for (int i = 1; i < nw; ++i) dd += red2[par][lane][i];
+      }
+    }
     const float delta_h = warp_sum(lane < NS ? a * dd : 0.f);
     const float dz = a * (dd - delta_h);
     const float cq = dz * ri, cv = lane < NS ? dz * z * ri * ri * inv_d : 0.f;
@@ -272,6 +400,7 @@ __global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(Srcs v, DSrcs d
 #pragma unroll
             for (int e = 0; e < V; ++e) g[j][k][e] += aj * de[k][e] + cqj * qq[e] - cvj * x[j][k][e];
             store<V>(gp + off + col[k], g[j][k]);
+            if (NORM && j == NS - 1 && nb_.dlast) store_bf16<V>(nb_.dlast + off + col[k], g[j][k]);
           }
     }
 #pragma unroll
@@ -279,6 +408,10 @@ __global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(Srcs v, DSrcs d
 #pragma unroll
       for (int e = 0; e < V; ++e) dq[k][e] += dqa[k][e];
   }
+  if constexpr (NORM)
+#pragma unroll
+    for (int k = 0; k < VPT; ++k)
+      if (ok[k]) store<V>(nb_.dgn_part + b * d + col[k], dgn[k]);
   if (!part) return;
 #pragma unroll
   for (int k = 0; k < VPT; ++k)
@@ -434,12 +567,13 @@ __global__ void __launch_bounds__(256) bwd_loop_kernel(Srcs v, DSrcs dv, int N, 
   for (int c = threadIdx.x; c < d; c += blockDim.x) part[b * d + c] = dq[c];
 }
 
-// dq[c] = Σ_b part[b, c]; dw += dq ⊙ gamma, dgamma += dq ⊙ w. Slice s sums b = s, s + 64, ... in order (double),
-// then the 64 slices meet in a fixed tree: a fixed order, with 64x the parallelism of one thread per column
-// (a serial 1024-long chain per column was latency-bound: tens of µs).
+// dq[c] = Σ_b part[b, c]; dw += dq ⊙ gamma, dgamma += dq ⊙ w (or, with dsum, dsum += dq: the fused norm's
+// gain). Slice s sums b = s, s + 64, ... in order (double), then the 64 slices meet in a fixed tree: a fixed
+// order, with 64x the parallelism of one thread per column (a serial 1024-long chain per column was
+// latency-bound: tens of µs).
 __global__ void __launch_bounds__(kRedCols* kRedSlices) dq_reduce_kernel(const float* part, int64_t nb, int d,
                                                                          const float* w, const float* gamma,
-                                                                         float* dw, float* dgamma) {
+                                                                         float* dw, float* dgamma, float* dsum) {
   __shared__ double acc[kRedSlices][kRedCols];
   const int cx = threadIdx.x % kRedCols, s = threadIdx.x / kRedCols;
   const int c = blockIdx.x * kRedCols + cx;
@@ -456,6 +590,7 @@ __global__ void __launch_bounds__(kRedCols* kRedSlices) dq_reduce_kernel(const f
   }
   if (s != 0 || c >= d) return;
   const float dq = float(acc[0][cx]);
+  if (dsum) dsum[c] += dq;
   if (dw) dw[c] += dq * gamma[c];
   if (dgamma) dgamma[c] += dq * w[c];
 }
@@ -500,14 +635,14 @@ void with_sources(int n, Fn&& fn) {
 struct RegPlan {
   int vpt = 0, nt = 0;
 };
-RegPlan reg_plan(int64_t N, int64_t d, int V, int max_elems, int max_vpt) {
+RegPlan reg_plan(int64_t N, int64_t d, int V, int max_elems, int max_vpt, int max_threads = kRegMaxThreads) {
   if (N > kRegMaxSources) return {};
   const int64_t n = d / V;  // vector columns (V = 4 only when d % 4 == 0)
   int vpt = std::min(max_vpt, max_elems / V);
   vpt = int(std::min<int64_t>(vpt, (n + 31) / 32));
   if (vpt == 3) vpt = 4;
   const int64_t nt = ((n + vpt - 1) / vpt + 31) / 32 * 32;
-  if (nt > kRegMaxThreads) return {};
+  if (nt > max_threads) return {};
   return {vpt, int(nt)};
 }
 
@@ -547,35 +682,51 @@ int64_t resident_blocks(K* kern, int threads, size_t smem) {
   return std::max<int64_t>(1, int64_t(sms) * per_sm);
 }
 
-}  // namespace
 
-void attnres_forward(const float* const* v, int64_t N, int64_t T, int64_t d, const float* w, const float* gamma,
-                     float eps, float* h, void* stream) {
-  check_args("attnres_forward", v, N, T, d, w, gamma, eps);
-  if (T == 0) return;
-  if (!h) fail("attnres_forward: h is required");
+// y = bf16 of x (the fused backward's fallback for dlast).
+__global__ void cast_bf16_kernel(const float* x, __nv_bfloat16* y, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = __float2bfloat16_rn(x[i]);
+}
+
+bool aligned8(const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
+
+// The read, optionally followed by the fused norm (nf). False when the register path does not apply and nf
+// is set (the caller composes the two ops instead).
+bool forward_impl(const float* const* v, int64_t N, int64_t T, int64_t d, const float* w, const float* gamma,
+                  float eps, float* h, const NormFwd* nf, cudaStream_t s) {
   Srcs src{};
-  bool vec = d % 4 == 0 && aligned16(w) && aligned16(gamma) && aligned16(h);
+  bool vec = d % 4 == 0 && aligned16(w) && aligned16(gamma) && (!h || aligned16(h));
+  if (nf) vec = vec && aligned16(nf->gn) && aligned8(nf->y);
   for (int64_t j = 0; j < N; ++j) src.p[j] = v[j], vec = vec && aligned16(v[j]);
-  auto s = static_cast<cudaStream_t>(stream);
   const RegPlan plan =
-      reg_plan(N, d, vec ? 4 : 1, fwd_max_elems(int(std::min<int64_t>(N, kRegMaxSources))), fwd_max_vpt(vec ? 4 : 1));
+      reg_plan(N, d, vec ? 4 : 1, fwd_max_elems_for(int(std::min<int64_t>(N, kRegMaxSources)), nf != nullptr),
+               fwd_max_vpt(vec ? 4 : 1), nf ? kNormMaxThreads : kRegMaxThreads);
   cudaError_t err = cudaSuccess;
   if (plan.vpt) {
+    const NormFwd nfv = nf ? *nf : NormFwd{};
     with_vec(vec, [&](auto vv) {
       with_vpt(plan.vpt, [&](auto vp) {
         with_sources(int(N), [&](auto ns) {
           constexpr int V = decltype(vv)::value, VPT = decltype(vp)::value, NS = decltype(ns)::value;
-          if constexpr (V * VPT <= fwd_max_elems(NS) && VPT <= fwd_max_vpt(V)) {  // the others are never planned
-            auto* kern = fwd_reg_kernel<V, VPT, NS>;
+          auto launch = [&](auto* kern) {
             const int64_t grid = std::min(T, resident_blocks(kern, plan.nt, 0));
-            kern<<<unsigned(grid), plan.nt, 0, s>>>(src, T, int(d), w, gamma, eps, h);
+            kern<<<unsigned(grid), plan.nt, 0, s>>>(src, T, int(d), w, gamma, eps, h, nfv);
             err = cudaGetLastError();
+          };
+          // (the other combinations are never planned)
+          if (nf) {
+            if constexpr (V * VPT <= fwd_norm_max_elems(NS) && VPT <= fwd_max_vpt(V))
+              launch(fwd_reg_kernel<V, VPT, NS, true>);
+          } else {
+            if constexpr (V * VPT <= fwd_max_elems(NS) && VPT <= fwd_max_vpt(V))
+              launch(fwd_reg_kernel<V, VPT, NS, false>);
           }
         });
       });
     });
   } else {
+    if (nf) return false;
     const int nt = pick_threads(d);
     const unsigned grid = unsigned(std::min<int64_t>(T, kMaxGrid));
     const size_t smem = size_t(d) * sizeof(float);
@@ -589,42 +740,57 @@ void attnres_forward(const float* const* v, int64_t N, int64_t T, int64_t d, con
     });
   }
   check(err, "forward launch (d too large for shared memory?)");
+  return true;
 }
 
-void attnres_backward(const float* const* v, int64_t N, int64_t T, int64_t d, const float* w, const float* gamma,
-                      float eps, const float* dh, float* const* dv, float* dw, float* dgamma, void* stream) {
-  check_args("attnres_backward", v, N, T, d, w, gamma, eps);
-  if (T == 0) return;
-  if (!dh) fail("attnres_backward: dh is required");
+// The read's backward from dh, or (nb set) from the fused norm's output gradient. False when nb is set and
+// the register path does not apply (the caller composes the two ops instead).
+bool backward_impl(const float* const* v, int64_t N, int64_t T, int64_t d, const float* w, const float* gamma,
+                   float eps, const float* dh, float* const* dv, float* dw, float* dgamma, const NormBwd* nb,
+                   float* dgn, cudaStream_t s) {
   Srcs src{};
   DSrcs dsrc{};
-  bool vec = d % 4 == 0 && aligned16(w) && aligned16(gamma) && aligned16(dh);
+  bool vec = d % 4 == 0 && aligned16(w) && aligned16(gamma) && (nb ? aligned16(nb->dy) && aligned16(nb->gn) &&
+                                                                         (!nb->dlast || aligned8(nb->dlast))
+                                                                    : aligned16(dh));
   for (int64_t j = 0; j < N; ++j) {
     src.p[j] = v[j];
     dsrc.p[j] = dv ? dv[j] : nullptr;
     vec = vec && aligned16(src.p[j]) && aligned16(dsrc.p[j]);
   }
   const bool want_dq = dw || dgamma;
-  const int64_t nb = std::min<int64_t>(T, kMaxBlocks);
-  const RegPlan plan =
-      reg_plan(N, d, vec ? 4 : 1, bwd_max_elems(int(std::min<int64_t>(N, kRegMaxSources))), bwd_max_vpt(vec ? 4 : 1));
-  auto s = static_cast<cudaStream_t>(stream);
-  float* part = nullptr;
-  if (want_dq) check(cudaMallocAsync(reinterpret_cast<void**>(&part), size_t(nb) * d * sizeof(float), s), "dq scratch");
+  const int64_t nblk = std::min<int64_t>(T, kMaxBlocks);
+  const int Nc = int(std::min<int64_t>(N, kRegMaxSources));
+  const RegPlan plan = reg_plan(N, d, vec ? 4 : 1, bwd_max_elems_for(Nc, nb != nullptr), bwd_max_vpt(vec ? 4 : 1),
+                                nb ? kNormMaxThreads : kRegMaxThreads);
+  if (nb && !plan.vpt) return false;
+  float* part = nullptr;  // dq partials [nblk, d], then (nb) the norm gain's [nblk, d]
+  const size_t part_floats = size_t(nblk) * d * ((want_dq ? 1 : 0) + (nb ? 1 : 0));
+  if (part_floats) check(cudaMallocAsync(reinterpret_cast<void**>(&part), part_floats * sizeof(float), s), "scratch");
+  float* dq_part = want_dq ? part : nullptr;
+  NormBwd nbv = nb ? *nb : NormBwd{};
+  if (nb) nbv.dgn_part = part + (want_dq ? size_t(nblk) * d : 0);
   cudaError_t err = cudaSuccess;
   if (plan.vpt) {
-    const size_t smem = size_t(d) * sizeof(float);  // q
+    const size_t smem = size_t(nb ? 2 : 1) * size_t(d) * sizeof(float);  // q (and gn)
     with_vec(vec, [&](auto vv) {
       with_vpt(plan.vpt, [&](auto vp) {
         with_sources(int(N), [&](auto ns) {
           constexpr int V = decltype(vv)::value, VPT = decltype(vp)::value, NS = decltype(ns)::value;
-          if constexpr (V * VPT <= bwd_max_elems(NS) && VPT <= bwd_max_vpt(V)) {  // the others are never planned
-            auto* kern = bwd_reg_kernel<V, VPT, NS>;
+          auto launch = [&](auto* kern) {
             err = smem_opt_in(kern, smem);
             if (err == cudaSuccess) {
-              kern<<<unsigned(nb), plan.nt, smem, s>>>(src, dsrc, T, int(d), w, gamma, eps, dh, part);
+              kern<<<unsigned(nblk), plan.nt, smem, s>>>(src, dsrc, T, int(d), w, gamma, eps, dh, dq_part, nbv);
               err = cudaGetLastError();
             }
+          };
+          // (the other combinations are never planned)
+          if (nb) {
+            if constexpr (V * VPT <= bwd_norm_max_elems(NS) && VPT <= bwd_max_vpt(V))
+              launch(bwd_reg_kernel<V, VPT, NS, true>);
+          } else {
+            if constexpr (V * VPT <= bwd_max_elems(NS) && VPT <= bwd_max_vpt(V))
+              launch(bwd_reg_kernel<V, VPT, NS, false>);
           }
         });
       });
@@ -636,14 +802,19 @@ void attnres_backward(const float* const* v, int64_t N, int64_t T, int64_t d, co
       auto* kern = bwd_loop_kernel<decltype(vv)::value>;
       err = smem_opt_in(kern, smem);
       if (err == cudaSuccess) {
-        kern<<<unsigned(nb), nt, smem, s>>>(src, dsrc, int(N), T, int(d), w, gamma, eps, dh, part);
+        kern<<<unsigned(nblk), nt, smem, s>>>(src, dsrc, int(N), T, int(d), w, gamma, eps, dh, dq_part);
         err = cudaGetLastError();
       }
     });
   }
+  const unsigned red_grid = unsigned((d + kRedCols - 1) / kRedCols);
   if (err == cudaSuccess && want_dq) {
-    dq_reduce_kernel<<<unsigned((d + kRedCols - 1) / kRedCols), kRedCols * kRedSlices, 0, s>>>(part, nb, int(d), w,
-                                                                                              gamma, dw, dgamma);
+    dq_reduce_kernel<<<red_grid, kRedCols * kRedSlices, 0, s>>>(dq_part, nblk, int(d), w, gamma, dw, dgamma, nullptr);
+    err = cudaGetLastError();
+  }
+  if (err == cudaSuccess && nb && dgn) {
+    dq_reduce_kernel<<<red_grid, kRedCols * kRedSlices, 0, s>>>(nbv.dgn_part, nblk, int(d), nullptr, nullptr, nullptr,
+                                                                nullptr, dgn);
     err = cudaGetLastError();
   }
   if (part) {
@@ -651,6 +822,77 @@ void attnres_backward(const float* const* v, int64_t N, int64_t T, int64_t d, co
     if (err == cudaSuccess) err = e2;
   }
   check(err, "backward launch (d too large for shared memory?)");
+  return true;
+}
+
+void check_norm_args(const char* who, const float* gn, float eps_n) {
+  if (!gn) fail(std::string(who) + ": the norm gain gn is required");
+  if (!(eps_n >= 0.f) || !std::isfinite(eps_n)) fail(std::string(who) + ": eps_n must be finite and >= 0");
+}
+
+}  // namespace
+
+void attnres_forward(const float* const* v, int64_t N, int64_t T, int64_t d, const float* w, const float* gamma,
+                     float eps, float* h, void* stream) {
+  check_args("attnres_forward", v, N, T, d, w, gamma, eps);
+  if (T == 0) return;
+  if (!h) fail("attnres_forward: h is required");
+  forward_impl(v, N, T, d, w, gamma, eps, h, nullptr, static_cast<cudaStream_t>(stream));
+}
+
+void attnres_backward(const float* const* v, int64_t N, int64_t T, int64_t d, const float* w, const float* gamma,
+                      float eps, const float* dh, float* const* dv, float* dw, float* dgamma, void* stream) {
+  check_args("attnres_backward", v, N, T, d, w, gamma, eps);
+  if (T == 0) return;
+  if (!dh) fail("attnres_backward: dh is required");
+  backward_impl(v, N, T, d, w, gamma, eps, dh, dv, dw, dgamma, nullptr, nullptr, static_cast<cudaStream_t>(stream));
+}
+
+void attnres_norm_forward(const float* const* v, int64_t N, int64_t T, int64_t d, const float* w, const float* gamma,
+                          float eps, const float* gn, float eps_n, void* y, float* rstd, float* h, void* stream) {
+  check_args("attnres_norm_forward", v, N, T, d, w, gamma, eps);
+  check_norm_args("attnres_norm_forward", gn, eps_n);
+  if (T == 0) return;
+  if (!y || !rstd) fail("attnres_norm_forward: y and rstd are required");
+  auto s = static_cast<cudaStream_t>(stream);
+  NormFwd nf;
+  nf.gn = gn, nf.eps = eps_n, nf.y = static_cast<__nv_bfloat16*>(y), nf.rstd = rstd;
+  if (forward_impl(v, N, T, d, w, gamma, eps, h, &nf, s)) return;
+  // Loop path: the two ops in turn through h (a scratch one when the caller does not want it).
+  float* hh = h;
+  if (!hh) check(cudaMallocAsync(reinterpret_cast<void**>(&hh), size_t(T) * d * sizeof(float), s), "scratch");
+  forward_impl(v, N, T, d, w, gamma, eps, hh, nullptr, s);
+  rmsnorm_forward(hh, DType::F32, gn, y, rstd, T, d, eps_n, 0, 0, stream);
+  if (!h) check(cudaFreeAsync(hh, s), "scratch");
+}
+
+void attnres_norm_backward(const float* const* v, int64_t N, int64_t T, int64_t d, const float* w,
+                           const float* gamma, float eps, const float* gn, float eps_n, const float* rstd,
+                           const float* dy, float* const* dv, float* dw, float* dgamma, float* dgn, void* dlast,
+                           void* stream) {
+  check_args("attnres_norm_backward", v, N, T, d, w, gamma, eps);
+  check_norm_args("attnres_norm_backward", gn, eps_n);
+  if (T == 0) return;
+  if (!rstd || !dy) fail("attnres_norm_backward: rstd and dy are required");
+  if (dlast && (!dv || !dv[N - 1])) fail("attnres_norm_backward: dlast needs the last source's gradient dv[N-1]");
+  auto s = static_cast<cudaStream_t>(stream);
+  NormBwd nb;
+  nb.gn = gn, nb.rstd = rstd, nb.dy = dy, nb.dlast = static_cast<__nv_bfloat16*>(dlast);
+  if (backward_impl(v, N, T, d, w, gamma, eps, nullptr, dv, dw, dgamma, &nb, dgn, s)) return;
+  // Loop path: rebuild h, the norm's backward into a scratch dh, then the read's backward.
+  const size_t n = size_t(T) * d;
+  float* scratch = nullptr;
+  check(cudaMallocAsync(reinterpret_cast<void**>(&scratch), 2 * n * sizeof(float), s), "scratch");
+  float *h = scratch, *dh = scratch + n;
+  forward_impl(v, N, T, d, w, gamma, eps, h, nullptr, s);
+  rmsnorm_backward(h, DType::F32, gn, rstd, dy, DType::F32, dh, DType::F32, dgn, T, d, eps_n, 0, 0, false, 0, stream);
+  backward_impl(v, N, T, d, w, gamma, eps, dh, dv, dw, dgamma, nullptr, nullptr, s);
+  if (dlast) {
+    cast_bf16_kernel<<<unsigned(std::min<int64_t>((int64_t(n) + 255) / 256, 4096)), 256, 0, s>>>(
+        dv[N - 1], static_cast<__nv_bfloat16*>(dlast), int64_t(n));
+    check(cudaGetLastError(), "cast launch");
+  }
+  check(cudaFreeAsync(scratch, s), "scratch");
 }
 
 }  // namespace lm::ops::cuda

@@ -183,16 +183,28 @@ void* blas_handle(void* stream) {
 }
 
 void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A, int64_t lda,
-               const void* B, int64_t ldb, float beta, void* C, int64_t ldc, DType c_type, void* stream) {
+               const void* B, int64_t ldb, float beta, void* C, int64_t ldc, DType c_type, void* stream,
+               const void* c_src) {
   if (M < 0 || N < 0 || K < 0) fail("negative dimension");
   if (c_type != DType::F32 && c_type != DType::BF16) fail("C must be F32 or BF16");
   if (M == 0 || N == 0) return;
   if (!lda) lda = ta ? M : K;
   if (!ldb) ldb = tb ? K : N;
   if (!ldc) ldc = N;
+  if (beta == 0.f || c_src == C) c_src = nullptr;
   cublasHandle_t h = side_handle(stream);
   if (!h) h = static_cast<cublasHandle_t>(blas_handle(stream));
-  if (K == 0) {  // C = beta·C without a product (cuBLAS rejects k = 0 on some paths)
+  const size_t esz = c_type == DType::F32 ? 4 : 2;
+  // The paths without a separate C input: C = c_src first, then the product adds in place.
+  auto copy_c_src = [&] {
+    if (!c_src) return;
+    if (cudaMemcpy2DAsync(C, ldc * esz, c_src, ldc * esz, N * esz, M, cudaMemcpyDeviceToDevice,
+                          static_cast<cudaStream_t>(stream)) != cudaSuccess)
+      fail("cudaMemcpy2DAsync failed");
+    c_src = nullptr;
+  };
+  if (K == 0) {
+    copy_c_src();  // C = beta·C without a product (cuBLAS rejects k = 0 on some paths)
     if (beta == 0.f) {
       const size_t es = c_type == DType::F32 ? 4 : 2;
       if (cudaMemset2DAsync(C, ldc * es, 0, N * es, M, static_cast<cudaStream_t>(stream)) != cudaSuccess)
@@ -204,8 +216,9 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
   }
   if (use_lt() && !side_handle(stream)) {
     thread_local Lt lt;
-    const size_t es = c_type == DType::F32 ? 4 : 2;
-    const uint32_t al[3] = {alignment(A, lda * 2), alignment(B, ldb * 2), alignment(C, ldc * int64_t(es))};
+    uint32_t ac = alignment(C, ldc * int64_t(esz));
+    if (c_src) ac = std::min(ac, alignment(c_src, ldc * int64_t(esz)));
+    const uint32_t al[3] = {alignment(A, lda * 2), alignment(B, ldb * 2), ac};
     const LtKey key{ta, tb, M, N, K, lda, ldb, ldc, int(c_type), beta == 0.f, al[0], al[1], al[2]};
     auto it = lt.plans.find(key);
     auto cs = static_cast<cudaStream_t>(stream);
@@ -215,14 +228,15 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
     }
     const LtPlan& pl = it->second;
     if (pl.ok) {
-      const cublasStatus_t s2 = cublasLtMatmul(lt.h, pl.op, &alpha, B, pl.la, A, pl.lb, &beta, C, pl.lc, C, pl.lc,
-                                               &pl.algo, lt.ws, lt.ws_bytes, cs);
+      const cublasStatus_t s2 = cublasLtMatmul(lt.h, pl.op, &alpha, B, pl.la, A, pl.lb, &beta, c_src ? c_src : C,
+                                               pl.lc, C, pl.lc, &pl.algo, lt.ws, lt.ws_bytes, cs);
       if (s2 != CUBLAS_STATUS_SUCCESS)
         fail("cublasLtMatmul failed (status " + std::to_string(static_cast<int>(s2)) + ") for M=" +
              std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K));
       return;
     }
   }
+  copy_c_src();
   const cublasStatus_t st = cublasGemmEx(
       h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
       static_cast<int>(K), &alpha, B, CUDA_R_16BF, static_cast<int>(ldb), A, CUDA_R_16BF, static_cast<int>(lda), &beta,
@@ -273,9 +287,9 @@ void gemm_bf16_grouped(bool ta, bool tb, const std::vector<GemmGroup>& groups, f
 }
 
 void linear_fwd(const void* x, const void* W, void* y, DType y_type, int64_t rows, int64_t in, int64_t out,
-                bool accumulate, void* stream, int64_t ldx, int64_t ldy) {
-  gemm_bf16(false, true, rows, out, in, 1.f, x, ldx ? ldx : in, W, in, accumulate ? 1.f : 0.f, y, ldy ? ldy : out,
-            y_type, stream);
+                bool accumulate, void* stream, int64_t ldx, int64_t ldy, const void* base) {
+  gemm_bf16(false, true, rows, out, in, 1.f, x, ldx ? ldx : in, W, in, accumulate || base ? 1.f : 0.f, y,
+            ldy ? ldy : out, y_type, stream, base);
 }
 
 void linear_bwd(const void* x, const void* W, const void* dy, void* dx, DType dx_type, float* dW, int64_t rows,

@@ -13,8 +13,10 @@
 
 namespace lm::ops::cuda {
 
+// c_src (nullable): the beta term reads c_src instead of C (same type and stride; C is then only written).
 void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A, int64_t lda,
-               const void* B, int64_t ldb, float beta, void* C, int64_t ldc, DType c_type, void* stream = nullptr);
+               const void* B, int64_t ldb, float beta, void* C, int64_t ldc, DType c_type, void* stream = nullptr,
+               const void* c_src = nullptr);
 
 // Grouped: C_g = alpha · op(A_g) · op(B_g) + beta · C_g for every group g, each with its own sizes and pointers
 // (row-major, strides as above; same transposes, alpha, beta and C dtype for all). One cuBLAS launch
@@ -32,9 +34,10 @@ void gemm_bf16_grouped(bool ta, bool tb, const std::vector<GemmGroup>& groups, f
                        void* stream = nullptr);
 
 // nn.Linear convention, W [out, in] bf16:
-//   y [rows, out] (=|+=) x [rows, in] · Wᵀ
+//   y [rows, out] (=|+=) x [rows, in] · Wᵀ;  with base (same type and stride as y): y = base + x · Wᵀ
 void linear_fwd(const void* x, const void* W, void* y, DType y_type, int64_t rows, int64_t in, int64_t out,
-                bool accumulate = false, void* stream = nullptr, int64_t ldx = 0, int64_t ldy = 0);
+                bool accumulate = false, void* stream = nullptr, int64_t ldx = 0, int64_t ldy = 0,
+                const void* base = nullptr);
 //   dx [rows, in] (=|+=) dy [rows, out] · W      (dx nullable)
 //   dW [out, in] fp32 += dyᵀ · x                  (dW nullable)
 void linear_bwd(const void* x, const void* W, const void* dy, void* dx, DType dx_type, float* dW, int64_t rows,

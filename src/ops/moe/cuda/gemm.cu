@@ -182,26 +182,35 @@ __global__ void __launch_bounds__(kThreads, 1)
       constexpr int NB8 = GLU ? 16 : 32;  // output n8 blocks per tile
       if (p.epi == 1) {
         // Per warp, 64-column chunks: registers -> shared memory (16-byte chunks swizzled by row, no bank
-        // conflicts) -> 16-byte coalesced global stores, 4 rows of 128 bytes per warp instruction.
+        // conflicts) -> 16-byte coalesced global stores, 4 rows of 128 bytes per warp instruction. Chunk ch of
+        // `out` (row stride ld, valid columns < lim) takes the n8 blocks j0 + 8·ch .. +7 of val.
         unsigned char* stg = staging + (c * 4 + warp) * 2048;
+        auto store_chunks = [&](bf16* out, int64_t ld, int lim, int nchunks, int j0, auto&& val) {
 #pragma unroll
-        for (int ch = 0; ch < NB8 / 8; ++ch) {
+          for (int ch = 0; ch < nchunks; ++ch) {
 #pragma unroll
-          for (int nb = 0; nb < 8; ++nb)
+            for (int nb = 0; nb < 8; ++nb)
 #pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-              const int r = g + 8 * hr;
-              *reinterpret_cast<uint32_t*>(stg + r * 128 + ((nb ^ (r & 7)) << 4) + 4 * t) = value(hr, ch * 8 + nb);
+              for (int hr = 0; hr < 2; ++hr) {
+                const int r = g + 8 * hr;
+                *reinterpret_cast<uint32_t*>(stg + r * 128 + ((nb ^ (r & 7)) << 4) + 4 * t) = val(hr, j0 + ch * 8 + nb);
+              }
+            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int idx = lane + 32 * i, r = idx >> 3, cc = idx & 7;
+              const int row = rl + r, col = nt * BNo + ch * 64 + cc * 8;
+              const uint4 v = *reinterpret_cast<const uint4*>(stg + r * 128 + ((cc ^ (r & 7)) << 4));
+              if (row < row_end && col < lim) *reinterpret_cast<uint4*>(out + int64_t(row) * ld + col) = v;
             }
-          __syncwarp();
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int idx = lane + 32 * i, r = idx >> 3, cc = idx & 7;
-            const int row = rl + r, col = nt * BNo + ch * 64 + cc * 8;
-            const uint4 v = *reinterpret_cast<const uint4*>(stg + r * 128 + ((cc ^ (r & 7)) << 4));
-            if (row < row_end && col < p.N) *reinterpret_cast<uint4*>(p.y + int64_t(row) * p.N + col) = v;
+            __syncwarp();
           }
-          __syncwarp();
+        };
+        store_chunks(p.y, p.N, p.N, NB8 / 8, 0, value);
+        if (GLU && p.ab) {  // pre-activations for the backward: a then b columns of the [M, 2I] rows
+          auto raw = [&](int hr, int j) { return pack2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]); };
+          store_chunks(p.ab, 2 * int64_t(p.N), p.N, 2, 0, raw);
+          store_chunks(p.ab + p.N, 2 * int64_t(p.N), p.N, 2, 16, raw);
         }
       } else {
 #pragma unroll
@@ -215,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
-      if (GLU && p.ab) {  // pre-activations for the backward
+      if (GLU && p.ab && p.epi != 1) {  // pre-activations for the backward (epi 1 stored them above)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           const int row = rl + g + hr * 8;
