@@ -82,6 +82,7 @@ struct Case {
   GateForm form = GateForm::LowerBound;
   DiagPath diag = DiagPath::Auto;
   bool gate_f32 = false, h0 = true, dht = true;
+  int64_t beta_ld = 0;  // beta_raw and dbeta_raw in rows of beta_ld (> H: strided inside a wider buffer)
   uint64_t seed = 1;
   int64_t seqs() const { return cu.empty() ? B : int64_t(cu.size()) - 1; }
   std::string name() const {
@@ -154,12 +155,20 @@ Outs run_cpu(const Case& c, const Data& d) {
 Outs run_gpu(const Case& c, const Data& d) {
   const size_t rows = size_t(c.B * c.T), nqk = rows * c.H * c.K, nv = rows * c.H * c.V;
   const size_t ns = size_t(c.seqs() * c.H * c.K * c.V), gs = c.gate_f32 ? 4 : 2;
-  Dev q(nqk * 2), k(nqk * 2), v(nv * 2), g(nqk * gs), beta(rows * c.H * gs), A(size_t(c.H) * 4),
+  const int64_t bld = c.beta_ld ? c.beta_ld : c.H;
+  // Strided beta: the values at [t, h] of [rows, bld] rows, a marker (-7) in the other columns.
+  auto spread = [&](const Vec& x) {
+    Vec r(rows * size_t(bld), -7.f);
+    for (size_t t = 0; t < rows; ++t)
+      for (int64_t h = 0; h < c.H; ++h) r[t * size_t(bld) + size_t(h)] = x[t * size_t(c.H) + size_t(h)];
+    return r;
+  };
+  Dev q(nqk * 2), k(nqk * 2), v(nv * 2), g(nqk * gs), beta(rows * size_t(bld) * gs), A(size_t(c.H) * 4),
       dtb(size_t(c.H * c.K) * 4), h0(ns * 4), dO(nv * 2), dht(ns * 4);
   up_bf16(q, d.q), up_bf16(k, d.k), up_bf16(v, d.v), up_bf16(dO, d.dO);
-  up_gate(g, d.g, c.gate_f32), up_gate(beta, d.beta, c.gate_f32);
+  up_gate(g, d.g, c.gate_f32), up_gate(beta, spread(d.beta), c.gate_f32);
   up_f32(A, d.A_log), up_f32(dtb, d.dt_bias), up_f32(h0, d.h0), up_f32(dht, d.dht);
-  Dev o(nv * 2), ht(ns * 4), dq(nqk * 2), dk(nqk * 2), dv(nv * 2), dg(nqk * gs), db(rows * c.H * gs),
+  Dev o(nv * 2), ht(ns * 4), dq(nqk * 2), dk(nqk * 2), dv(nv * 2), dg(nqk * gs), db(rows * size_t(bld) * gs),
       dA(size_t(c.H) * 4), ddt(size_t(c.H * c.K) * 4), dh0(ns * 4);
   kc::Problem p;
   p.B = c.B, p.T = c.T, p.H = c.H, p.K = c.K, p.V = c.V;
@@ -167,6 +176,8 @@ Outs run_gpu(const Case& c, const Data& d) {
   p.gate = gate_of(c);
   p.diag = c.diag;
   p.gate_dtype = c.gate_f32 ? kc::GateDType::F32 : kc::GateDType::BF16;
+  p.beta_ld = c.beta_ld;
+  up_gate(db, Vec(rows * size_t(bld), -7.f), c.gate_f32);
   kc::Inputs in{q.p, k.p, v.p, g.p, beta.p, A.f(), dtb.f(), c.h0 ? h0.f() : nullptr};
   kc::forward(p, in, o.p, ht.f());
   kc::Grads gr{dq.p, dk.p, dv.p, dg.p, db.p, dA.f(), ddt.f(), dh0.f()};
@@ -175,7 +186,15 @@ Outs run_gpu(const Case& c, const Data& d) {
   Outs r;
   r.o = down_bf16(o, nv), r.ht = down_f32(ht, ns);
   r.dq = down_bf16(dq, nqk), r.dk = down_bf16(dk, nqk), r.dv = down_bf16(dv, nv);
-  r.dg = down_gate(dg, nqk, c.gate_f32), r.db = down_gate(db, rows * c.H, c.gate_f32);
+  r.dg = down_gate(dg, nqk, c.gate_f32);
+  const Vec dbs = down_gate(db, rows * size_t(bld), c.gate_f32);
+  r.db.resize(rows * size_t(c.H));
+  for (size_t t = 0; t < rows; ++t)
+    for (int64_t h = 0; h < bld; ++h) {
+      const float x = dbs[t * size_t(bld) + size_t(h)];
+      if (h < c.H) r.db[t * size_t(c.H) + size_t(h)] = x;
+      else EXPECT_EQ(x, -7.f) << "dbeta written past H at row " << t;
+    }
   r.dA = down_f32(dA, size_t(c.H)), r.ddt = down_f32(ddt, size_t(c.H * c.K)), r.dh0 = down_f32(dh0, ns);
   return r;
 }
@@ -200,6 +219,23 @@ void check_case(const Case& c) {
 }
 
 }  // namespace
+
+// beta_raw read from, and dbeta_raw written into, rows wider than H (the model's fused input projection): the
+// same results as the dense layout (up to reduction order), and nothing outside the H columns written.
+TEST(KdaCuda, StridedBeta) {
+  REQUIRE_GPU();
+  for (const bool f32 : {false, true}) {
+    Case c;
+    c.B = 2, c.T = 130, c.H = 3, c.seed = 17, c.gate_f32 = f32;
+    const Data d = make_data(c);
+    const Outs dense = run_gpu(c, d);
+    c.beta_ld = 13;
+    const Outs strided = run_gpu(c, d);
+    const auto a = fields(dense), b = fields(strided);
+    for (int i = 0; i < 10; ++i) EXPECT_LE(err(*a[i], *b[i]), 1e-5) << kNames[i] << (f32 ? " f32" : " bf16");
+    compare(c.name() + " beta_ld 13", run_cpu(c, d), strided);
+  }
+}
 
 TEST(KdaCuda, MatchesCpuBounded) {
   REQUIRE_GPU();

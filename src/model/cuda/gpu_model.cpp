@@ -227,10 +227,23 @@ struct GpuModel::Impl {
           place(fmt::format("{}.up_proj.weight", std::string_view(s.name).substr(0, s.name.size() - 17)));
         } else if (s.component == Component::Kda &&
                    (ends_with(s.name, ".q_proj.weight") || ends_with(s.name, ".k_proj.weight") ||
-                    ends_with(s.name, ".v_proj.weight"))) {
-          // KDA's q, k, v projections, whichever comes first: one [3·H·K, d] matrix (qkv_weight)
-          const std::string pre = s.name.substr(0, s.name.size() - 14);
-          place(pre + ".q_proj.weight"), place(pre + ".k_proj.weight"), place(pre + ".v_proj.weight");
+                    ends_with(s.name, ".v_proj.weight") || ends_with(s.name, ".f_a_proj.weight") ||
+                    ends_with(s.name, ".b_proj.weight"))) {
+          // KDA's projections of xn that feed no norm, whichever comes first: one [3·H·K + K + H, d] matrix
+          // (kda_in_weight; the gate's low-rank f_a and β ride along in one GEMM each way with q, k, v).
+          const std::string pre = s.name.substr(0, s.name.rfind('.', s.name.size() - 8));
+          for (const char* m : {".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".f_a_proj.weight",
+                                ".b_proj.weight"}) {
+            const ParamSpec* ms = by_name.at(pre + m);
+            LM_CHECK((!ms->trainable ? 2 : decay_of(*ms) ? 0 : 1) == grp,
+                     "gpu model: {} needs the same optimizer group as {} (they are one matrix on the GPU)", ms->name,
+                     s.name);
+            place(pre + m);
+          }
+          // Zero rows up to kda_in_ld(), so the fused GEMMs run on multiples of 8 (N = 4748 took the slow
+          // kernels). They stay zero: their output columns are never read and their input-gradient
+          // columns are zeroed (so their weight gradients are 0 too).
+          cur += static_cast<size_t>((kda_in_ld() - kda_in_cols()) * d);
         } else {
           place(s.name);
         }
@@ -252,8 +265,11 @@ struct GpuModel::Impl {
   float* M(const std::string& n) const { return as<float>(master.p) + slot(n).off; }
   float* G(const std::string& n) const { return as<float>(grad.p) + slot(n).off; }
   void* W(const std::string& n) const { return as<uint16_t>(wbf.p) + slot(n).off; }
-  // KDA layer i's q, k, v projections as one [3·H·K, d] matrix (layout() places them back to back).
-  void* qkv_weight(int64_t i) const { return W(P_(i) + ".self_attn.q_proj.weight"); }
+  // KDA layer i's q, k, v, f_a and β projections as one [3·H·K + K + H, d] matrix (layout() places them back to
+  // back, then zero rows up to kda_in_ld()); its output and input-gradient rows are kda_in_ld() wide.
+  void* kda_in_weight(int64_t i) const { return W(P_(i) + ".self_attn.q_proj.weight"); }
+  int64_t kda_in_cols() const { return 3 * c.kda_num_heads * c.kda_head_dim + c.kda_head_dim + c.kda_num_heads; }
+  int64_t kda_in_ld() const { return (kda_in_cols() + 7) / 8 * 8; }  // 16-byte rows
 
   // ---- activations ---------------------------------------------------------------------------
   template <class T = void>
@@ -302,6 +318,7 @@ struct GpuModel::Impl {
     if (c.kda_gate_lower_bound) p.gate = kda::GateParams{kda::GateForm::LowerBound, *c.kda_gate_lower_bound};
     else p.gate = kda::GateParams{kda::GateForm::Softplus, 0.0};
     p.gate_dtype = kc::GateDType::BF16;
+    p.beta_ld = kda_in_ld();  // beta_raw and its gradient live in the fused input projection's rows
     return p;
   }
   kc::ConvShape conv_shape(int64_t C, int64_t ldx = 0) const {
@@ -316,22 +333,23 @@ struct GpuModel::Impl {
     const int64_t H = c.kda_num_heads, Kd = c.kda_head_dim, HK = H * Kd, n = rows;
     const std::string A = P_(i) + ".self_attn.";
     auto bf = [&](const char* nm, int64_t w) { return buf(K(i, nm), size_t(n) * w * 2); };
-    // qkvp [n, 3·HK]: the q, k, v projections side by side (their weights are one matrix, see layout())
-    void *qkvp = bf("qkvp", 3 * HK), *qc = bf("qc", HK), *kc_ = bf("kc", HK), *vc = bf("vc", HK), *fa = bf("fa", Kd),
-         *f = bf("f", HK), *braw = bf("braw", H), *go = bf("gate_o", HK), *o = bf("o", HK), *on = bf("on", HK);
+    // qkvp [n, LF]: the q, k, v (before their convolutions), f_a and β_raw projections side by side (their
+    // weights are one matrix, see layout())
+    const int64_t LF = kda_in_ld();
+    void *qkvp = bf("qkvp", LF), *qc = bf("qc", HK), *kc_ = bf("kc", HK), *vc = bf("vc", HK), *f = bf("f", HK),
+         *go = bf("gate_o", HK), *o = bf("o", HK), *on = bf("on", HK);
     float* orstd = buf<float>(K(i, "orstd"), size_t(n) * H * 4);
     std::optional<Timed> sec(std::in_place, section("kda.proj.fwd"));
-    oc::linear_fwd(xn, qkv_weight(i), qkvp, DType::BF16, n, d, 3 * HK);
+    oc::linear_fwd(xn, kda_in_weight(i), qkvp, DType::BF16, n, d, LF, false, nullptr, 0, LF);
     sec.emplace(section("kda.conv.fwd"));
-    const kc::ConvShape cs = conv_shape(HK, 3 * HK);
+    const kc::ConvShape cs = conv_shape(HK, LF);
     auto* pre = static_cast<const uint16_t*>(qkvp);
+    const uint16_t *fa = pre + 3 * HK, *braw = fa + Kd;
     kc::short_conv_forward(pre, M(A + "q_conv1d.weight"), qc, cs);
     kc::short_conv_forward(pre + HK, M(A + "k_conv1d.weight"), kc_, cs);
     kc::short_conv_forward(pre + 2 * HK, M(A + "v_conv1d.weight"), vc, cs);
     sec.emplace(section("kda.proj.fwd"));
-    oc::linear_fwd(xn, W(A + "f_a_proj.weight"), fa, DType::BF16, n, d, Kd);
-    oc::linear_fwd(fa, W(A + "f_b_proj.weight"), f, DType::BF16, n, Kd, HK);
-    oc::linear_fwd(xn, W(A + "b_proj.weight"), braw, DType::BF16, n, d, H);
+    oc::linear_fwd(fa, W(A + "f_b_proj.weight"), f, DType::BF16, n, Kd, HK, false, nullptr, LF);
     if (c.kda_full_rank_gate) {
       oc::linear_fwd(xn, W(A + "g_proj.weight"), go, DType::BF16, n, d, HK);
     } else {
@@ -355,9 +373,16 @@ struct GpuModel::Impl {
     const int64_t H = c.kda_num_heads, Kd = c.kda_head_dim, HK = H * Kd, n = rows;
     const std::string A = P_(i) + ".self_attn.";
     const void* xn = get(K(i, "xn"));
+    const int64_t LF = kda_in_ld();
     void *qkvp = get(K(i, "qkvp")), *qc = get(K(i, "qc")), *kc_ = get(K(i, "kc")), *vc = get(K(i, "vc")),
-         *fa = get(K(i, "fa")), *f = get(K(i, "f")),
-         *braw = get(K(i, "braw")), *go = get(K(i, "gate_o")), *o = get(K(i, "o")), *on = get(K(i, "on"));
+         *f = get(K(i, "f")), *go = get(K(i, "gate_o")), *o = get(K(i, "o")), *on = get(K(i, "on"));
+    auto* pre = static_cast<const uint16_t*>(qkvp);
+    const uint16_t *fa = pre + 3 * HK, *braw = fa + Kd;
+    // The input gradients of the fused projection side by side [n, LF], then one GEMM each way.
+    auto* dp = static_cast<uint16_t*>(buf("s.dp", size_t(n) * LF * 2));
+    const int64_t NF = kda_in_cols();
+    if (LF > NF)
+      ck(cudaMemset2DAsync(dp + NF, size_t(LF) * 2, 0, size_t(LF - NF) * 2, size_t(n), nullptr), "memset");
     float* orstd = get<float>(K(i, "orstd"));
     float* d_on = buf<float>("s.d_on", size_t(n) * HK * 4);
     std::optional<Timed> sec(std::in_place, section("kda.proj.bwd"));
@@ -376,8 +401,8 @@ struct GpuModel::Impl {
       oc::linear_bwd(xn, W(A + "g_a_proj.weight"), d_ga, dxn, DType::F32, G(A + "g_a_proj.weight"), n, d, Kd, false);
     }
     void *dq = buf("s.dq", size_t(n) * HK * 2), *dk = buf("s.dk", size_t(n) * HK * 2),
-         *dv = buf("s.dv", size_t(n) * HK * 2), *df = buf("s.df", size_t(n) * HK * 2),
-         *dbraw = buf("s.dbraw", size_t(n) * H * 2);
+         *dv = buf("s.dv", size_t(n) * HK * 2), *df = buf("s.df", size_t(n) * HK * 2);
+    uint16_t* dbraw = dp + 3 * HK + Kd;
     float *dA = buf<float>("s.dA", size_t(H) * 4), *ddt = buf<float>("s.ddt", size_t(HK) * 4);
     kc::Inputs in;
     in.q = qc, in.k = kc_, in.v = vc, in.g_raw = f, in.beta_raw = braw;
@@ -388,14 +413,9 @@ struct GpuModel::Impl {
     kc::backward(kda_problem(), in, d_o, nullptr, gr);
     add_f32(G(A + "A_log"), dA, H), add_f32(G(A + "dt_bias"), ddt, HK);
     sec.emplace(section("kda.proj.bwd"));
-    oc::linear_bwd(xn, W(A + "b_proj.weight"), dbraw, dxn, DType::F32, G(A + "b_proj.weight"), n, d, H, true);
-    void* d_fa = buf("s.d_fa", size_t(n) * Kd * 2);
-    oc::linear_bwd(fa, W(A + "f_b_proj.weight"), df, d_fa, DType::BF16, G(A + "f_b_proj.weight"), n, Kd, HK);
-    oc::linear_bwd(xn, W(A + "f_a_proj.weight"), d_fa, dxn, DType::F32, G(A + "f_a_proj.weight"), n, d, Kd, true);
-    // the convs' input gradients side by side [n, 3·HK], then one GEMM each way for the three projections
-    const kc::ConvShape cs = conv_shape(HK, 3 * HK);
-    auto* dp = static_cast<uint16_t*>(buf("s.dp", size_t(n) * 3 * HK * 2));
-    auto* pre = static_cast<const uint16_t*>(qkvp);
+    oc::linear_bwd(fa, W(A + "f_b_proj.weight"), df, dp + 3 * HK, DType::BF16, G(A + "f_b_proj.weight"), n, Kd, HK,
+                   false, nullptr, LF, 0, LF);
+    const kc::ConvShape cs = conv_shape(HK, LF);
     sec.emplace(section("kda.conv.bwd"));
     int64_t j = 0;
     for (const auto& [conv, dpost] :
@@ -405,7 +425,8 @@ struct GpuModel::Impl {
       ++j;
     }
     sec.emplace(section("kda.proj.bwd"));
-    oc::linear_bwd(xn, qkv_weight(i), dp, dxn, DType::F32, G(A + "q_proj.weight"), n, d, 3 * HK, true);
+    oc::linear_bwd(xn, kda_in_weight(i), dp, dxn, DType::F32, G(A + "q_proj.weight"), n, d, LF, true, nullptr, 0,
+                   LF);
   }
 
   // ================================ gated MLA (mla.cpp) =========================================

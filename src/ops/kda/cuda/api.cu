@@ -61,6 +61,7 @@ bool bounded_ok(const GateParams& g) {
 
 Plan make_plan(const Problem& p) {
   if (p.T < 0 || p.B < 1 || p.H < 1) fail("bad shape B=" + std::to_string(p.B) + " T=" + std::to_string(p.T));
+  if (p.beta_ld != 0 && p.beta_ld < p.H) fail("beta_ld must be 0 or at least H");
   if (p.K < 8 || p.K > 128 || p.K % 8 || p.V < 8 || p.V > 128 || p.V % 8)
     fail("K and V must be multiples of 8 in [8, 128], got K=" + std::to_string(p.K) + " V=" + std::to_string(p.V));
   if (p.gate.form == GateForm::LowerBound && !(p.gate.lower_bound < 0)) fail("lower_bound must be < 0");
@@ -166,6 +167,7 @@ OpParams base_params(const Problem& p, const Plan& pl, const Inputs& in) {
   op.dt_bias = in.dt_bias;
   op.h0 = in.h0;
   op.H = int(p.H), op.K = int(p.K), op.V = int(p.V), op.NC = pl.NC;
+  op.beta_ld = p.beta_ld ? p.beta_ld : p.H;
   op.scale = pl.scale;
   op.lb = float(p.gate.lower_bound);
   op.softplus = p.gate.form == GateForm::Softplus ? 1 : 0;
@@ -271,6 +273,7 @@ void decode_step(float* state, const Inputs& in, void* o, int64_t S, int64_t H, 
   op.A_log = in.A_log;
   op.dt_bias = in.dt_bias;
   op.H = int(H), op.K = int(K), op.V = int(V);
+  op.beta_ld = H;
   op.scale = scale > 0 ? scale : float(1.0 / std::sqrt(double(K)));
   op.lb = float(gate.lower_bound);
   op.softplus = gate.form == GateForm::Softplus ? 1 : 0;

@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(NWB * 32, 1) chunk_bwd_kernel(const OpParams p
   {
     if (tid < 64) {
       const GT* braw = static_cast<const GT*>(p.beta_raw);
-      sB[tid] = tid < len ? sigmoidf_(to_f(braw[(row0 + tid) * H + h])) : 0.f;
+      sB[tid] = tid < len ? sigmoidf_(to_f(braw[(row0 + tid) * p.beta_ld + h])) : 0.f;
     }
     cp_wait<0>();
     __syncthreads();
@@ -640,7 +640,7 @@ __global__ void __launch_bounds__(NWB * 32, 1) chunk_bwd_kernel(const OpParams p
   }
   if (tid < len) {
     const float b = sB[tid];
-    static_cast<GT*>(p.dbeta_raw)[(row0 + tid) * H + h] = from_f<GT>(sdB[tid] * b * (1.f - b));
+    static_cast<GT*>(p.dbeta_raw)[(row0 + tid) * p.beta_ld + h] = from_f<GT>(sdB[tid] * b * (1.f - b));
   }
   __syncthreads();
   if (part == 0) {

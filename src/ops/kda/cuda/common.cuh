@@ -238,6 +238,7 @@ struct OpParams {
   const ChunkInfo* chunks;
   const int* seq_chunk0;  // [N + 1]: chunks of sequence n are [seq_chunk0[n], seq_chunk0[n+1])
   int H, K, V, NC;
+  int64_t beta_ld;  // row stride of beta_raw and dbeta_raw per token (H when they are dense [.., H])
   float scale, lb;
   int softplus;
   Ws ws;

@@ -28,6 +28,7 @@ struct Problem {
   DiagPath diag = DiagPath::Auto;  // resolved like the CPU path (Bounded needs -10 <= lower_bound < 0)
   float scale = 0.f;               // 0 means K^-1/2
   GateDType gate_dtype = GateDType::BF16;
+  int64_t beta_ld = 0;  // row stride per token of beta_raw and dbeta_raw in elements (0: H, dense)
 };
 
 struct Inputs {

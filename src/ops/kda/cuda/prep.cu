@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(256, 2) prep_kernel(const OpParams p) {
     const float bias = dok ? p.dt_bias[int64_t(h) * K + dch] : 0.f;
     if (tid < 64) {
       const GT* braw = static_cast<const GT*>(p.beta_raw);
-      sB[tid] = tid < len ? sigmoidf_(to_f(braw[(row0 + tid) * H + h])) : 0.f;
+      sB[tid] = tid < len ? sigmoidf_(to_f(braw[(row0 + tid) * p.beta_ld + h])) : 0.f;
     }
     cp_wait<0>();
     __syncthreads();  // q, k, v and the raw gate input have landed
