@@ -222,6 +222,26 @@ struct GpuModel::Impl {
           for (int64_t e = 0; e < c.num_experts; ++e) place(w(e, 1)), place(w(e, 3));
           align();
           for (int64_t e = 0; e < c.num_experts; ++e) place(w(e, 2));
+        } else if (moe_in_fused() && s.name.find(".block_sparse_moe.") != std::string::npos &&
+                   (ends_with(s.name, ".block_sparse_moe.gate.weight") ||
+                    ends_with(s.name, ".routed_expert_down_proj.weight") ||
+                    ends_with(s.name, ".shared_experts.gate_proj.weight") ||
+                    ends_with(s.name, ".shared_experts.up_proj.weight"))) {
+          // The MoE layer's projections of yn, whichever comes first: router gate [E, d], latent down [l, d],
+          // the shared expert's gate and up [2·Is, d] as one matrix (moe_in_*): the backward's input gradient is
+          // one GEMM, the forward's bf16 products (all but the fp32 router logits) one more.
+          const std::string pre = s.name.substr(0, s.name.find(".block_sparse_moe.") + 17);
+          for (const char* m : {".gate.weight", ".routed_expert_down_proj.weight", ".shared_experts.gate_proj.weight",
+                                ".shared_experts.up_proj.weight"}) {
+            const ParamSpec* ms = by_name.at(pre + m);
+            LM_CHECK((!ms->trainable ? 2 : decay_of(*ms) ? 0 : 1) == grp,
+                     "gpu model: {} needs the same optimizer group as {} (they are one matrix on the GPU)", ms->name,
+                     s.name);
+            place(pre + m);
+            // zero rows after the router's E up to moe_in_epad(), so the gradient columns after it stay 16-byte
+            // aligned (they stay zero: their input-gradient columns are zeroed, see moe_backward)
+            if (ends_with(m, ".gate.weight")) cur += static_cast<size_t>((moe_in_epad() - c.num_experts) * d);
+          }
         } else if (ends_with(s.name, ".gate_proj.weight") && s.component != Component::Mla) {
           place(s.name);
           place(fmt::format("{}.up_proj.weight", std::string_view(s.name).substr(0, s.name.size() - 17)));
@@ -230,7 +250,8 @@ struct GpuModel::Impl {
                     ends_with(s.name, ".v_proj.weight") || ends_with(s.name, ".f_a_proj.weight") ||
                     ends_with(s.name, ".b_proj.weight"))) {
           // KDA's projections of xn that feed no norm, whichever comes first: one [3·H·K + K + H, d] matrix
-          // (kda_in_weight; the gate's low-rank f_a and β ride along in one GEMM each way with q, k, v).
+          // (kda_in_weight; the gate's low-rank f_a and β ride along in one GEMM each way with q, k, v). (The
+          // output gate g stays apart: read from these rows its gated norm ran slower than the GEMM gained.)
           const std::string pre = s.name.substr(0, s.name.rfind('.', s.name.size() - 8));
           for (const char* m : {".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".f_a_proj.weight",
                                 ".b_proj.weight"}) {
@@ -268,6 +289,16 @@ struct GpuModel::Impl {
   // KDA layer i's q, k, v, f_a and β projections as one [3·H·K + K + H, d] matrix (layout() places them back to
   // back, then zero rows up to kda_in_ld()); its output and input-gradient rows are kda_in_ld() wide.
   void* kda_in_weight(int64_t i) const { return W(P_(i) + ".self_attn.q_proj.weight"); }
+  // MoE layers with a latent projection and a shared expert: router gate, latent down and the shared expert's
+  // gate/up projections side by side (layout()). moe_in_bf16(): the columns of the bf16 forward product (latent z,
+  // then the shared ab) = its row stride; moe_in_ld(): the input-gradient rows [d_logits | dz | dab_shared].
+  bool moe_in_fused() const {
+    return c.num_experts > 0 && c.has_latent_moe() && c.num_shared_experts > 0 && c.expert_width() % 8 == 0 &&
+           c.shared_intermediate_size() % 4 == 0;
+  }
+  int64_t moe_in_epad() const { return (c.num_experts + 7) / 8 * 8; }  // the router's rows, then zero rows
+  int64_t moe_in_bf16() const { return c.expert_width() + 2 * c.shared_intermediate_size(); }
+  int64_t moe_in_ld() const { return moe_in_epad() + moe_in_bf16(); }
   int64_t kda_in_cols() const { return 3 * c.kda_num_heads * c.kda_head_dim + c.kda_head_dim + c.kda_num_heads; }
   int64_t kda_in_ld() const { return (kda_in_cols() + 7) / 8 * 8; }  // 16-byte rows
 
@@ -565,8 +596,15 @@ struct GpuModel::Impl {
     oc::router_forward(logits, M(B + "gate.e_score_correction_bias"), n, E, k, c.moe_renormalize,
                        static_cast<float>(c.routed_scaling_factor), ro);
     const void* z = yn;
+    int64_t ldz = 0;
+    const bool fused = moe_in_fused();
     sec.emplace(section("moe.latent.fwd"));
-    if (latent) {
+    if (fused) {  // z and the shared expert's ab side by side [n, l + 2·Is]
+      const int64_t LZ = moe_in_bf16();
+      void* zs = buf(K(i, "zs"), size_t(n) * LZ * 2);
+      oc::linear_fwd(yn, W(B + "routed_expert_down_proj.weight"), zs, DType::BF16, n, d, LZ, false, nullptr, 0, LZ);
+      z = zs, ldz = LZ;
+    } else if (latent) {
       void* zb = buf(K(i, "z"), size_t(n) * l * 2);
       oc::linear_fwd(yn, W(B + "routed_expert_down_proj.weight"), zb, DType::BF16, n, d, l);
       z = zb;
@@ -579,7 +617,7 @@ struct GpuModel::Impl {
     ck(cudaEventRecord(offsets_h[i].done, nullptr), "cudaEventRecord");
     void *xs = buf(K(i, "xs"), size_t(Mr) * l * 2), *ab = buf(K(i, "eab"), size_t(Mr) * 2 * I * 2),
          *h = buf(K(i, "eh"), size_t(Mr) * I * 2), *eo = buf(K(i, "eo"), size_t(Mr) * l * 2);
-    oc::moe_gather(z, prow, xs, n, k, l);
+    oc::moe_gather(z, prow, xs, n, k, l, nullptr, ldz);
     const std::string X = B + "experts.0.";
     const ops::GluParams gp = glu();
     oc::GluArgs ga;
@@ -605,8 +643,14 @@ struct GpuModel::Impl {
       throw Error("gpu model: MoE without a latent projection (Kimi Linear) is not supported on the GPU yet");
     }
     sec.emplace(section("moe.shared.fwd"));
-    if (c.num_shared_experts > 0)
+    if (fused) {  // the shared expert from its ab columns of zs
+      const int64_t Is = c.shared_intermediate_size();
+      void* hs = buf(K(i, "shared.h"), size_t(n) * Is * 2);
+      oc::glu_forward(static_cast<const uint16_t*>(z) + l, hs, n, Is, glu(), nullptr, ldz);
+      oc::linear_fwd(hs, W(B + "shared_experts.down_proj.weight"), y, DType::F32, n, Is, d, false, nullptr, 0, 0, y);
+    } else if (c.num_shared_experts > 0) {
       ffn_forward(K(i, "shared"), B + "shared_experts", yn, n, d, c.shared_intermediate_size(), y, y);
+    }
   }
 
   void moe_backward(int64_t i, const void* dy, float* dyn) {
@@ -669,20 +713,40 @@ struct GpuModel::Impl {
     sec.emplace(section("moe.experts.bwd"));
     oc::grouped_gemm(dab, t13, dxs, off_d, Mr, l, 2 * I, E);  // dxs_e = dab_e · W13_e
     wgrad(dabp, xs, g13, 2 * I, l);                           // dW13_e += dab_eᵀ · xs_e
+    const bool fused = moe_in_fused();
+    // fused: the input gradients of the one [E + l + 2·Is, d] matrix side by side, then one GEMM each way
+    const int64_t LB = fused ? moe_in_ld() : 0;
+    auto* dcat = fused ? static_cast<uint16_t*>(buf("s.moe_dcat", size_t(n) * LB * 2)) : nullptr;
+    const int64_t EP = fused ? moe_in_epad() : E;
+    if (fused && EP > E)
+      ck(cudaMemset2DAsync(dcat + E, size_t(LB) * 2, 0, size_t(EP - E) * 2, size_t(n), nullptr), "memset");
     sec.emplace(section("moe.route.bwd"));
-    void* d_logits = buf("s.d_logits", size_t(n) * E * 2);
+    void* d_logits = fused ? static_cast<void*>(dcat) : buf("s.d_logits", size_t(n) * E * 2);
     oc::router_backward(get<float>(K(i, "logits")), get<int32_t>(K(i, "topk_idx")), d_topk_w, d_logits, true, n, E, k,
-                        c.moe_renormalize, static_cast<float>(c.routed_scaling_factor));
-    oc::linear_bwd(yn, W(B + "gate.weight"), d_logits, dyn, DType::F32, G(B + "gate.weight"), n, d, E, false);
+                        c.moe_renormalize, static_cast<float>(c.routed_scaling_factor), nullptr, LB);
+    if (!fused)
+      oc::linear_bwd(yn, W(B + "gate.weight"), d_logits, dyn, DType::F32, G(B + "gate.weight"), n, d, E, false);
     sec.emplace(section("moe.gather.bwd"));
-    void* dz = buf("s.dz", size_t(n) * l * 2);
-    oc::moe_gather_backward(dxs, ppos, dz, true, n, k, l);
-    sec.emplace(section("moe.latent.bwd"));
-    oc::linear_bwd(yn, W(B + "routed_expert_down_proj.weight"), dz, dyn, DType::F32,
-                   G(B + "routed_expert_down_proj.weight"), n, d, l, true);
+    void* dz = fused ? static_cast<void*>(dcat + EP) : buf("s.dz", size_t(n) * l * 2);
+    oc::moe_gather_backward(dxs, ppos, dz, true, n, k, l, false, nullptr, LB);
     sec.emplace(section("moe.shared.bwd"));
-    if (c.num_shared_experts > 0)
+    if (fused) {
+      const int64_t Is = c.shared_intermediate_size();
+      const std::string S = B + "shared_experts.down_proj.weight";
+      float* dhs = buf<float>("s.ffn_dh", size_t(n) * Is * 4);
+      oc::linear_bwd(get(K(i, "shared.h")), W(S), dy, dhs, DType::F32, G(S), n, Is, d);
+      oc::glu_backward(static_cast<const uint16_t*>(get(K(i, "zs"))) + l, dhs, DType::F32, dcat + EP + l, n, Is, glu(),
+                       nullptr, moe_in_bf16(), LB);
+    } else if (c.num_shared_experts > 0) {
       ffn_backward(K(i, "shared"), B + "shared_experts", yn, n, d, c.shared_intermediate_size(), dy, dyn, true);
+    }
+    sec.emplace(section("moe.latent.bwd"));
+    if (fused)  // dyn's only write: router, latent and shared input gradients in one product
+      oc::linear_bwd(yn, W(B + "gate.weight"), dcat, dyn, DType::F32, G(B + "gate.weight"), n, d, LB, false, nullptr,
+                     0, LB);
+    else
+      oc::linear_bwd(yn, W(B + "routed_expert_down_proj.weight"), dz, dyn, DType::F32,
+                     G(B + "routed_expert_down_proj.weight"), n, d, l, true);
   }
 
   // ================================ the stack (model.cpp) =======================================

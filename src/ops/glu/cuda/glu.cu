@@ -99,11 +99,11 @@ __device__ __forceinline__ float to_f(float v) { return v; }
 
 // VEC 8 or 1 columns per work item; items = rows · I / VEC, grid-stride.
 template <int MODE, int VEC>
-__global__ void glu_fwd_kernel(const bf16* ab, bf16* h, int64_t rows, int64_t I, Consts c) {
+__global__ void glu_fwd_kernel(const bf16* ab, bf16* h, int64_t rows, int64_t I, int64_t lda, Consts c) {
   const int64_t per_row = I / VEC, n = rows * per_row;
   for (int64_t it = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; it < n; it += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = it / per_row, j = (it - r * per_row) * VEC;
-    const bf16* a = ab + r * 2 * I + j;
+    const bf16* a = ab + r * lda + j;
     if constexpr (VEC == 8) {
       float fa[8], fb[8], fh[8];
       load8(a, fa);
@@ -119,12 +119,13 @@ __global__ void glu_fwd_kernel(const bf16* ab, bf16* h, int64_t rows, int64_t I,
 
 // Each item reads its a, b (and g) before writing da, db at the same places: dab == ab is safe.
 template <int MODE, int VEC, class G>
-__global__ void glu_bwd_kernel(const bf16* ab, const G* dh, bf16* dab, int64_t rows, int64_t I, Consts c) {
+__global__ void glu_bwd_kernel(const bf16* ab, const G* dh, bf16* dab, int64_t rows, int64_t I, int64_t lda,
+                               int64_t ldd, Consts c) {
   const int64_t per_row = I / VEC, n = rows * per_row;
   for (int64_t it = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; it < n; it += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = it / per_row, j = (it - r * per_row) * VEC;
-    const bf16* a = ab + r * 2 * I + j;
-    bf16* da = dab + r * 2 * I + j;
+    const bf16* a = ab + r * lda + j;
+    bf16* da = dab + r * ldd + j;
     if constexpr (VEC == 8) {
       float fa[8], fb[8], fg[8], fda[8], fdb[8];
       load8(a, fa);
@@ -170,41 +171,47 @@ void check_args(const char* who, const void* ab, const void* out, int64_t rows, 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 template <int MODE>
-void launch_fwd(const bf16* ab, bf16* h, int64_t rows, int64_t I, const Consts& c, cudaStream_t s) {
-  if (I % 8 == 0 && aligned16(ab) && aligned16(h))
-    glu_fwd_kernel<MODE, 8><<<grid_for(rows * I / 8), kThreads, 0, s>>>(ab, h, rows, I, c);
+void launch_fwd(const bf16* ab, bf16* h, int64_t rows, int64_t I, int64_t lda, const Consts& c, cudaStream_t s) {
+  if (I % 8 == 0 && lda % 8 == 0 && aligned16(ab) && aligned16(h))
+    glu_fwd_kernel<MODE, 8><<<grid_for(rows * I / 8), kThreads, 0, s>>>(ab, h, rows, I, lda, c);
   else
-    glu_fwd_kernel<MODE, 1><<<grid_for(rows * I), kThreads, 0, s>>>(ab, h, rows, I, c);
+    glu_fwd_kernel<MODE, 1><<<grid_for(rows * I), kThreads, 0, s>>>(ab, h, rows, I, lda, c);
 }
 
 template <int MODE, class G>
-void launch_bwd(const bf16* ab, const G* dh, bf16* dab, int64_t rows, int64_t I, const Consts& c, cudaStream_t s) {
-  if (I % 8 == 0 && aligned16(ab) && aligned16(dh) && aligned16(dab))
-    glu_bwd_kernel<MODE, 8, G><<<grid_for(rows * I / 8), kThreads, 0, s>>>(ab, dh, dab, rows, I, c);
+void launch_bwd(const bf16* ab, const G* dh, bf16* dab, int64_t rows, int64_t I, int64_t lda, int64_t ldd,
+                const Consts& c, cudaStream_t s) {
+  if (I % 8 == 0 && lda % 8 == 0 && ldd % 8 == 0 && aligned16(ab) && aligned16(dh) && aligned16(dab))
+    glu_bwd_kernel<MODE, 8, G><<<grid_for(rows * I / 8), kThreads, 0, s>>>(ab, dh, dab, rows, I, lda, ldd, c);
   else
-    glu_bwd_kernel<MODE, 1, G><<<grid_for(rows * I), kThreads, 0, s>>>(ab, dh, dab, rows, I, c);
+    glu_bwd_kernel<MODE, 1, G><<<grid_for(rows * I), kThreads, 0, s>>>(ab, dh, dab, rows, I, lda, ldd, c);
 }
 
 }  // namespace
 
-void glu_forward(const void* ab, void* h, int64_t rows, int64_t I, const GluParams& p, void* stream) {
+void glu_forward(const void* ab, void* h, int64_t rows, int64_t I, const GluParams& p, void* stream, int64_t ldab) {
   check_args("glu_forward", ab, h, rows, I, p);
+  if (!ldab) ldab = 2 * I;
+  if (ldab < 2 * I) fail("glu_forward: ldab must be at least 2I");
   if (rows == 0) return;
   const auto* a = static_cast<const bf16*>(ab);
   auto* o = static_cast<bf16*>(h);
   const Consts c = consts_of(p);
   const auto s = static_cast<cudaStream_t>(stream);
   switch (mode_of(p)) {
-    case kSwiGLU: launch_fwd<kSwiGLU>(a, o, rows, I, c, s); break;
-    case kSituCap: launch_fwd<kSituCap>(a, o, rows, I, c, s); break;
-    default: launch_fwd<kSituNoCap>(a, o, rows, I, c, s); break;
+    case kSwiGLU: launch_fwd<kSwiGLU>(a, o, rows, I, ldab, c, s); break;
+    case kSituCap: launch_fwd<kSituCap>(a, o, rows, I, ldab, c, s); break;
+    default: launch_fwd<kSituNoCap>(a, o, rows, I, ldab, c, s); break;
   }
   check(cudaGetLastError(), "glu_forward launch");
 }
 
 void glu_backward(const void* ab, const void* dh, DType dh_type, void* dab, int64_t rows, int64_t I,
-                  const GluParams& p, void* stream) {
+                  const GluParams& p, void* stream, int64_t ldab, int64_t lddab) {
   check_args("glu_backward", ab, dab, rows, I, p);
+  if (!ldab) ldab = 2 * I;
+  if (!lddab) lddab = 2 * I;
+  if (ldab < 2 * I || lddab < 2 * I) fail("glu_backward: ldab and lddab must be at least 2I");
   if (dh_type != DType::F32 && dh_type != DType::BF16) fail("glu_backward: dh must be F32 or BF16");
   if (rows == 0) return;
   if (!dh) fail("glu_backward: null dh");
@@ -215,14 +222,14 @@ void glu_backward(const void* ab, const void* dh, DType dh_type, void* dab, int6
   const int mode = mode_of(p);
   if (dh_type == DType::F32) {
     const auto* g = static_cast<const float*>(dh);
-    if (mode == kSwiGLU) launch_bwd<kSwiGLU>(a, g, o, rows, I, c, s);
-    else if (mode == kSituCap) launch_bwd<kSituCap>(a, g, o, rows, I, c, s);
-    else launch_bwd<kSituNoCap>(a, g, o, rows, I, c, s);
+    if (mode == kSwiGLU) launch_bwd<kSwiGLU>(a, g, o, rows, I, ldab, lddab, c, s);
+    else if (mode == kSituCap) launch_bwd<kSituCap>(a, g, o, rows, I, ldab, lddab, c, s);
+    else launch_bwd<kSituNoCap>(a, g, o, rows, I, ldab, lddab, c, s);
   } else {
     const auto* g = static_cast<const bf16*>(dh);
-    if (mode == kSwiGLU) launch_bwd<kSwiGLU>(a, g, o, rows, I, c, s);
-    else if (mode == kSituCap) launch_bwd<kSituCap>(a, g, o, rows, I, c, s);
-    else launch_bwd<kSituNoCap>(a, g, o, rows, I, c, s);
+    if (mode == kSwiGLU) launch_bwd<kSwiGLU>(a, g, o, rows, I, ldab, lddab, c, s);
+    else if (mode == kSituCap) launch_bwd<kSituCap>(a, g, o, rows, I, ldab, lddab, c, s);
+    else launch_bwd<kSituNoCap>(a, g, o, rows, I, ldab, lddab, c, s);
   }
   check(cudaGetLastError(), "glu_backward launch");
 }

@@ -11,8 +11,10 @@
 
 namespace lm::ops::cuda {
 
-void glu_forward(const void* ab, void* h, int64_t rows, int64_t I, const GluParams& p, void* stream = nullptr);
+// ldab, lddab: row strides of ab and dab in elements (0: 2I; dab may sit in a wider gradient buffer).
+void glu_forward(const void* ab, void* h, int64_t rows, int64_t I, const GluParams& p, void* stream = nullptr,
+                 int64_t ldab = 0);
 void glu_backward(const void* ab, const void* dh, DType dh_type, void* dab, int64_t rows, int64_t I,
-                  const GluParams& p, void* stream = nullptr);
+                  const GluParams& p, void* stream = nullptr, int64_t ldab = 0, int64_t lddab = 0);
 
 }  // namespace lm::ops::cuda

@@ -58,7 +58,9 @@ void router_forward(const float* logits, const float* bias, int64_t m, int64_t n
 void moe_permute(const int32_t* topk_idx, int64_t m, int64_t k, int64_t n, int32_t* offsets, int32_t* rows,
                  int32_t* pos, void* stream = nullptr);
 // xs [m·k, d] bf16: xs[r] = x[rows[r] / k].
-void moe_gather(const void* x, const int32_t* rows, void* xs, int64_t m, int64_t k, int64_t d, void* stream = nullptr);
+// (ldx: x's row stride, 0: d.)
+void moe_gather(const void* x, const int32_t* rows, void* xs, int64_t m, int64_t k, int64_t d, void* stream = nullptr,
+                int64_t ldx = 0);
 // y [m, d] bf16: y[i] = Σ_t topk_w[i, t] · eo[pos[i·k + t]], summed in fp32 in slot order.
 void moe_combine(const void* eo, const float* topk_w, const int32_t* pos, void* y, int64_t m, int64_t k, int64_t d,
                  void* stream = nullptr);
@@ -69,14 +71,14 @@ void moe_combine(const void* eo, const float* topk_w, const int32_t* pos, void* 
 void moe_combine_backward(const void* eo, const float* topk_w, const int32_t* pos, const void* dy, bool dy_bf16,
                           void* d_eo, float* d_topk_w, int64_t m, int64_t k, int64_t d, void* stream = nullptr);
 // dx [m, d] (=|+=) Σ_t dxs[pos[i·k + t]] in slot order, fp32 sums; dxs bf16 [M, d]; dx F32 or BF16 (dx_bf16);
-// accumulate only for F32.
+// accumulate only for F32. lddx: dx's row stride (0: d).
 void moe_gather_backward(const void* dxs, const int32_t* pos, void* dx, bool dx_bf16, int64_t m, int64_t k,
-                         int64_t d, bool accumulate = false, void* stream = nullptr);
+                         int64_t d, bool accumulate = false, void* stream = nullptr, int64_t lddx = 0);
 // d_logits [m, n] from d_topk_w [m, k] with the selection fixed (ops::router_backward): only the selected
 // experts' unbiased scores carry gradient. logits fp32 [m, n]; d_logits F32 or BF16 (out_bf16), written
-// (zeros for the non-selected experts).
+// (zeros for the non-selected experts); ld: d_logits' row stride (0: n).
 void router_backward(const float* logits, const int32_t* topk_idx, const float* d_topk_w, void* d_logits,
                      bool out_bf16, int64_t m, int64_t n, int64_t k, bool renormalize, float scaling,
-                     void* stream = nullptr);
+                     void* stream = nullptr, int64_t ld = 0);
 
 }  // namespace lm::ops::cuda

@@ -111,12 +111,12 @@ __global__ void perm_finish_kernel(const int* keys, const int* rows, int* pos, i
   }
 }
 
-__global__ void gather_kernel(const bf16* x, const int* rows, bf16* xs, int64_t M, int k, int d) {
+__global__ void gather_kernel(const bf16* x, const int* rows, bf16* xs, int64_t M, int k, int d, int64_t ldx) {
   const int v8 = d / 8;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < M * v8; idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = idx / v8;
     const int c = int(idx % v8) * 8;
-    *reinterpret_cast<uint4*>(xs + r * d + c) = *reinterpret_cast<const uint4*>(x + int64_t(rows[r] / k) * d + c);
+    *reinterpret_cast<uint4*>(xs + r * d + c) = *reinterpret_cast<const uint4*>(x + int64_t(rows[r] / k) * ldx + c);
   }
 }
 
@@ -193,12 +193,15 @@ void moe_permute(const int32_t* topk_idx, int64_t m, int64_t k, int64_t n, int32
   check(cudaFreeAsync(base, s), "permute scratch free");
 }
 
-void moe_gather(const void* x, const int32_t* rows, void* xs, int64_t m, int64_t k, int64_t d, void* stream) {
+void moe_gather(const void* x, const int32_t* rows, void* xs, int64_t m, int64_t k, int64_t d, void* stream,
+                int64_t ldx) {
   if (d % 8) fail("gather: d must be a multiple of 8");
+  if (!ldx) ldx = d;
+  if (ldx < d || ldx % 8) fail("gather: ldx must be a multiple of 8, at least d");
   const int64_t M = m * k;
   if (M == 0) return;
   gather_kernel<<<grid_for(M * d / 8, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const bf16*>(x), rows, static_cast<bf16*>(xs), M, int(k), int(d));
+      static_cast<const bf16*>(x), rows, static_cast<bf16*>(xs), M, int(k), int(d), ldx);
   check(cudaGetLastError(), "gather launch");
 }
 

@@ -90,21 +90,22 @@ __global__ void combine_bwd_kernel(const bf16* eo, const float* w, const int* po
 }
 
 template <class O>
-__global__ void gather_bwd_kernel(const bf16* dxs, const int* pos, O* dx, int64_t m, int k, int d, int accumulate) {
+__global__ void gather_bwd_kernel(const bf16* dxs, const int* pos, O* dx, int64_t m, int k, int d, int64_t lddx,
+                                  int accumulate) {
   const int v8 = d / 8;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < m * v8;
        idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i = idx / v8;
     const int c = int(idx - i * v8) * 8;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (accumulate) load8(reinterpret_cast<const float*>(dx) + i * d + c, acc);  // F32 only (host checks)
+    if (accumulate) load8(reinterpret_cast<const float*>(dx) + i * lddx + c, acc);  // F32 only (host checks)
     for (int t = 0; t < k; ++t) {
       float f[8];
       load8(dxs + int64_t(pos[i * k + t]) * d + c, f);
 #pragma unroll
       for (int q = 0; q < 8; ++q) acc[q] += f[q];
     }
-    store8(dx + i * d + c, acc);
+    store8(dx + i * lddx + c, acc);
   }
 }
 
@@ -113,11 +114,11 @@ __device__ __forceinline__ float sigmoid_acc(float x) { return 1.f / (1.f + expf
 // One warp per token; slots t = lane, lane + 32, ... (k < 32 in practice: one slot per lane).
 template <class O>
 __global__ void router_bwd_kernel(const float* logits, const int* idx, const float* dp, O* dl, int64_t m, int n, int k,
-                                  int renorm, float scaling) {
+                                  int renorm, float scaling, int64_t ldl) {
   const int lane = threadIdx.x & 31;
   for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; i < m;
        i += (int64_t(gridDim.x) * blockDim.x) >> 5) {
-    O* row = dl + i * n;
+    O* row = dl + i * ldl;
     for (int e = lane; e < n; e += 32) store1(row + e, 0.f);
     const int* ti = idx + i * k;
     const float* dpi = dp + i * k;
@@ -173,8 +174,10 @@ void moe_combine_backward(const void* eo, const float* topk_w, const int32_t* po
 }
 
 void moe_gather_backward(const void* dxs, const int32_t* pos, void* dx, bool dx_bf16, int64_t m, int64_t k, int64_t d,
-                         bool accumulate, void* stream) {
+                         bool accumulate, void* stream, int64_t lddx) {
   if (m < 0 || k < 1 || d < 0) fail("gather backward: bad sizes");
+  if (!lddx) lddx = d;
+  if (lddx < d || lddx % 8) fail("gather backward: lddx must be a multiple of 8, at least d");
   if (d % 8) fail("gather backward: d must be a multiple of 8");
   if (accumulate && dx_bf16) fail("gather backward: accumulate needs an F32 dx");
   if (m == 0 || d == 0) return;
@@ -183,26 +186,29 @@ void moe_gather_backward(const void* dxs, const int32_t* pos, void* dx, bool dx_
   const int blocks = grid_for(m * d / 8, kThreads);
   if (dx_bf16)
     gather_bwd_kernel<bf16><<<blocks, kThreads, 0, s>>>(static_cast<const bf16*>(dxs), pos, static_cast<bf16*>(dx), m,
-                                                        int(k), int(d), 0);
+                                                        int(k), int(d), lddx, 0);
   else
     gather_bwd_kernel<float><<<blocks, kThreads, 0, s>>>(static_cast<const bf16*>(dxs), pos, static_cast<float*>(dx),
-                                                         m, int(k), int(d), accumulate ? 1 : 0);
+                                                         m, int(k), int(d), lddx, accumulate ? 1 : 0);
   check(cudaGetLastError(), "gather backward launch");
 }
 
 void router_backward(const float* logits, const int32_t* topk_idx, const float* d_topk_w, void* d_logits,
-                     bool out_bf16, int64_t m, int64_t n, int64_t k, bool renormalize, float scaling, void* stream) {
+                     bool out_bf16, int64_t m, int64_t n, int64_t k, bool renormalize, float scaling, void* stream,
+                     int64_t ld) {
   if (m < 0 || n < 1 || n >= (int64_t(1) << 31) || k < 1 || k > n) fail("router backward: need 1 <= k <= n");
+  if (!ld) ld = n;
+  if (ld < n) fail("router backward: ld must be at least n");
   if (m == 0) return;
   if (!logits || !topk_idx || !d_topk_w || !d_logits) fail("router backward: null argument");
   const auto s = static_cast<cudaStream_t>(stream);
   const int blocks = grid_for(m * 32, kThreads);
   if (out_bf16)
     router_bwd_kernel<bf16><<<blocks, kThreads, 0, s>>>(logits, topk_idx, d_topk_w, static_cast<bf16*>(d_logits), m,
-                                                        int(n), int(k), renormalize, scaling);
+                                                        int(n), int(k), renormalize, scaling, ld);
   else
     router_bwd_kernel<float><<<blocks, kThreads, 0, s>>>(logits, topk_idx, d_topk_w, static_cast<float*>(d_logits), m,
-                                                         int(n), int(k), renormalize, scaling);
+                                                         int(n), int(k), renormalize, scaling, ld);
   check(cudaGetLastError(), "router backward launch");
 }
 
