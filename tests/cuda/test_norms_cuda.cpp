@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -242,6 +243,34 @@ TEST(NormsCuda, RmsnormGated) {
 
 // ---- Block AttnRes ---------------------------------------------------------------------------------------
 
+// N sources [T, d] of growing scale (as block sums grow with depth, so the norms r_j differ) and starting
+// gradients, with host and device pointers; the gradient of source j is skipped (null) where skip(j).
+struct Sources {
+  std::vector<Vec> v, dv0, dv_ref;  // dv_ref: the CPU's gradients, starting at dv0
+  std::vector<const float*> vp, gvp;
+  std::vector<float*> dvp, gdvp;
+  std::vector<std::unique_ptr<Dev>> gv, gdv;
+  Sources(int64_t N, size_t n, uint64_t seed, const std::function<bool(int64_t)>& skip) {
+    for (int64_t j = 0; j < N; ++j) {
+      v.push_back(randn(n, seed + uint64_t(j), 1.0 + 0.5 * double(j)));
+      dv0.push_back(randn(n, seed + 100 + uint64_t(j), 0.1));
+    }
+    dv_ref = dv0;
+    for (int64_t j = 0; j < N; ++j) {
+      vp.push_back(v[size_t(j)].data());
+      dvp.push_back(skip(j) ? nullptr : dv_ref[size_t(j)].data());
+      gv.push_back(std::make_unique<Dev>(n * 4));
+      gdv.push_back(std::make_unique<Dev>(n * 4));
+      up(*gv.back(), v[size_t(j)]), up(*gdv.back(), dv0[size_t(j)]);
+      gvp.push_back(gv.back()->f());
+      gdvp.push_back(skip(j) ? nullptr : gdv.back()->f());
+    }
+  }
+  void reset_device_grads() {
+    for (size_t j = 0; j < gdv.size(); ++j) up(*gdv[j], dv0[j]);
+  }
+};
+
 TEST(NormsCuda, AttnRes) {
   REQUIRE_GPU();
   struct AC {
@@ -253,41 +282,22 @@ TEST(NormsCuda, AttnRes) {
   for (const AC ac : {AC{1, 50, 256}, AC{3, 77, 2048}, AC{9, 40, 100}, AC{9, 1500, 512}, AC{2, 33, 130},
                       AC{8, 70, 1024}, AC{5, 3000, 1536}}) {
     const size_t n = size_t(ac.T * ac.d);
-    // Sources of growing scale (as block sums grow with depth), so the norms r_j differ.
-    std::vector<Vec> v, dv0;
-    for (int64_t j = 0; j < ac.N; ++j) {
-      v.push_back(randn(n, uint64_t(100 * ac.N + j), 1.0 + 0.5 * double(j)));
-      dv0.push_back(randn(n, uint64_t(200 * ac.N + j), 0.1));
-    }
+    // Source 1's gradient is skipped (null) when there are several sources.
+    auto skipped = [&](int64_t j) { return ac.N > 1 && j == 1; };
+    Sources src(ac.N, n, uint64_t(100 * ac.N), skipped);
+    const auto &vp = src.vp, &gvp = src.gvp;
+    const auto &dvp = src.dvp, &gdvp = src.gdvp;
+    const auto &dv0 = src.dv0, &dv_ref = src.dv_ref;
+    const auto& gdv = src.gdv;
     const Vec w = randn(size_t(ac.d), uint64_t(ac.d + 31), 0.05);
     const Vec gamma = gain(size_t(ac.d), uint64_t(ac.d + 32), 0.2);
     const Vec dh = randn(n, uint64_t(ac.d + 33), 1.0);
     const Vec dw0 = randn(size_t(ac.d), uint64_t(ac.d + 34), 0.1), dg0 = randn(size_t(ac.d), uint64_t(ac.d + 35), 0.1);
-    // Source 1's gradient is skipped (null) when there are several sources.
-    auto skipped = [&](int64_t j) { return ac.N > 1 && j == 1; };
-
-    std::vector<const float*> vp;
-    std::vector<float*> dvp;
-    std::vector<Vec> dv_ref = dv0;
-    for (int64_t j = 0; j < ac.N; ++j) {
-      vp.push_back(v[size_t(j)].data());
-      dvp.push_back(skipped(j) ? nullptr : dv_ref[size_t(j)].data());
-    }
     Vec h_ref(n), dw_ref = dw0, dg_ref = dg0;
     ops::attnres_forward<float>(vp.data(), ac.N, ac.T, ac.d, w.data(), gamma.data(), eps, h_ref.data());
     ops::attnres_backward<float>(vp.data(), ac.N, ac.T, ac.d, w.data(), gamma.data(), eps, dh.data(), dvp.data(),
                                  dw_ref.data(), dg_ref.data());
 
-    std::vector<std::unique_ptr<Dev>> gv, gdv;
-    std::vector<const float*> gvp;
-    std::vector<float*> gdvp;
-    for (int64_t j = 0; j < ac.N; ++j) {
-      gv.push_back(std::make_unique<Dev>(n * 4));
-      gdv.push_back(std::make_unique<Dev>(n * 4));
-      up(*gv.back(), v[size_t(j)]), up(*gdv.back(), dv0[size_t(j)]);
-      gvp.push_back(gv.back()->f());
-      gdvp.push_back(skipped(j) ? nullptr : gdv.back()->f());
-    }
     Dev gw(w.size() * 4), gg(gamma.size() * 4), gh(n * 4), gdh(n * 4), gdw(w.size() * 4), gdg(gamma.size() * 4);
     up(gw, w), up(gg, gamma), up(gdh, dh), up(gdw, dw0), up(gdg, dg0);
     oc::attnres_forward(gvp.data(), ac.N, ac.T, ac.d, gw.f(), gg.f(), eps, gh.f());
@@ -299,7 +309,7 @@ TEST(NormsCuda, AttnRes) {
       std::vector<Vec> dv1;
       for (int64_t j = 0; j < ac.N; ++j) dv1.push_back(down<float>(*gdv[size_t(j)], n));
       up(gdw, dw0), up(gdg, dg0);
-      for (int64_t j = 0; j < ac.N; ++j) up(*gdv[size_t(j)], dv0[size_t(j)]);
+      src.reset_device_grads();
       oc::attnres_backward(gvp.data(), ac.N, ac.T, ac.d, gw.f(), gg.f(), eps, gdh.f(), gdvp.data(), gdw.f(),
                            gdg.f());
       kc::synchronize();
@@ -341,60 +351,40 @@ TEST(NormsCuda, AttnResNorm) {
   for (const AC ac : {AC{1, 50, 256}, AC{2, 3000, 1536}, AC{3, 77, 2048}, AC{5, 3000, 1536}, AC{4, 200, 1536},
                       AC{2, 33, 130}, AC{8, 70, 1024}, AC{9, 40, 100}, AC{3, 5, 9000}}) {
     const size_t n = size_t(ac.T * ac.d);
-    std::vector<Vec> v, dv0;
-    for (int64_t j = 0; j < ac.N; ++j) {
-      v.push_back(randn(n, uint64_t(300 * ac.N + j), 1.0 + 0.5 * double(j)));
-      dv0.push_back(randn(n, uint64_t(400 * ac.N + j), 0.1));
-    }
+    auto skipped = [&](int64_t j) { return ac.N > 2 && j == 1; };
+    Sources src(ac.N, n, uint64_t(300 * ac.N), skipped);
     const Vec w = randn(size_t(ac.d), uint64_t(ac.d + 41), 0.05);
     const Vec gamma = gain(size_t(ac.d), uint64_t(ac.d + 42), 0.2), gn = gain(size_t(ac.d), uint64_t(ac.d + 43), 0.2);
     const Vec dy = randn(n, uint64_t(ac.d + 44), 1.0);
     const Vec dw0 = randn(size_t(ac.d), uint64_t(ac.d + 45), 0.1), dg0 = randn(size_t(ac.d), uint64_t(ac.d + 46), 0.1),
               dgn0 = randn(size_t(ac.d), uint64_t(ac.d + 47), 0.1);
-    auto skipped = [&](int64_t j) { return ac.N > 2 && j == 1; };
 
     // CPU: h = read(v); y = norm(h); dh = norm'(dy); dv, dw, dgamma = read'(dh).
-    std::vector<const float*> vp;
-    std::vector<float*> dvp;
-    std::vector<Vec> dv_ref = dv0;
-    for (int64_t j = 0; j < ac.N; ++j) {
-      vp.push_back(v[size_t(j)].data());
-      dvp.push_back(skipped(j) ? nullptr : dv_ref[size_t(j)].data());
-    }
     Vec h(n), y_ref(n), rstd_ref(size_t(ac.T)), dh(n), dw_ref = dw0, dg_ref = dg0, dgn_ref = dgn0;
-    ops::attnres_forward<float>(vp.data(), ac.N, ac.T, ac.d, w.data(), gamma.data(), eps, h.data());
+    ops::attnres_forward<float>(src.vp.data(), ac.N, ac.T, ac.d, w.data(), gamma.data(), eps, h.data());
     ops::rmsnorm_forward<float>(h.data(), gn.data(), y_ref.data(), rstd_ref.data(), ac.T, ac.d, eps_n);
     ops::rmsnorm_backward<float>(h.data(), gn.data(), rstd_ref.data(), dy.data(), dh.data(), dgn_ref.data(), ac.T,
                                  ac.d, eps_n);
-    ops::attnres_backward<float>(vp.data(), ac.N, ac.T, ac.d, w.data(), gamma.data(), eps, dh.data(), dvp.data(),
+    ops::attnres_backward<float>(src.vp.data(), ac.N, ac.T, ac.d, w.data(), gamma.data(), eps, dh.data(),
+                                 src.dvp.data(),
                                  dw_ref.data(), dg_ref.data());
 
-    std::vector<std::unique_ptr<Dev>> gv, gdv;
-    std::vector<const float*> gvp;
-    std::vector<float*> gdvp;
-    for (int64_t j = 0; j < ac.N; ++j) {
-      gv.push_back(std::make_unique<Dev>(n * 4));
-      gdv.push_back(std::make_unique<Dev>(n * 4));
-      up(*gv.back(), v[size_t(j)]);
-      gvp.push_back(gv.back()->f());
-      gdvp.push_back(skipped(j) ? nullptr : gdv.back()->f());
-    }
     Dev gw(w.size() * 4), gg(gamma.size() * 4), ggn(gn.size() * 4), gy(n * 2), grs(rstd_ref.size() * 4), gdy(n * 4),
         gdw(w.size() * 4), gdg(gamma.size() * 4), gdgn(gn.size() * 4), glast(n * 2);
     up(gw, w), up(gg, gamma), up(ggn, gn), up(gdy, dy);
-    oc::attnres_norm_forward(gvp.data(), ac.N, ac.T, ac.d, gw.f(), gg.f(), eps, ggn.f(), eps_n, gy.p, grs.f());
+    oc::attnres_norm_forward(src.gvp.data(), ac.N, ac.T, ac.d, gw.f(), gg.f(), eps, ggn.f(), eps_n, gy.p, grs.f());
     kc::synchronize();
     const double ey = err(y_ref, down_bf16(gy, n)), er = err(rstd_ref, down<float>(grs, rstd_ref.size()));
     // Backward twice from the same state: bitwise equal results (fixed reduction orders).
     std::vector<std::vector<Vec>> dv_out(2);
     Vec dw_out[2], dg_out[2], dgn_out[2], last_out[2];
     for (int rep = 0; rep < 2; ++rep) {
-      for (int64_t j = 0; j < ac.N; ++j) up(*gdv[size_t(j)], dv0[size_t(j)]);
+      src.reset_device_grads();
       up(gdw, dw0), up(gdg, dg0), up(gdgn, dgn0);
-      oc::attnres_norm_backward(gvp.data(), ac.N, ac.T, ac.d, gw.f(), gg.f(), eps, ggn.f(), eps_n, grs.f(), gdy.f(),
-                                gdvp.data(), gdw.f(), gdg.f(), gdgn.f(), glast.p);
+      oc::attnres_norm_backward(src.gvp.data(), ac.N, ac.T, ac.d, gw.f(), gg.f(), eps, ggn.f(), eps_n, grs.f(), gdy.f(),
+                                src.gdvp.data(), gdw.f(), gdg.f(), gdgn.f(), glast.p);
       kc::synchronize();
-      for (int64_t j = 0; j < ac.N; ++j) dv_out[rep].push_back(down<float>(*gdv[size_t(j)], n));
+      for (int64_t j = 0; j < ac.N; ++j) dv_out[rep].push_back(down<float>(*src.gdv[size_t(j)], n));
       dw_out[rep] = down<float>(gdw, w.size()), dg_out[rep] = down<float>(gdg, gamma.size());
       dgn_out[rep] = down<float>(gdgn, gn.size()), last_out[rep] = down_bf16(glast, n);
     }
@@ -404,13 +394,13 @@ TEST(NormsCuda, AttnResNorm) {
     double edv = 0;
     for (int64_t j = 0; j < ac.N; ++j) {
       if (skipped(j)) {
-        EXPECT_EQ(dv_out[0][size_t(j)], dv0[size_t(j)]) << "skipped source " << j << " was written";
+        EXPECT_EQ(dv_out[0][size_t(j)], src.dv0[size_t(j)]) << "skipped source " << j << " was written";
         continue;
       }
-      edv = std::max(edv, err(dv_ref[size_t(j)], dv_out[0][size_t(j)]));
+      edv = std::max(edv, err(src.dv_ref[size_t(j)], dv_out[0][size_t(j)]));
     }
     const double edw = err(dw_ref, dw_out[0]), edg = err(dg_ref, dg_out[0]), edgn = err(dgn_ref, dgn_out[0]);
-    const double elast = err(dv_ref[size_t(ac.N - 1)], last_out[0]);
+    const double elast = err(src.dv_ref[size_t(ac.N - 1)], last_out[0]);
     std::printf("attnres+norm N%lld T%lld d%lld: y %.2e rstd %.2e dv %.2e dw %.2e dgamma %.2e dgn %.2e dlast %.2e\n",
                 (long long)ac.N, (long long)ac.T, (long long)ac.d, ey, er, edv, edw, edg, edgn, elast);
     EXPECT_LE(ey, kTolBf16);

@@ -47,6 +47,7 @@ std::vector<std::pair<std::string, double>> GpuModel::detail_profile() const { n
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <initializer_list>
 #include <map>
 #include <optional>
 #include <string>
@@ -206,12 +207,25 @@ struct GpuModel::Impl {
       cur += static_cast<size_t>(s->numel());
     };
     auto placed = [&](const std::string& n) { return slots.count(n) != 0; };
+    auto group_of = [&](const ParamSpec& s) { return !s.trainable ? 2 : decay_of(s) ? 0 : 1; };
+    // Tensors that one GEMM reads as a single matrix, back to back: all in the optimizer group (pass) of the one
+    // that triggered them, or a clear error.
+    auto place_group = [&](const std::string& pre, std::initializer_list<const char*> members, const ParamSpec& by,
+                           int grp) {
+      for (const char* m : members) {
+        const ParamSpec* ms = by_name.at(pre + m);
+        LM_CHECK(group_of(*ms) == grp,
+                 "gpu model: {} needs the same optimizer group as {} (they are one matrix on the GPU)", ms->name,
+                 by.name);
+        place(pre + m);
+      }
+    };
     auto ends_with = [](const std::string& s, const std::string& t) {
       return s.size() >= t.size() && s.compare(s.size() - t.size(), t.size(), t) == 0;
     };
     for (int pass = 0; pass < 3; ++pass) {
       for (const auto& s : specs) {
-        const int grp = !s.trainable ? 2 : decay_of(s) ? 0 : 1;
+        const int grp = group_of(s);
         if (grp != pass || placed(s.name)) continue;
         align();
         if (s.component == Component::RoutedExpert) {
@@ -231,17 +245,12 @@ struct GpuModel::Impl {
           // the shared expert's gate and up [2·Is, d] as one matrix (moe_in_*): the backward's input gradient is
           // one GEMM, the forward's bf16 products (all but the fp32 router logits) one more.
           const std::string pre = s.name.substr(0, s.name.find(".block_sparse_moe.") + 17);
-          for (const char* m : {".gate.weight", ".routed_expert_down_proj.weight", ".shared_experts.gate_proj.weight",
-                                ".shared_experts.up_proj.weight"}) {
-            const ParamSpec* ms = by_name.at(pre + m);
-            LM_CHECK((!ms->trainable ? 2 : decay_of(*ms) ? 0 : 1) == grp,
-                     "gpu model: {} needs the same optimizer group as {} (they are one matrix on the GPU)", ms->name,
-                     s.name);
-            place(pre + m);
-            // zero rows after the router's E up to moe_in_epad(), so the gradient columns after it stay 16-byte
-            // aligned (they stay zero: their input-gradient columns are zeroed, see moe_backward)
-            if (ends_with(m, ".gate.weight")) cur += static_cast<size_t>((moe_in_epad() - c.num_experts) * d);
-          }
+          place_group(pre, {".gate.weight"}, s, grp);
+          // zero rows after the router's E up to moe_in_epad(), so the gradient columns after it stay 16-byte
+          // aligned (they stay zero: their input-gradient columns are zeroed, see moe_backward)
+          cur += static_cast<size_t>((moe_in_epad() - c.num_experts) * d);
+          place_group(pre, {".routed_expert_down_proj.weight", ".shared_experts.gate_proj.weight",
+                            ".shared_experts.up_proj.weight"}, s, grp);
         } else if (ends_with(s.name, ".gate_proj.weight") && s.component != Component::Mla) {
           place(s.name);
           place(fmt::format("{}.up_proj.weight", std::string_view(s.name).substr(0, s.name.size() - 17)));
@@ -253,14 +262,8 @@ struct GpuModel::Impl {
           // (kda_in_weight; the gate's low-rank f_a and β ride along in one GEMM each way with q, k, v). (The
           // output gate g stays apart: read from these rows its gated norm ran slower than the GEMM gained.)
           const std::string pre = s.name.substr(0, s.name.rfind('.', s.name.size() - 8));
-          for (const char* m : {".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".f_a_proj.weight",
-                                ".b_proj.weight"}) {
-            const ParamSpec* ms = by_name.at(pre + m);
-            LM_CHECK((!ms->trainable ? 2 : decay_of(*ms) ? 0 : 1) == grp,
-                     "gpu model: {} needs the same optimizer group as {} (they are one matrix on the GPU)", ms->name,
-                     s.name);
-            place(pre + m);
-          }
+          place_group(pre, {".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".f_a_proj.weight", ".b_proj.weight"},
+                      s, grp);
           // Zero rows up to kda_in_ld(), so the fused GEMMs run on multiples of 8 (N = 4748 took the slow
           // kernels). They stay zero: their output columns are never read and their input-gradient
           // columns are zeroed (so their weight gradients are 0 too).

@@ -1,9 +1,10 @@
 // Block Attention Residuals read on the GPU (ops/attnres/cuda/attnres_cuda.hpp), fp32: the formulas of
 // ops/attnres/attnres.cpp (one-shot forward and backward).
 //
-// Legend: N sources (<= 32), T tokens, d hidden, q = gamma ⊙ w, gn the fused RMSNorm's gain, NT threads per token (blockDim), V floats per
-//         vector access (4 when d % 4 == 0 and every pointer is 16-byte aligned, else 1), VPT vectors per
-//         thread and row (register path), nb fixed token blocks of the backward (<= kMaxBlocks).
+// Legend: N sources (<= 32), T tokens, d hidden, q = gamma ⊙ w, gn the fused RMSNorm's gain, NT threads per
+//         token (blockDim), V floats per vector access (4 when d % 4 == 0 and every pointer is 16-byte aligned,
+//         else 1), VPT vectors per thread and row (register path), nb fixed token blocks of the backward
+//         (<= kMaxBlocks).
 // One block per token at a time. Two paths:
 //   register path (N <= 8, d <= 512·VPT·V): thread tid owns columns (k·NT + tid)·V, k < VPT, of every row of
 //     the token. All its loads (N sources, and in the backward dh and the N dv[j]) are issued at once into
@@ -140,6 +141,21 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// h = Σ_j a_j x_j over this thread's columns (a_j in lane j of a), in source order.
+template <int NS, int VPT, int V>
+__device__ __forceinline__ void mix(const float (&x)[NS][VPT][V], float a, float (&h)[VPT][V]) {
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) zero(h[k]);
+#pragma unroll
+  for (int j = 0; j < NS; ++j) {
+    const float aj = __shfl_sync(0xffffffffu, a, j);
+#pragma unroll
+    for (int k = 0; k < VPT; ++k)
+#pragma unroll
+      for (int e = 0; e < V; ++e) h[k][e] += aj * x[j][k][e];
+  }
+}
+
 // q = gamma ⊙ w into shared memory, once per block.
 __device__ __forceinline__ void load_query(float* q, const float* w, const float* gamma, int d) {
   for (int c = threadIdx.x; c < d; c += blockDim.x) q[c] = gamma[c] * w[c];
@@ -152,9 +168,8 @@ __device__ __forceinline__ void load_query(float* q, const float* w, const float
 // NORM: the RMSNorm that follows the read is applied in registers (a second reduction per token, Σh²), and
 // its bf16 output and rstd are written instead of (or besides, when h is not null) h.
 template <int V, int VPT, int NS, bool NORM>
-__global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM ? 2 : 1) fwd_reg_kernel(Srcs v, int64_t T, int d, const float* w,
-                                                                 const float* gamma, float eps, float* h,
-                                                                 NormFwd nf) {
+__global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM ? 2 : 1)
+    fwd_reg_kernel(Srcs v, int64_t T, int d, const float* w, const float* gamma, float eps, float* h, NormFwd nf) {
   __shared__ float2 red[2][NS][kRegMaxWarps];  // (Σv², q·v) per token parity, source and warp
   __shared__ float red2[2][kRegMaxWarps];      // NORM: Σh² per token parity and warp
   const int tid = threadIdx.x, NT = blockDim.x, warp = tid >> 5, lane = tid & 31, nw = NT >> 5;
@@ -209,14 +224,7 @@ __global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM 
     const float ex = lane < NS ? expf(z - m) : 0.f;
     const float p = ex * (1.f / warp_sum(ex));
     float o[VPT][V];
-#pragma unroll
-    for (int j = 0; j < NS; ++j) {
-      const float aj = __shfl_sync(0xffffffffu, p, j);
-#pragma unroll
-      for (int k = 0; k < VPT; ++k)
-#pragma unroll
-        for (int e = 0; e < V; ++e) o[k][e] = j == 0 ? aj * x[j][k][e] : o[k][e] + aj * x[j][k][e];
-    }
+    mix(x, p, o);
     if (!NORM || h)
 #pragma unroll
       for (int k = 0; k < VPT; ++k)
@@ -253,9 +261,9 @@ __global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM 
 // dh): with ĝ = gn ⊙ dy and h = Σ_j a_j v_j rebuilt from the sources, δ = rstd·ĝ − rstd³ (ĝ·h / d)·h, where
 // ĝ·h = Σ_j a_j ĝ·v_j comes out of the first reduction; δ·v_j needs a second one (two barriers per token).
 template <int V, int VPT, int NS, bool NORM>
-__global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM ? 2 : 1) bwd_reg_kernel(Srcs v, DSrcs dv, int64_t T, int d,
-                                                                 const float* w, const float* gamma, float eps,
-                                                                 const float* dh, float* part, NormBwd nb_) {
+__global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM ? 2 : 1)
+    bwd_reg_kernel(Srcs v, DSrcs dv, int64_t T, int d, const float* w, const float* gamma, float eps, const float* dh,
+                   float* part, NormBwd nb_) {
   extern __shared__ float4 smem_q[];  // q [d] (read twice per token rather than held across the barrier); NORM: gn [d]
   __shared__ float red[2][3][NS][kRegMaxWarps];  // Σv², q·v, δ·v (NORM: ĝ·v) per token parity, source and warp
   __shared__ float red2[2][NORM ? NS : 1][kRegMaxWarps];  // NORM: δ·v
@@ -339,16 +347,7 @@ __global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM 
       // dd holds ĝ·v_j here: turn dy into δ (see above), then reduce δ·v_j.
       const float c = rs * rs * rs * warp_sum(lane < NS ? a * dd : 0.f) * inv_d;
       float hv[VPT][V];
-#pragma unroll
-      for (int k = 0; k < VPT; ++k) zero(hv[k]);
-#pragma unroll
-      for (int j = 0; j < NS; ++j) {
-        const float aj = __shfl_sync(0xffffffffu, a, j);
-#pragma unroll
-        for (int k = 0; k < VPT; ++k)
-#pragma unroll
-          for (int e = 0; e < V; ++e) hv[k][e] += aj * x[j][k][e];
-      }
+      mix(x, a, hv);
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         float gg[V];
