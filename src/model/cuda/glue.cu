@@ -59,16 +59,19 @@ __device__ __forceinline__ V8 pack8(const bf16 (&b)[8]) {
   return v;
 }
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+// 8 fp32 (two float4) rounded to bf16.
+__device__ __forceinline__ V8 cvt8(float4 a, float4 b) {
+  const bf16 o[8] = {__float2bfloat16(a.x), __float2bfloat16(a.y), __float2bfloat16(a.z), __float2bfloat16(a.w),
+                     __float2bfloat16(b.x), __float2bfloat16(b.y), __float2bfloat16(b.z), __float2bfloat16(b.w)};
+  return pack8(o);
+}
 __device__ __forceinline__ void st4(float* p, float4 x) { *reinterpret_cast<float4*>(p) = x; }
 
 // Elementwise kernels: nv vectors first (0 when a pointer is misaligned), then the scalar tail [nv·width, n).
 __global__ void cast_kernel(const float* x, bf16* y, int64_t n, int64_t nv) {
   const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = t; i < nv; i += step) {
-    const float4 a = ld4(x + 8 * i), b = ld4(x + 8 * i + 4);
-    const bf16 o[8] = {__float2bfloat16(a.x), __float2bfloat16(a.y), __float2bfloat16(a.z), __float2bfloat16(a.w),
-                       __float2bfloat16(b.x), __float2bfloat16(b.y), __float2bfloat16(b.z), __float2bfloat16(b.w)};
-    st8(y + 8 * i, pack8(o));
+    st8(y + 8 * i, cvt8(ld4(x + 8 * i), ld4(x + 8 * i + 4)));
   }
   for (int64_t i = 8 * nv + t; i < n; i += step) y[i] = __float2bfloat16(x[i]);
 }
@@ -108,10 +111,7 @@ __global__ void split_kv_kernel(const bf16* kv, const float* ckr, bf16* k, bf16*
     for (int u = 0; u < kRows; ++u)
       if (u < nr) {
         const float* p = ckr + (r0 + u) * (R + Dr) + R + (j - Dn);
-        const float4 a = ld4(p), b = ld4(p + 4);
-        const bf16 o[8] = {__float2bfloat16(a.x), __float2bfloat16(a.y), __float2bfloat16(a.z), __float2bfloat16(a.w),
-                           __float2bfloat16(b.x), __float2bfloat16(b.y), __float2bfloat16(b.z), __float2bfloat16(b.w)};
-        x[u] = pack8(o);
+        x[u] = cvt8(ld4(p), ld4(p + 4));
       }
   }
 #pragma unroll

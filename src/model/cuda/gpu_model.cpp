@@ -140,7 +140,6 @@ struct GpuModel::Impl {
   std::vector<HostOffsets> offsets_h;
   int64_t rows = 0;
   Seqs seqs;
-  int64_t nblocks = 0;  // AttnRes closed blocks of the last forward
   // AttnRes states of the last forward (buffers in `act`): each layer's input state, the closed blocks, and the
   // state after the last layer.
   std::vector<const float*> state_in, block_src;
@@ -564,18 +563,29 @@ struct GpuModel::Impl {
   // y = base + ffn(x) (base null: y = ffn(x); base == y: in place).
   void ffn_forward(const std::string& key, const std::string& prefix, const void* x, int64_t n, int64_t din, int64_t I,
                    float* y, const float* base) {
-    void *ab = buf(key + ".ab", size_t(n) * 2 * I * 2), *h = buf(key + ".h", size_t(n) * I * 2);
+    void* ab = buf(key + ".ab", size_t(n) * 2 * I * 2);
     oc::linear_fwd(x, W(prefix + ".gate_proj.weight"), ab, DType::BF16, n, din, 2 * I);
-    oc::glu_forward(ab, h, n, I, glu());
+    ffn_down_forward(key, prefix, ab, 2 * I, n, din, I, y, base);
+  }
+  // The FFN after its gate/up product ab [n, 2I] (row stride ldab): y = base + down(GLU(ab)), h kept as key.h.
+  void ffn_down_forward(const std::string& key, const std::string& prefix, const void* ab, int64_t ldab, int64_t n,
+                        int64_t din, int64_t I, float* y, const float* base) {
+    void* h = buf(key + ".h", size_t(n) * I * 2);
+    oc::glu_forward(ab, h, n, I, glu(), nullptr, ldab);
     oc::linear_fwd(h, W(prefix + ".down_proj.weight"), y, DType::F32, n, I, din, false, nullptr, 0, 0, base);
+  }
+  // Its backward down to the gate/up product's gradient dab [n, 2I] (row stride lddab).
+  void ffn_down_backward(const std::string& key, const std::string& prefix, const void* ab, int64_t ldab, int64_t n,
+                         int64_t din, int64_t I, const void* dy, void* dab, int64_t lddab) {
+    float* dh = buf<float>("s.ffn_dh", size_t(n) * I * 4);
+    oc::linear_bwd(get(key + ".h"), W(prefix + ".down_proj.weight"), dy, dh, DType::F32,
+                   G(prefix + ".down_proj.weight"), n, I, din);
+    oc::glu_backward(ab, dh, DType::F32, dab, n, I, glu(), nullptr, ldab, lddab);
   }
   void ffn_backward(const std::string& key, const std::string& prefix, const void* x, int64_t n, int64_t din,
                     int64_t I, const void* dy, float* dx, bool accumulate_dx) {
-    void *ab = get(key + ".ab"), *h = get(key + ".h");
-    float* dh = buf<float>("s.ffn_dh", size_t(n) * I * 4);
     void* dab = buf("s.ffn_dab", size_t(n) * 2 * I * 2);
-    oc::linear_bwd(h, W(prefix + ".down_proj.weight"), dy, dh, DType::F32, G(prefix + ".down_proj.weight"), n, I, din);
-    oc::glu_backward(ab, dh, DType::F32, dab, n, I, glu());
+    ffn_down_backward(key, prefix, get(key + ".ab"), 2 * I, n, din, I, dy, dab, 2 * I);
     // gate_proj's slot starts the stacked [2I, din] weight and its gradient.
     oc::linear_bwd(x, W(prefix + ".gate_proj.weight"), dab, dx, DType::F32, G(prefix + ".gate_proj.weight"), n, din,
                    2 * I, accumulate_dx);
@@ -647,10 +657,8 @@ struct GpuModel::Impl {
     }
     sec.emplace(section("moe.shared.fwd"));
     if (fused) {  // the shared expert from its ab columns of zs
-      const int64_t Is = c.shared_intermediate_size();
-      void* hs = buf(K(i, "shared.h"), size_t(n) * Is * 2);
-      oc::glu_forward(static_cast<const uint16_t*>(z) + l, hs, n, Is, glu(), nullptr, ldz);
-      oc::linear_fwd(hs, W(B + "shared_experts.down_proj.weight"), y, DType::F32, n, Is, d, false, nullptr, 0, 0, y);
+      ffn_down_forward(K(i, "shared"), B + "shared_experts", static_cast<const uint16_t*>(z) + l, ldz, n, d,
+                       c.shared_intermediate_size(), y, y);
     } else if (c.num_shared_experts > 0) {
       ffn_forward(K(i, "shared"), B + "shared_experts", yn, n, d, c.shared_intermediate_size(), y, y);
     }
@@ -734,12 +742,8 @@ struct GpuModel::Impl {
     oc::moe_gather_backward(dxs, ppos, dz, true, n, k, l, false, nullptr, LB);
     sec.emplace(section("moe.shared.bwd"));
     if (fused) {
-      const int64_t Is = c.shared_intermediate_size();
-      const std::string S = B + "shared_experts.down_proj.weight";
-      float* dhs = buf<float>("s.ffn_dh", size_t(n) * Is * 4);
-      oc::linear_bwd(get(K(i, "shared.h")), W(S), dy, dhs, DType::F32, G(S), n, Is, d);
-      oc::glu_backward(static_cast<const uint16_t*>(get(K(i, "zs"))) + l, dhs, DType::F32, dcat + EP + l, n, Is, glu(),
-                       nullptr, moe_in_bf16(), LB);
+      ffn_down_backward(K(i, "shared"), B + "shared_experts", static_cast<const uint16_t*>(get(K(i, "zs"))) + l,
+                        moe_in_bf16(), n, d, c.shared_intermediate_size(), dy, dcat + EP + l, LB);
     } else if (c.num_shared_experts > 0) {
       ffn_backward(K(i, "shared"), B + "shared_experts", yn, n, d, c.shared_intermediate_size(), dy, dyn, true);
     }
@@ -845,7 +849,6 @@ struct GpuModel::Impl {
         cur = out;
       }
       block_src = blocks;
-      nblocks = static_cast<int64_t>(blocks.size());
       state_last = cur;
       read_norm(with(cur), "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight",
                 "model.norm.weight", "hn", "rstd_f");
@@ -916,6 +919,7 @@ struct GpuModel::Impl {
       const int64_t bs = *c.attn_res_block_size;
       ck(cudaMemsetAsync(d_prefix, 0, RD4, nullptr), "memset");
       std::vector<float*> d_blocks;
+      const auto nblocks = static_cast<int64_t>(block_src.size());
       for (int64_t j = 0; j < nblocks; ++j) {
         float* db = buf<float>(fmt::format("s.d_block{}", j), RD4);
         ck(cudaMemsetAsync(db, 0, RD4, nullptr), "memset");

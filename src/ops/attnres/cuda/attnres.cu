@@ -65,7 +65,6 @@ constexpr int bwd_max_vpt(int v) { return v == 1 ? 2 : 4; }
 constexpr int fwd_max_vpt(int) { return 4; }
 
 [[noreturn]] void fail(const std::string& m) { throw Error("attnres cuda: " + m); }
-
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
 }
