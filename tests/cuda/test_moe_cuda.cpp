@@ -69,12 +69,14 @@ std::vector<double> ref_wgrad(const Vec& dy, const Vec& x, const std::vector<int
 
 TEST(MoeCuda, GroupedGemm) {
   REQUIRE_GPU();
-  // Empty experts, single rows, counts across tile edges; N and K off the tile sizes.
+  // Empty experts, single rows, counts across tile edges; N and K off the tile sizes. N = 384 (the dh product)
+  // and 264 take 192-row weight tiles, 512 256-row ones; LONGMOE_GG_BN=256 forces 256 rows everywhere.
   struct GC {
     std::vector<int> counts;
     int64_t N, K;
   };
-  for (const GC& gc : {GC{{0, 1, 130, 257, 40}, 264, 200}, GC{{128, 128, 0, 3}, 512, 64}, GC{{300}, 8, 1032}}) {
+  for (const GC& gc : {GC{{0, 1, 130, 257, 40}, 264, 200}, GC{{128, 128, 0, 3}, 512, 64}, GC{{300}, 8, 1032},
+                       GC{{200, 0, 77, 513}, 384, 768}}) {
     const auto off = offsets_of(gc.counts);
     const int64_t M = off.back(), E = int64_t(gc.counts.size());
     const Vec x = round_bf16(lm::testing::randn<float>(size_t(M * gc.K), uint64_t(M + gc.N), 1.0));
@@ -83,17 +85,21 @@ TEST(MoeCuda, GroupedGemm) {
     Dev gx(x.size() * 2), gw(w.size() * 2), go(off.size() * 4);
     up_bf16(gx, x), up_bf16(gw, w), up(go, off);
     // Every tile order and epilogue variant (benchmark overrides) must give the same result.
-    for (const char* variant : {"0 1", "1 1", "0 0", "1 0"}) {
+    for (const char* variant : {"0 1 0", "1 1 0", "0 0 0", "1 0 0", "0 1 1", "1 0 1"}) {
       Dev gy(ref.size() * 2);  // poisoned
       const std::string order(1, variant[0]), epi(1, variant[2]);
+      const bool bn256 = variant[4] == '1';
       setenv("LONGMOE_GG_ORDER", order.c_str(), 1);
       setenv("LONGMOE_GG_EPI", epi.c_str(), 1);
+      if (bn256) setenv("LONGMOE_GG_BN", "256", 1);
       oc::grouped_gemm(gx.p, gw.p, gy.p, go.i(), M, gc.N, gc.K, E);
       kc::synchronize();
+      unsetenv("LONGMOE_GG_BN");
       const double e = err(ref, down_bf16(gy, ref.size()));
-      std::printf("grouped gemm M%lld N%lld K%lld E%lld order %s epilogue %s: %.2e\n", (long long)M, (long long)gc.N,
-                  (long long)gc.K, (long long)E, order.c_str(), epi.c_str(), e);
-      EXPECT_LE(e, 5e-3) << "order " << order << " epilogue " << epi;
+      std::printf("grouped gemm M%lld N%lld K%lld E%lld order %s epilogue %s%s: %.2e\n", (long long)M,
+                  (long long)gc.N, (long long)gc.K, (long long)E, order.c_str(), epi.c_str(),
+                  bn256 ? " (256-row tiles)" : "", e);
+      EXPECT_LE(e, 5e-3) << "order " << order << " epilogue " << epi << (bn256 ? " 256-row tiles" : "");
     }
     unsetenv("LONGMOE_GG_ORDER");
     unsetenv("LONGMOE_GG_EPI");

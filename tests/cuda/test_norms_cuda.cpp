@@ -207,7 +207,8 @@ TEST(NormsCuda, RmsnormGated) {
     bool with_rstd;
   };
   const float eps = 1e-5f;
-  for (const GC gc : {GC{200, 128, true}, GC{33, 64, true}, GC{7, 100, false}, GC{3000, 128, false}}) {
+  // D = 9000 takes the loop path, the others the register path (D = 100: scalar accesses).
+  for (const GC gc : {GC{200, 128, true}, GC{33, 64, true}, GC{7, 100, false}, GC{3000, 128, false}, GC{5, 9000, true}}) {
     const size_t n = size_t(gc.rows * gc.D);
     const Vec x = round_bf16(randn(n, uint64_t(gc.D + 21), 1.0));
     const Vec gate = round_bf16(randn(n, uint64_t(gc.D + 22), 2.0));
@@ -419,6 +420,119 @@ TEST(NormsCuda, AttnResNorm) {
   EXPECT_THROW(oc::attnres_norm_backward(src, 1, 4, 16, a.f(), a.f(), 1e-6f, a.f(), 1e-5f, r.f(), a.f(), none,
                                          nullptr, nullptr, nullptr, y.p),
                Error);
+}
+
+// Deferred closed-source gradients: R reads over the same C closed sources (each with its own last source, query,
+// norm gain and output gradient), once with every read updating all gradients and once deferred and flushed. The
+// last sources' gradients, dlast, dw, dgamma and dgn must be the same bits (the same arithmetic); the closed ones
+// are untouched until the flush and then agree to bf16 rounding of δ. C = 5 takes two flush passes.
+TEST(NormsCuda, AttnResDeferred) {
+  REQUIRE_GPU();
+  struct AC {
+    int64_t C, R, T, d;
+  };
+  const float eps = 1e-6f, eps_n = 1e-5f;
+  for (const AC ac : {AC{3, 3, 3000, 1536}, AC{5, 4, 200, 768}, AC{1, 2, 77, 512}}) {
+    const int64_t N = ac.C + 1;
+    ASSERT_TRUE(oc::attnres_can_defer(N, ac.d));
+    const size_t n = size_t(ac.T * ac.d);
+    Sources closed(ac.C, n, uint64_t(500 + ac.C), [](int64_t) { return false; });
+    struct Read {
+      Vec last, w, gamma, gn, dy;
+      std::unique_ptr<Dev> glast, gw, gg, ggn, gdy, grs, gy;
+    };
+    std::vector<Read> reads(size_t(ac.R));
+    for (int64_t r = 0; r < ac.R; ++r) {
+      Read& rd = reads[size_t(r)];
+      const uint64_t s0 = uint64_t(700 + 10 * r);
+      rd.last = randn(n, s0, 1.0 + 0.3 * double(r)), rd.w = randn(size_t(ac.d), s0 + 1, 0.05);
+      rd.gamma = gain(size_t(ac.d), s0 + 2, 0.2), rd.gn = gain(size_t(ac.d), s0 + 3, 0.2);
+      rd.dy = randn(n, s0 + 4, 1.0);
+      rd.glast = std::make_unique<Dev>(n * 4), rd.gw = std::make_unique<Dev>(size_t(ac.d) * 4);
+      rd.gg = std::make_unique<Dev>(size_t(ac.d) * 4), rd.ggn = std::make_unique<Dev>(size_t(ac.d) * 4);
+      rd.gdy = std::make_unique<Dev>(n * 4), rd.grs = std::make_unique<Dev>(size_t(ac.T) * 4);
+      rd.gy = std::make_unique<Dev>(n * 2);
+      up(*rd.glast, rd.last), up(*rd.gw, rd.w), up(*rd.gg, rd.gamma), up(*rd.ggn, rd.gn), up(*rd.gdy, rd.dy);
+    }
+    auto srcs = [&](const Read& rd) {
+      std::vector<const float*> v = closed.gvp;
+      v.push_back(rd.glast->f());
+      return v;
+    };
+    for (const Read& rd : reads) {  // the forward's rstd of each read
+      oc::attnres_norm_forward(srcs(rd).data(), N, ac.T, ac.d, rd.gw->f(), rd.gg->f(), eps, rd.ggn->f(), eps_n,
+                               rd.gy->p, rd.grs->f());
+    }
+    const Vec dlast0 = randn(n, 901, 0.1), dp0 = randn(size_t(ac.d), 902, 0.1);
+    Dev gdlast(n * 4), gdw(size_t(ac.d) * 4), gdg(size_t(ac.d) * 4), gdgn(size_t(ac.d) * 4), gb(n * 2);
+    // Per mode: the closed gradients, and per read the last source's gradient, its bf16 copy, dw, dgamma, dgn.
+    struct Out {
+      std::vector<Vec> closed, last, lastb, dw, dg, dgn;
+    };
+    Out out[2];
+    std::vector<std::unique_ptr<Dev>> delta, coef, q;
+    std::vector<oc::AttnResDeferred> df(size_t(ac.R));
+    for (int64_t r = 0; r < ac.R; ++r) {
+      delta.push_back(std::make_unique<Dev>(n * 2)), coef.push_back(std::make_unique<Dev>(size_t(ac.T * ac.C) * 16));
+      q.push_back(std::make_unique<Dev>(size_t(ac.d) * 4));
+      df[size_t(r)].closed = ac.C, df[size_t(r)].delta = delta.back()->p, df[size_t(r)].coef = coef.back()->f();
+      df[size_t(r)].q = q.back()->f();
+    }
+    for (int mode = 0; mode < 2; ++mode) {  // 0: every read updates every gradient, 1: deferred + flush
+      closed.reset_device_grads();
+      for (int64_t r = 0; r < ac.R; ++r) {
+        const Read& rd = reads[size_t(r)];
+        up(gdlast, dlast0), up(gdw, dp0), up(gdg, dp0), up(gdgn, dp0);
+        std::vector<float*> dv = closed.gdvp;  // the closed pointers are passed either way (ignored when deferred)
+        dv.push_back(gdlast.f());
+        oc::attnres_norm_backward(srcs(rd).data(), N, ac.T, ac.d, rd.gw->f(), rd.gg->f(), eps, rd.ggn->f(), eps_n,
+                                  rd.grs->f(), rd.gdy->f(), dv.data(), gdw.f(), gdg.f(), gdgn.f(), gb.p, nullptr,
+                                  mode ? &df[size_t(r)] : nullptr);
+        kc::synchronize();
+        Out& o = out[mode];
+        o.last.push_back(down<float>(gdlast, n)), o.lastb.push_back(down_bf16(gb, n));
+        o.dw.push_back(down<float>(gdw, size_t(ac.d))), o.dg.push_back(down<float>(gdg, size_t(ac.d)));
+        o.dgn.push_back(down<float>(gdgn, size_t(ac.d)));
+        for (int64_t j = 0; mode && j < ac.C; ++j)
+          EXPECT_EQ(down<float>(*closed.gdv[size_t(j)], n), closed.dv0[size_t(j)])
+              << "deferred read " << r << " wrote closed source " << j;
+      }
+      if (mode) {
+        oc::attnres_flush(closed.gvp.data(), ac.C, ac.T, ac.d, df.data(), ac.R, closed.gdvp.data());
+        kc::synchronize();
+      }
+      for (int64_t j = 0; j < ac.C; ++j) out[mode].closed.push_back(down<float>(*closed.gdv[size_t(j)], n));
+    }
+    EXPECT_EQ(out[0].last, out[1].last) << "last-source gradients differ";
+    EXPECT_EQ(out[0].lastb, out[1].lastb) << "dlast differs";
+    EXPECT_EQ(out[0].dw, out[1].dw) << "dw differs";
+    EXPECT_EQ(out[0].dg, out[1].dg) << "dgamma differs";
+    EXPECT_EQ(out[0].dgn, out[1].dgn) << "dgn differs";
+    double e = 0, moved = 0;  // moved: how far the reads took the closed gradients (so the check can fail)
+    for (int64_t j = 0; j < ac.C; ++j) {
+      e = std::max(e, err(out[0].closed[size_t(j)], out[1].closed[size_t(j)]));
+      moved = std::max(moved, err(out[0].closed[size_t(j)], closed.dv0[size_t(j)]));
+    }
+    std::printf("attnres deferred C%lld R%lld T%lld d%lld: closed dv %.2e (reads moved them by %.2e)\n",
+                (long long)ac.C, (long long)ac.R, (long long)ac.T, (long long)ac.d, e, moved);
+    EXPECT_LE(e, 2e-3);  // δ stored as bf16
+    EXPECT_GE(moved, 0.1);
+  }
+  // Bad arguments: nothing or everything deferred, a flush over reads with another closed count, too wide.
+  Dev a(64 * 4), y(64 * 2), r(4 * 4), c(4 * 16 * 2);
+  const float* src[2] = {a.f(), a.f()};
+  float* dv[2] = {a.f(), a.f()};
+  oc::AttnResDeferred bad;
+  bad.delta = y.p, bad.coef = c.f(), bad.q = a.f();
+  for (const int64_t cl : {0, 2}) {
+    bad.closed = cl;
+    EXPECT_THROW(oc::attnres_norm_backward(src, 2, 4, 16, a.f(), a.f(), 1e-6f, a.f(), 1e-5f, r.f(), a.f(), dv,
+                                           nullptr, nullptr, nullptr, nullptr, nullptr, &bad),
+                 Error);
+  }
+  bad.closed = 2;
+  EXPECT_THROW(oc::attnres_flush(src, 1, 4, 16, &bad, 1, dv), Error);
+  EXPECT_FALSE(oc::attnres_can_defer(9, 1536));
 }
 
 // ---- embedding -------------------------------------------------------------------------------------------

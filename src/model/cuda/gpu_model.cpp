@@ -877,11 +877,13 @@ struct GpuModel::Impl {
   }
   // Backward of read_norm from the norm output's gradient dy: adds into dsrc (the last one is also written to
   // dyb as bf16, the upstream gradient of the layer part that produced the last source).
+  // defer (nullable): the closed sources' gradients are left to attnres_flush.
   void read_norm_bwd(const std::vector<const float*>& src, const std::vector<float*>& dsrc, const std::string& w,
-                     const std::string& g, const std::string& nw, const float* rstd, const float* dy, void* dyb) {
+                     const std::string& g, const std::string& nw, const float* rstd, const float* dy, void* dyb,
+                     const oc::AttnResDeferred* defer = nullptr) {
     Timed t(part(Profile::AttnRes, true));
     oc::attnres_norm_backward(src.data(), static_cast<int64_t>(src.size()), rows, d, M(w), M(g), eps(), M(nw), eps(),
-                              rstd, dy, dsrc.data(), G(w), G(g), G(nw), dyb);
+                              rstd, dy, dsrc.data(), G(w), G(g), G(nw), dyb, nullptr, defer);
   }
   // d(layer part) fp32 -> bf16 for the GEMMs.
   const void* to_bf16(const float* x) {
@@ -933,9 +935,38 @@ struct GpuModel::Impl {
         dsrc.assign(d_blocks.begin(), d_blocks.begin() + nb);
         src.push_back(last), dsrc.push_back(d_prefix);
       };
+      // The reads of a block group share their closed blocks: each read stores its δ and coefficients
+      // (deferred), and the group's closed-block gradients are updated once, before the block that opened the
+      // group hands its gradient on (LONGMOE_ATTNRES_DEFER=0: every read updates them itself).
+      static const bool defer_on = [] {
+        const char* v = std::getenv("LONGMOE_ATTNRES_DEFER");
+        return !(v && v[0] == '0');
+      }();
+      const bool defer = defer_on && nblocks > 0 && oc::attnres_can_defer(nblocks + 1, d);
+      std::vector<oc::AttnResDeferred> group;
+      group.reserve(size_t(2 * bs + 1));
+      auto flush = [&] {
+        if (group.empty()) return;
+        Timed t(part(Profile::AttnRes, true));
+        oc::attnres_flush(block_src.data(), group[0].closed, rows, d, group.data(), int64_t(group.size()),
+                          d_blocks.data());
+        group.clear();
+      };
+      auto deferred = [&](int64_t nb) -> const oc::AttnResDeferred* {
+        if (!defer || nb == 0) return nullptr;
+        if (group.size() == 64) flush();  // attnres_flush's limit (block groups of more than 31 layers)
+        const size_t r = group.size();
+        oc::AttnResDeferred a;
+        a.closed = nb;
+        a.delta = buf(fmt::format("s.ar_delta{}", r), RD4 / 2);
+        a.coef = buf<float>(fmt::format("s.ar_coef{}", r), size_t(rows) * nblocks * 16);
+        a.q = buf<float>(fmt::format("s.ar_q{}", r), size_t(d) * 4);
+        group.push_back(a);
+        return &group.back();
+      };
       sources(nblocks, state_last);
       read_norm_bwd(src, dsrc, "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight",
-                    "model.norm.weight", get<float>("rstd_f"), d_hn, dyb);
+                    "model.norm.weight", get<float>("rstd_f"), d_hn, dyb, deferred(nblocks));
       int64_t nb = nblocks;
       for (int64_t i = L - 1; i >= 0; --i) {
         const std::string Pi = P_(i);
@@ -944,9 +975,13 @@ struct GpuModel::Impl {
         ffn_bwd(i, dyb, dnorm);  // dyb: bf16 of d_prefix, the gradient of this layer's output state
         sources(nb_mlp, get<float>(K(i, "pmid")));
         read_norm_bwd(src, dsrc, Pi + ".mlp_res_proj.weight", Pi + ".mlp_res_norm.weight",
-                      Pi + ".post_attention_layernorm.weight", get<float>(K(i, "rstd2")), dnorm, dyb);
+                      Pi + ".post_attention_layernorm.weight", get<float>(K(i, "rstd2")), dnorm, dyb,
+                      deferred(nb_mlp));
         mixer_bwd(i, dyb, dnorm);
-        if (reset) std::swap(d_prefix, d_blocks[nb_attn]);  // the block closed here was this layer's input state
+        if (reset) {  // the block closed here was this layer's input state: its gradient is complete now
+          flush();
+          std::swap(d_prefix, d_blocks[nb_attn]);
+        }
         if (nb_attn == 0) {
           norm_bwd(state_in[i], Pi + ".input_layernorm.weight", get<float>(K(i, "rstd1")), dnorm, dx_in);
           add_f32(d_prefix, dx_in, rows * d);
@@ -954,10 +989,11 @@ struct GpuModel::Impl {
         } else {
           sources(nb_attn, state_in[i]);
           read_norm_bwd(src, dsrc, Pi + ".self_attention_res_proj.weight", Pi + ".self_attention_res_norm.weight",
-                        Pi + ".input_layernorm.weight", get<float>(K(i, "rstd1")), dnorm, dyb);
+                        Pi + ".input_layernorm.weight", get<float>(K(i, "rstd1")), dnorm, dyb, deferred(nb_attn));
         }
         nb = nb_attn;
       }
+      flush();  // (layer 0 opens a block, so nothing is left here)
     } else {
       norm_bwd(get<float>("h_final"), "model.norm.weight", get<float>("rstd_f"), d_hn, d_prefix);
       for (int64_t i = L - 1; i >= 0; --i) {

@@ -91,6 +91,12 @@ struct NormBwd {
   const float* dy = nullptr;
   float* dgn_part = nullptr;
   __nv_bfloat16* dlast = nullptr;
+  // Deferred closed sources (attnres_flush): δ [T, d] bf16, per token (a_j, dz_j / r_j, dz_j z_j / (r_j² d), 0)
+  // for j < closed, and q [d] (block 0 writes it). Null coef: nothing deferred.
+  __nv_bfloat16* delta = nullptr;
+  float4* coef = nullptr;
+  float* qout = nullptr;
+  int closed = 0;
 };
 
 // ---- device helpers ---------------------------------------------------------------------------------
@@ -120,6 +126,17 @@ __device__ __forceinline__ void store_bf16(__nv_bfloat16* p, const float (&v)[V]
     *reinterpret_cast<uint2*>(p) = u;
   } else {
     *p = __float2bfloat16_rn(v[0]);
+  }
+}
+template <int V>
+__device__ __forceinline__ void load_bf16(const __nv_bfloat16* p, float (&v)[V]) {
+  if constexpr (V == 4) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x)),
+                 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+  } else {
+    v[0] = __bfloat162float(*p);
   }
 }
 template <int V>
@@ -259,19 +276,28 @@ __global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM 
 // NORM: δ is the RMSNorm's input gradient, made in registers from its output gradient dy (loaded in place of
 // dh): with ĝ = gn ⊙ dy and h = Σ_j a_j v_j rebuilt from the sources, δ = rstd·ĝ − rstd³ (ĝ·h / d)·h, where
 // ĝ·h = Σ_j a_j ĝ·v_j comes out of the first reduction; δ·v_j needs a second one (two barriers per token).
-template <int V, int VPT, int NS, bool NORM>
-__global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM ? 2 : 1)
+// DEFER (with NORM): every source but the last is deferred, so only the last one's gradient row is held, and
+// the freed registers, with the dq and dgn sums in shared memory, buy a fourth block per SM: the kernel waits on
+// memory, so more tokens in flight.
+template <int V, int VPT, int NS, bool NORM, bool DEFER = false>
+__global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, DEFER ? 4 : NORM ? 2 : 1)
     bwd_reg_kernel(Srcs v, DSrcs dv, int64_t T, int d, const float* w, const float* gamma, float eps, const float* dh,
                    float* part, NormBwd nb_) {
-  extern __shared__ float4 smem_q[];  // q [d] (read twice per token rather than held across the barrier); NORM: gn [d]
+  // q [d] (read twice per token rather than held across the barrier); NORM: gn [d]; DEFER: the dq and dgn sums
+  // [d] each (in registers otherwise; each thread owns its columns, and the arithmetic is the same)
+  extern __shared__ float4 smem_q[];
   __shared__ float red[2][3][NS][kRegMaxWarps];  // Σv², q·v, δ·v (NORM: ĝ·v) per token parity, source and warp
   __shared__ float red2[2][NORM ? NS : 1][kRegMaxWarps];  // NORM: δ·v
   float* q = reinterpret_cast<float*>(smem_q);
   float* gn = q + d;
+  float *dq_s = gn + d, *dgn_s = dq_s + d;
   const int tid = threadIdx.x, NT = blockDim.x, warp = tid >> 5, lane = tid & 31, nw = NT >> 5;
   load_query(q, w, gamma, d);
-  if constexpr (NORM)
+  if constexpr (NORM) {
     for (int c = tid; c < d; c += NT) gn[c] = nb_.gn[c];
+    if (nb_.qout && blockIdx.x == 0)
+      for (int c = tid; c < d; c += NT) nb_.qout[c] = gamma[c] * w[c];  // the same product as q
+  }
   int col[VPT];
   bool ok[VPT];
   float dq[VPT][V], dgn[NORM ? VPT : 1][V];
@@ -279,6 +305,7 @@ __global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM 
   for (int k = 0; k < VPT; ++k) {
     col[k] = (k * NT + tid) * V, ok[k] = col[k] < d, zero(dq[k]);
     if constexpr (NORM) zero(dgn[k]);
+    if (DEFER && ok[k]) store<V>(dq_s + col[k], dq[k]), store<V>(dgn_s + col[k], dgn[k]);
   }
   __syncthreads();
   const float inv_d = 1.f / float(d);
@@ -288,7 +315,7 @@ __global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM 
   int par = 0;
   for (int64_t t = b * T / nb; t < t_end; ++t, par ^= 1) {
     const int64_t off = t * d;
-    float x[NS][VPT][V], g[NS][VPT][V], de[VPT][V];
+    float x[NS][VPT][V], g[DEFER ? 1 : NS][VPT][V], de[VPT][V];
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       zero(de[k]);
@@ -302,11 +329,11 @@ __global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM 
         if (ok[k]) load<V>(v.p[j] + off + col[k], x[j][k]);
       }
 #pragma unroll
-    for (int j = 0; j < NS; ++j)
+    for (int j = DEFER ? NS - 1 : 0; j < NS; ++j)
       if (const float* gp = dv.p[j])
 #pragma unroll
         for (int k = 0; k < VPT; ++k)
-          if (ok[k]) load<V>(gp + off + col[k], g[j][k]);
+          if (ok[k]) load<V>(gp + off + col[k], g[DEFER ? 0 : j][k]);
     float rs = 0.f;  // NORM: the forward's rstd of this token
     if constexpr (NORM) rs = nb_.rstd[t];
 #pragma unroll
@@ -352,11 +379,13 @@ __global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM 
         float gg[V];
         zero(gg);
         if (ok[k]) load<V>(gn + col[k], gg);
+        if (DEFER && ok[k]) load<V>(dgn_s + col[k], dgn[k]);
 #pragma unroll
         for (int e = 0; e < V; ++e) {
           dgn[k][e] += de[k][e] * hv[k][e] * rs;
           de[k][e] = rs * gg[e] * de[k][e] - c * hv[k][e];
         }
+        if (DEFER && ok[k]) store<V>(dgn_s + col[k], dgn[k]);
       }
 #pragma unroll
       for (int j = 0; j < NS; ++j) {
@@ -378,6 +407,13 @@ __global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM 
     const float delta_h = warp_sum(lane < NS ? a * dd : 0.f);
     const float dz = a * (dd - delta_h);
     const float cq = dz * ri, cv = lane < NS ? dz * z * ri * ri * inv_d : 0.f;
+    if constexpr (NORM)
+      if (nb_.coef) {  // deferred: the closed sources' coefficients and δ (their dv[j] are null)
+        if (warp == 0 && lane < nb_.closed) nb_.coef[t * nb_.closed + lane] = make_float4(a, cq, cv, 0.f);
+#pragma unroll
+        for (int k = 0; k < VPT; ++k)
+          if (ok[k]) store_bf16<V>(nb_.delta + off + col[k], de[k]);
+      }
     float dqa[VPT][V];
 #pragma unroll
     for (int k = 0; k < VPT; ++k) zero(dqa[k]);
@@ -389,23 +425,32 @@ __global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM 
       for (int k = 0; k < VPT; ++k)
 #pragma unroll
         for (int e = 0; e < V; ++e) dqa[k][e] += cqj * x[j][k][e];
-      if (float* gp = dv.p[j])
+      float* gp = !DEFER || j == NS - 1 ? dv.p[j] : nullptr;
+      float(&gj)[VPT][V] = g[DEFER ? 0 : j];
+      if (gp)
 #pragma unroll
         for (int k = 0; k < VPT; ++k)
           if (ok[k]) {
             float qq[V];
             load<V>(q + col[k], qq);
 #pragma unroll
-            for (int e = 0; e < V; ++e) g[j][k][e] += aj * de[k][e] + cqj * qq[e] - cvj * x[j][k][e];
-            store<V>(gp + off + col[k], g[j][k]);
-            if (NORM && j == NS - 1 && nb_.dlast) store_bf16<V>(nb_.dlast + off + col[k], g[j][k]);
+            for (int e = 0; e < V; ++e) gj[k][e] += aj * de[k][e] + cqj * qq[e] - cvj * x[j][k][e];
+            store<V>(gp + off + col[k], gj[k]);
+            if (NORM && j == NS - 1 && nb_.dlast) store_bf16<V>(nb_.dlast + off + col[k], gj[k]);
           }
     }
 #pragma unroll
-    for (int k = 0; k < VPT; ++k)
+    for (int k = 0; k < VPT; ++k) {
+      if (DEFER && ok[k]) load<V>(dq_s + col[k], dq[k]);
 #pragma unroll
       for (int e = 0; e < V; ++e) dq[k][e] += dqa[k][e];
+      if (DEFER && ok[k]) store<V>(dq_s + col[k], dq[k]);
+    }
   }
+  if constexpr (DEFER)
+#pragma unroll
+    for (int k = 0; k < VPT; ++k)
+      if (ok[k]) load<V>(dq_s + col[k], dq[k]), load<V>(dgn_s + col[k], dgn[k]);
   if constexpr (NORM)
 #pragma unroll
     for (int k = 0; k < VPT; ++k)
@@ -414,6 +459,73 @@ __global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, NORM 
 #pragma unroll
   for (int k = 0; k < VPT; ++k)
     if (ok[k]) store<V>(part + b * d + col[k], dq[k]);
+}
+
+// ---- deferred closed-source gradients ----------------------------------------------------------------
+
+constexpr int kMaxReads = 64;
+constexpr int kFlushSources = 4;  // closed sources per pass (more: passes that read the δ_r again)
+struct FlushReads {
+  const __nv_bfloat16* delta[kMaxReads];
+  const float4* coef[kMaxReads];
+  const float* q[kMaxReads];
+};
+
+// dv_j += Σ_r (a_rj δ_r + c_rj q_r) − (Σ_r e_rj) v_j: elementwise (no reduction over d), so each thread takes
+// V columns of one token; a warp's coefficient loads are broadcasts of one token's. The δ rows of kFlushBatch
+// reads and the source and gradient rows are loaded together (with them one after the other, each item cost two
+// memory round trips: 1.9 TB/s at C = 1).
+constexpr int kFlushBatch = 8, kFlushThreads = 128;  // (~92 registers: 128-thread blocks pack the SM best)
+template <int V>
+__global__ void __launch_bounds__(kFlushThreads) flush_kernel(Srcs v, DSrcs dv, int C, int R, int64_t T, int d,
+                                                    const __grid_constant__ FlushReads fr) {
+  const int64_t nv = d / V, total = T * nv;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / nv, cq = (i - t * nv) * V, off = t * d + cq;
+    for (int j0 = 0; j0 < C; j0 += kFlushSources) {
+      // The pass's source and gradient rows are loaded first, so they are in flight with the first δ rows (one
+      // memory round trip per item for R <= kFlushBatch).
+      float x[kFlushSources][V], g[kFlushSources][V];
+#pragma unroll
+      for (int jj = 0; jj < kFlushSources; ++jj) {
+        zero(x[jj]), zero(g[jj]);
+        if (j0 + jj < C && dv.p[j0 + jj]) load<V>(v.p[j0 + jj] + off, x[jj]), load<V>(dv.p[j0 + jj] + off, g[jj]);
+      }
+      float acc[kFlushSources][V], cs[kFlushSources];
+#pragma unroll
+      for (int jj = 0; jj < kFlushSources; ++jj) zero(acc[jj]), cs[jj] = 0.f;
+      for (int r0 = 0; r0 < R; r0 += kFlushBatch) {
+        using Raw = std::conditional_t<V == 4, uint2, __nv_bfloat16>;  // V bf16, unpacked at use (registers)
+        Raw raw[kFlushBatch];
+#pragma unroll
+        for (int rr = 0; rr < kFlushBatch; ++rr)
+          if (r0 + rr < R) raw[rr] = *reinterpret_cast<const Raw*>(fr.delta[r0 + rr] + off);
+#pragma unroll
+        for (int rr = 0; rr < kFlushBatch; ++rr) {
+          if (r0 + rr >= R) break;
+          float qq[V], dl[V];
+          load<V>(fr.q[r0 + rr] + cq, qq);
+          load_bf16<V>(reinterpret_cast<const __nv_bfloat16*>(&raw[rr]), dl);
+          const float4* cf = fr.coef[r0 + rr] + t * C + j0;
+#pragma unroll
+          for (int jj = 0; jj < kFlushSources; ++jj)
+            if (j0 + jj < C) {
+              const float4 k = cf[jj];
+              cs[jj] += k.z;
+#pragma unroll
+              for (int e = 0; e < V; ++e) acc[jj][e] += k.x * dl[e] + k.y * qq[e];
+            }
+        }
+      }
+#pragma unroll
+      for (int jj = 0; jj < kFlushSources; ++jj)
+        if (j0 + jj < C && dv.p[j0 + jj]) {
+#pragma unroll
+          for (int e = 0; e < V; ++e) g[jj][e] += acc[jj][e] - cs[jj] * x[jj][e];
+          store<V>(dv.p[j0 + jj] + off, g[jj]);
+        }
+    }
+  }
 }
 
 // ---- loop path (N > 8 or very wide d) ---------------------------------------------------------------
@@ -751,17 +863,22 @@ bool backward_impl(const float* const* v, int64_t N, int64_t T, int64_t d, const
   bool vec = d % 4 == 0 && aligned16(w) && aligned16(gamma) && (nb ? aligned16(nb->dy) && aligned16(nb->gn) &&
                                                                          (!nb->dlast || aligned8(nb->dlast))
                                                                     : aligned16(dh));
+  const int64_t closed = nb && nb->coef ? nb->closed : 0;  // deferred: their dv[j] stay untouched
   for (int64_t j = 0; j < N; ++j) {
     src.p[j] = v[j];
-    dsrc.p[j] = dv ? dv[j] : nullptr;
+    dsrc.p[j] = dv && j >= closed ? dv[j] : nullptr;
     vec = vec && aligned16(src.p[j]) && aligned16(dsrc.p[j]);
   }
+  if (closed) vec = vec && aligned8(nb->delta) && aligned16(nb->coef);
   const bool want_dq = dw || dgamma;
   const int64_t nblk = std::min<int64_t>(T, kMaxBlocks);
   const int Nc = int(std::min<int64_t>(N, kRegMaxSources));
   const RegPlan plan = reg_plan(N, d, vec ? 4 : 1, bwd_max_elems_for(Nc, nb != nullptr), bwd_max_vpt(vec ? 4 : 1),
                                 nb ? kNormMaxThreads : kRegMaxThreads);
-  if (nb && !plan.vpt) return false;
+  if (nb && !plan.vpt) {
+    if (closed) fail("attnres_norm_backward: deferral needs the register path (see attnres_can_defer)");
+    return false;
+  }
   float* part = nullptr;  // dq partials [nblk, d], then (nb) the norm gain's [nblk, d]
   const size_t part_floats = size_t(nblk) * d * ((want_dq ? 1 : 0) + (nb ? 1 : 0));
   if (part_floats) check(cudaMallocAsync(reinterpret_cast<void**>(&part), part_floats * sizeof(float), s), "scratch");
@@ -769,13 +886,15 @@ bool backward_impl(const float* const* v, int64_t N, int64_t T, int64_t d, const
   NormBwd nbv = nb ? *nb : NormBwd{};
   if (nb) nbv.dgn_part = part + (want_dq ? size_t(nblk) * d : 0);
   cudaError_t err = cudaSuccess;
+  bool launched = false;
   if (plan.vpt) {
-    const size_t smem = size_t(nb ? 2 : 1) * size_t(d) * sizeof(float);  // q (and gn)
+    const size_t smem = size_t(nb ? closed == N - 1 ? 4 : 2 : 1) * size_t(d) * sizeof(float);  // q (gn, dq, dgn)
     with_vec(vec, [&](auto vv) {
       with_vpt(plan.vpt, [&](auto vp) {
         with_sources(int(N), [&](auto ns) {
           constexpr int V = decltype(vv)::value, VPT = decltype(vp)::value, NS = decltype(ns)::value;
           auto launch = [&](auto* kern) {
+            launched = true;
             err = smem_opt_in(kern, smem);
             if (err == cudaSuccess) {
               kern<<<unsigned(nblk), plan.nt, smem, s>>>(src, dsrc, T, int(d), w, gamma, eps, dh, dq_part, nbv);
@@ -783,7 +902,10 @@ bool backward_impl(const float* const* v, int64_t N, int64_t T, int64_t d, const
             }
           };
           // (the other combinations are never planned)
-          if (nb) {
+          if (nb && closed > 0 && closed == N - 1 && V == 4) {  // everything but the last source deferred
+            if constexpr (V == 4 && V * VPT <= bwd_norm_max_elems(NS) && VPT <= bwd_max_vpt(V) && NS >= 2)
+              launch(bwd_reg_kernel<V, VPT, NS, true, true>);
+          } else if (nb) {
             if constexpr (V * VPT <= bwd_norm_max_elems(NS) && VPT <= bwd_max_vpt(V))
               launch(bwd_reg_kernel<V, VPT, NS, true>);
           } else {
@@ -793,6 +915,7 @@ bool backward_impl(const float* const* v, int64_t N, int64_t T, int64_t d, const
         });
       });
     });
+    if (!launched) fail("backward: no register-path kernel for this plan (internal)");
   } else {
     const int nt = pick_threads(d);
     const size_t smem = size_t(want_dq ? 2 : 1) * size_t(d) * sizeof(float);
@@ -867,7 +990,7 @@ void attnres_norm_forward(const float* const* v, int64_t N, int64_t T, int64_t d
 void attnres_norm_backward(const float* const* v, int64_t N, int64_t T, int64_t d, const float* w,
                            const float* gamma, float eps, const float* gn, float eps_n, const float* rstd,
                            const float* dy, float* const* dv, float* dw, float* dgamma, float* dgn, void* dlast,
-                           void* stream) {
+                           void* stream, const AttnResDeferred* defer) {
   check_args("attnres_norm_backward", v, N, T, d, w, gamma, eps);
   check_norm_args("attnres_norm_backward", gn, eps_n);
   if (T == 0) return;
@@ -876,6 +999,13 @@ void attnres_norm_backward(const float* const* v, int64_t N, int64_t T, int64_t 
   auto s = static_cast<cudaStream_t>(stream);
   NormBwd nb;
   nb.gn = gn, nb.rstd = rstd, nb.dy = dy, nb.dlast = static_cast<__nv_bfloat16*>(dlast);
+  if (defer) {
+    if (defer->closed < 1 || defer->closed >= N)
+      fail("attnres_norm_backward: need 1 <= closed < N deferred sources, got " + std::to_string(defer->closed));
+    if (!defer->delta || !defer->coef || !defer->q) fail("attnres_norm_backward: deferral needs delta, coef and q");
+    nb.delta = static_cast<__nv_bfloat16*>(defer->delta), nb.coef = reinterpret_cast<float4*>(defer->coef);
+    nb.qout = defer->q, nb.closed = int(defer->closed);
+  }
   if (backward_impl(v, N, T, d, w, gamma, eps, nullptr, dv, dw, dgamma, &nb, dgn, s)) return;
   // Loop path: rebuild h, the norm's backward into a scratch dh, then the read's backward.
   const size_t n = size_t(T) * d;
@@ -891,6 +1021,51 @@ void attnres_norm_backward(const float* const* v, int64_t N, int64_t T, int64_t 
     check(cudaGetLastError(), "cast launch");
   }
   check(cudaFreeAsync(scratch, s), "scratch");
+}
+
+bool attnres_can_defer(int64_t N, int64_t d) {
+  if (N < 2 || d <= 0 || d % 4) return false;
+  const int Nc = int(std::min<int64_t>(N, kRegMaxSources));
+  return reg_plan(N, d, 4, bwd_norm_max_elems(Nc), bwd_max_vpt(4), kNormMaxThreads).vpt != 0;
+}
+
+void attnres_flush(const float* const* v, int64_t C, int64_t T, int64_t d, const AttnResDeferred* reads, int64_t R,
+                   float* const* dv, void* stream) {
+  if (C < 1 || C > kMaxSources) fail("attnres_flush: need 1 <= C <= 32 closed sources, got " + std::to_string(C));
+  if (R < 0 || R > kMaxReads) fail("attnres_flush: need 0 <= R <= 64 reads, got " + std::to_string(R));
+  if (T < 0 || d <= 0 || d > (int64_t(1) << 30)) fail("attnres_flush: need T >= 0 and 0 < d < 2^30");
+  if (!v || !dv || (R && !reads)) fail("attnres_flush: source, gradient and read arrays are required");
+  Srcs src{};
+  DSrcs dsrc{};
+  FlushReads fr{};
+  bool vec = d % 4 == 0;
+  for (int64_t j = 0; j < C; ++j) {
+    if (!v[j]) fail("attnres_flush: source " + std::to_string(j) + " is null");
+    src.p[j] = v[j], dsrc.p[j] = dv[j];
+    vec = vec && aligned16(v[j]) && aligned16(dv[j]);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const AttnResDeferred& a = reads[r];
+    if (a.closed != C)
+      fail("attnres_flush: read " + std::to_string(r) + " deferred " + std::to_string(a.closed) + " sources, not " +
+           std::to_string(C));
+    if (!a.delta || !a.coef || !a.q) fail("attnres_flush: read " + std::to_string(r) + " lacks delta, coef or q");
+    fr.delta[r] = static_cast<const __nv_bfloat16*>(a.delta), fr.coef[r] = reinterpret_cast<const float4*>(a.coef);
+    fr.q[r] = a.q;
+    vec = vec && aligned8(a.delta) && aligned16(a.q);
+  }
+  if (T == 0 || R == 0) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  cudaError_t err = cudaSuccess;
+  with_vec(vec, [&](auto vv) {
+    constexpr int V = decltype(vv)::value;
+    auto* kern = flush_kernel<V>;
+    const int64_t work = T * (d / V);
+    const int64_t grid = std::min((work + kFlushThreads - 1) / kFlushThreads, resident_blocks(kern, kFlushThreads, 0));
+    kern<<<unsigned(grid), kFlushThreads, 0, s>>>(src, dsrc, int(C), int(R), T, int(d), fr);
+    err = cudaGetLastError();
+  });
+  check(err, "flush launch");
 }
 
 }  // namespace lm::ops::cuda

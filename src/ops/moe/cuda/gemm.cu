@@ -2,7 +2,7 @@
 // launch over every (expert, m tile, n tile), optionally with SiTU/SwiGLU fused into the epilogue.
 //
 // Legend: E experts, M permuted rows (expert e owns rows offsets[e] .. offsets[e+1]−1), K reduction dim,
-//         N output columns (GLU: I, with 2I weight rows per expert), Bm × Bn × Bk = 128 × 256 × 64 tiles,
+//         N output columns (GLU: I, with 2I weight rows per expert), Bm × Bn × Bk = 128 × 256 (or 192) × 64 tiles,
 //         S pipeline stages.
 // Warp roles (384 threads): warpgroup 0 is the producer (one thread issues the TMA loads of A = x rows and
 // B = weight rows into an S-stage ring guarded by full/empty mbarriers); warpgroups 1 and 2 each own 64 rows
@@ -33,7 +33,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 constexpr int kBm = 128, kBn = 256, kBk = 64, kStages = 4, kThreads = 384;
-constexpr int kABytes = kBm * kBk * 2, kBBytes = kBn * kBk * 2, kStageBytes = kABytes + kBBytes;
+constexpr int kABytes = kBm * kBk * 2;  // A tile; the B tile is BN · kBk · 2 (BN: the kernel's template argument)
 constexpr int kMaxE = 4096;
 constexpr int kDefaultOrder = 1, kDefaultEpi = 1;  // measured best or tied on every benchmark shape
 constexpr int kStagingBytes = 8 * 2048;
@@ -88,10 +88,14 @@ __device__ __forceinline__ TileId decode_tile(const int* pre, int E, int NT, int
   return {lo, local % me, local / me};
 }
 
-template <bool GLU>
+// BN: the tile's weight rows, 256 or (plain products whose N is a multiple of 192 but not of 256, such as the
+// dh product at I = 384) 192, so no third of a tile is computed for nothing.
+template <bool GLU, int BN = kBn>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                         const GemmParams p) {
+  static_assert(BN == 256 || (BN == 192 && !GLU), "tiles of 256 weight rows, or 192 without the GLU");
+  constexpr int kBBytes = BN * kBk * 2, kStageBytes = kABytes + kBBytes;
   extern __shared__ unsigned char smem_raw[];
   // 1024-byte alignment for the swizzled tiles (the launch asks for 1 KB of slack).
   unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -121,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
-  constexpr int BNo = GLU ? kBn / 2 : kBn;  // output columns per tile
+  constexpr int BNo = GLU ? BN / 2 : BN;  // output columns per tile
   const int NT = (p.N + BNo - 1) / BNo, total = pre[p.E] * NT, KT = (p.K + kBk - 1) / kBk;
 
   if (wg == 0) {
@@ -151,7 +155,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
     const int c = wg - 1, ltid = tid - 128 * wg, warp = ltid >> 5, lane = ltid & 31, g = lane >> 2, t = lane & 3;
     int it = 0;
-    float acc[128];
+    float acc[BN / 2];
     for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
       const TileId id = decode_tile(pre, p.E, NT, p.order, tile);
       const int row0 = p.offsets[id.e] + id.mt * kBm, row_end = p.offsets[id.e + 1], nt = id.nt;
@@ -163,8 +167,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         wg_consume_stage(acc, [&] {
 #pragma unroll
           for (int k16 = 0; k16 < kBk / 16; ++k16)
-            wgmma_m64n256k16(acc, wg_desc(st + c * (kABytes / 2) + k16 * 32), wg_desc(st + kABytes + k16 * 32),
-                             (kt > 0 || k16 > 0) ? 1 : 0);
+            if constexpr (BN == 256)
+              wgmma_m64n256k16(acc, wg_desc(st + c * (kABytes / 2) + k16 * 32), wg_desc(st + kABytes + k16 * 32),
+                               (kt > 0 || k16 > 0) ? 1 : 0);
+            else
+              wgmma_m64n192k16(acc, wg_desc(st + c * (kABytes / 2) + k16 * 32), wg_desc(st + kABytes + k16 * 32),
+                               (kt > 0 || k16 > 0) ? 1 : 0);
         }, empty, prev, s);
       }
       wg_drain(acc, empty, prev);
@@ -179,7 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         return pack2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
       };
-      constexpr int NB8 = GLU ? 16 : 32;  // output n8 blocks per tile
+      constexpr int NB8 = BNo / 8;  // output n8 blocks per tile
       if (p.epi == 1) {
         // Per warp, 64-column chunks: registers -> shared memory (16-byte chunks swizzled by row, no bank
         // conflicts) -> 16-byte coalesced global stores, 4 rows of 128 bytes per warp instruction. Chunk ch of
@@ -249,11 +257,12 @@ void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
-template <bool GLU>
+template <bool GLU, int BN = kBn>
 void launch(const void* x, const void* w, const GemmParams& p, int64_t M, cudaStream_t s) {
+  constexpr int kStageBytes = kABytes + BN * kBk * 2;
   const int smem = kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + (p.E + 1) * 4 + 1024;
   static bool attr = [] {
-    return cudaFuncSetAttribute(grouped_gemm_kernel<GLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    return cudaFuncSetAttribute(grouped_gemm_kernel<GLU, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 kStages * kStageBytes + kStagingBytes + 2 * kStages * 8 + (kMaxE + 1) * 4 + 1024) ==
                                    cudaSuccess;
   }();
@@ -264,11 +273,11 @@ void launch(const void* x, const void* w, const GemmParams& p, int64_t M, cudaSt
   const char* env2 = std::getenv("LONGMOE_GG_EPI");  // epilogue override (benchmarks, tests)
   q.epi = env2 ? std::atoi(env2) : kDefaultEpi;
   const CUtensorMap ta = bf16_row_map(x, M, p.K, kBm);
-  const CUtensorMap tb = bf16_row_map(w, int64_t(p.E) * p.Nw, p.K, GLU ? kBn / 2 : kBn);
-  const int BNo = GLU ? kBn / 2 : kBn;
+  const CUtensorMap tb = bf16_row_map(w, int64_t(p.E) * p.Nw, p.K, GLU ? BN / 2 : BN);
+  const int BNo = GLU ? BN / 2 : BN;
   const int64_t ub = ((M + kBm - 1) / kBm + p.E) * ((p.N + BNo - 1) / BNo);  // tiles, upper bound
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(sm_count(), ub)));
-  grouped_gemm_kernel<GLU><<<grid, kThreads, smem, s>>>(ta, tb, q);
+  grouped_gemm_kernel<GLU, BN><<<grid, kThreads, smem, s>>>(ta, tb, q);
   check(cudaGetLastError(), "grouped gemm launch");
 }
 
@@ -289,7 +298,13 @@ void grouped_gemm(const void* x, const void* w, void* y, const int32_t* offsets,
   detail::GemmParams p{};
   p.offsets = offsets, p.y = static_cast<detail::bf16*>(y), p.ab = nullptr;
   p.E = int(E), p.N = int(N), p.K = int(K), p.Nw = int(N);
-  detail::launch<false>(x, w, p, M, static_cast<cudaStream_t>(stream));
+  // 192-row weight tiles where they pad N less than 256-row ones (LONGMOE_GG_BN=256 keeps 256, benchmarks)
+  const char* env = std::getenv("LONGMOE_GG_BN");
+  const int64_t pad256 = (N + 255) / 256 * 256, pad192 = (N + 191) / 192 * 192;
+  if (pad192 < pad256 && !(env && std::atoi(env) == 256))
+    detail::launch<false, 192>(x, w, p, M, static_cast<cudaStream_t>(stream));
+  else
+    detail::launch<false>(x, w, p, M, static_cast<cudaStream_t>(stream));
 }
 
 void grouped_gemm_glu(const void* x, const void* w13, void* h, void* ab, const int32_t* offsets, int64_t M, int64_t I,

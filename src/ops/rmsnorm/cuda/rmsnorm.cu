@@ -11,11 +11,12 @@
 //   dx (and dgate) pass. The dw partials Σ dy·n stay per thread (each owns its columns, so no atomics), are
 //   summed over the R groups in order into scratch [nb, D], and a second kernel adds Σ_b in a fixed order (in
 //   double) to dw. nb depends on rows and D only, so dw is reproducible. Two kernels:
-//   register path (plain, D <= 2048·V): lane l of a group owns columns (k·TPR + l)·V, k < VPT (TPR a multiple
-//     of 32 covering D / (V·VPT), VPT <= 4); x and dy (and the old dx) are read once into registers before the
-//     reduction, so each row costs one memory round trip and is never re-read; dw partials live in registers.
-//   loop path (gated, or wider D): TPR a power of two as in the forward; pass 2 re-reads x and dy from L1/L2
-//     and the dw partials accumulate in shared memory [R, D].
+//   register path (D <= 2048·V): lane l of a group owns columns (k·TPR + l)·V, k < VPT (TPR a multiple of 32
+//     covering D / (V·VPT), VPT <= 4); x and dy (and the old dx, or the gate) are read once into registers
+//     before the reduction, so each row costs one memory round trip and is never re-read; dw partials live in
+//     registers.
+//   loop path (wider D): TPR a power of two as in the forward; pass 2 re-reads x and dy from L1/L2 and the dw
+//     partials accumulate in shared memory [R, D].
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -248,11 +249,11 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(BwdArgs a) {
   }
 }
 
-// Plain backward, register path (formulas as bwd_kernel). Every element is read before the same thread writes
-// it, so dx may alias dy. The group reduction goes through shared memory only when a row spans several warps;
+// Backward, register path (formulas as bwd_kernel; GATED: the gate row is read with x and held as s). Every
+// element is read before the same thread writes it, so dx may alias dy. The group reduction goes through shared memory only when a row spans several warps;
 // red is double-buffered by iteration parity, so one barrier per row suffices. The dw partials stay in
 // registers (a thread's columns are the same for every row of its group).
-template <int V, int VPT, bool ACC>
+template <int V, int VPT, bool ACC, bool GATED = false>
 __global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(BwdArgs a, int tpr) {
   extern __shared__ float4 smem_w[];  // w [D], then the running dw sum over groups [D] (when R > 1 and a.part)
   __shared__ float2 red[2][kRegMaxThreads / 32];
@@ -278,7 +279,7 @@ __global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(BwdArgs a, int 
   for (int64_t r0 = r_begin; r0 < r_end; r0 += R, par ^= 1) {
     const int64_t r = r0 + g;
     const bool okr = r < r_end;
-    float xv[VPT][V], dyv[VPT][V], old[VPT][V];
+    float xv[VPT][V], dyv[VPT][V], old[VPT][V], sg[GATED ? VPT : 1][V];
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
 #pragma unroll
@@ -287,7 +288,11 @@ __global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(BwdArgs a, int 
         load<V>(a.x, a.xbf, r * a.ldx + col[k], xv[k]);
         load<V>(a.dy, a.dybf, r * a.ldy + col[k], dyv[k]);
         if constexpr (ACC) load<V>(a.dx, false, r * a.lddx + col[k], old[k]);
+        if constexpr (GATED) load<V>(a.gate, true, r * a.ldx + col[k], sg[k]);
       }
+      if constexpr (GATED)
+#pragma unroll
+        for (int e = 0; e < V; ++e) sg[k][e] = sigmoid(sg[k][e]);  // (zero-filled rows: finite)
     }
     const float rs_in = okr && a.rstd ? a.rstd[r] : 0.f;
     float ss = 0.f, gx = 0.f;
@@ -296,7 +301,10 @@ __global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(BwdArgs a, int 
       float wv[V];
       load<V>(ws, false, ok[k] ? col[k] : 0, wv);
 #pragma unroll
-      for (int e = 0; e < V; ++e) ss += xv[k][e] * xv[k][e], gx += wv[e] * dyv[k][e] * xv[k][e];
+      for (int e = 0; e < V; ++e) {
+        const float dye = GATED ? dyv[k][e] * sg[k][e] : dyv[k][e];
+        ss += xv[k][e] * xv[k][e], gx += wv[e] * dye * xv[k][e];
+      }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -316,15 +324,22 @@ __global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(BwdArgs a, int 
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       if (!ok[k]) continue;
-      float wv[V], dxv[V];
+      float wv[V], dxv[V], dg[V];
       load<V>(ws, false, col[k], wv);
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         const float n = xv[k][e] * rs;
-        dxv[e] = rs * (wv[e] * dyv[k][e] - n * cc);
+        float dye = dyv[k][e];
+        if constexpr (GATED) {
+          const float s1 = sg[k][e];
+          dg[e] = dye * (n * wv[e]) * s1 * (1.f - s1);
+          dye *= s1;
+        }
+        dxv[e] = rs * (wv[e] * dye - n * cc);
         if constexpr (ACC) dxv[e] += old[k][e];
-        dw[k][e] += dyv[k][e] * n;
+        dw[k][e] += dye * n;
       }
+      if constexpr (GATED) store<V>(a.dgate, true, r * a.ldx + col[k], dg);
       store<V>(a.dx, a.dxbf, r * a.lddx + col[k], dxv);
     }
   }
@@ -465,7 +480,7 @@ cudaError_t smem_opt_in(K* kern, size_t bytes) {
 
 template <bool GATED>
 void launch_backward(BwdArgs a, float* dw, bool vec, cudaStream_t s) {
-  const RegPlan plan = GATED ? RegPlan{} : reg_plan(a.D, vec ? 4 : 1);
+  const RegPlan plan = reg_plan(a.D, vec ? 4 : 1);
   const int tpr = plan.vpt ? plan.tpr : pick_tpr(a.D), R = plan.vpt ? plan.rows : kThreads / tpr;
   const int64_t nb = std::min<int64_t>((a.rows + R - 1) / R, kMaxBlocks);
   float* part = nullptr;
@@ -478,7 +493,7 @@ void launch_backward(BwdArgs a, float* dw, bool vec, cudaStream_t s) {
     with_vec(vec, [&](auto v) {
       with_vpt(plan.vpt, [&](auto vp) {
         with_bool(a.acc, [&](auto acc) {
-          auto* kern = bwd_reg_kernel<decltype(v)::value, decltype(vp)::value, decltype(acc)::value>;
+          auto* kern = bwd_reg_kernel<decltype(v)::value, decltype(vp)::value, decltype(acc)::value, GATED>;
           err = smem_opt_in(kern, smem);
           if (err == cudaSuccess) {
             kern<<<unsigned(nb), R * tpr, smem, s>>>(a, tpr);
