@@ -473,8 +473,8 @@ struct FlushReads {
 
 // dv_j += Σ_r (a_rj δ_r + c_rj q_r) − (Σ_r e_rj) v_j: elementwise (no reduction over d), so each thread takes
 // V columns of one token; a warp's coefficient loads are broadcasts of one token's. The δ rows of kFlushBatch
-// reads and the source and gradient rows are loaded together (with them one after the other, each item cost two
-// memory round trips: 1.9 TB/s at C = 1).
+// reads are loaded together, then the source and gradient rows. (Loading those with the δ rows was slower:
+// 123 registers. The kernel is bound by its R·C coefficient and R q loads per item more than by DRAM.)
 constexpr int kFlushBatch = 8, kFlushThreads = 128;  // (~92 registers: 128-thread blocks pack the SM best)
 template <int V>
 __global__ void __launch_bounds__(kFlushThreads) flush_kernel(Srcs v, DSrcs dv, int C, int R, int64_t T, int d,
@@ -483,14 +483,6 @@ __global__ void __launch_bounds__(kFlushThreads) flush_kernel(Srcs v, DSrcs dv, 
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / nv, cq = (i - t * nv) * V, off = t * d + cq;
     for (int j0 = 0; j0 < C; j0 += kFlushSources) {
-      // The pass's source and gradient rows are loaded first, so they are in flight with the first δ rows (one
-      // memory round trip per item for R <= kFlushBatch).
-      float x[kFlushSources][V], g[kFlushSources][V];
-#pragma unroll
-      for (int jj = 0; jj < kFlushSources; ++jj) {
-        zero(x[jj]), zero(g[jj]);
-        if (j0 + jj < C && dv.p[j0 + jj]) load<V>(v.p[j0 + jj] + off, x[jj]), load<V>(dv.p[j0 + jj] + off, g[jj]);
-      }
       float acc[kFlushSources][V], cs[kFlushSources];
 #pragma unroll
       for (int jj = 0; jj < kFlushSources; ++jj) zero(acc[jj]), cs[jj] = 0.f;
@@ -516,6 +508,12 @@ __global__ void __launch_bounds__(kFlushThreads) flush_kernel(Srcs v, DSrcs dv, 
               for (int e = 0; e < V; ++e) acc[jj][e] += k.x * dl[e] + k.y * qq[e];
             }
         }
+      }
+      float x[kFlushSources][V], g[kFlushSources][V];
+#pragma unroll
+      for (int jj = 0; jj < kFlushSources; ++jj) {
+        zero(x[jj]), zero(g[jj]);
+        if (j0 + jj < C && dv.p[j0 + jj]) load<V>(v.p[j0 + jj] + off, x[jj]), load<V>(dv.p[j0 + jj] + off, g[jj]);
       }
 #pragma unroll
       for (int jj = 0; jj < kFlushSources; ++jj)
