@@ -250,8 +250,9 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(BwdArgs a) {
 }
 
 // Backward, register path (formulas as bwd_kernel; GATED: the gate row is read with x and held as s). Every
-// element is read before the same thread writes it, so dx may alias dy. The group reduction goes through shared memory only when a row spans several warps;
-// red is double-buffered by iteration parity, so one barrier per row suffices. The dw partials stay in
+// element is read before the same thread writes it, so dx may alias dy. The group reduction goes through shared
+// memory only when a row spans several warps; red is double-buffered by iteration parity, so one barrier per row
+// suffices. The dw partials stay in
 // registers (a thread's columns are the same for every row of its group).
 template <int V, int VPT, bool ACC, bool GATED = false>
 __global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(BwdArgs a, int tpr) {
@@ -283,7 +284,10 @@ __global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(BwdArgs a, int 
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
 #pragma unroll
-      for (int e = 0; e < V; ++e) xv[k][e] = dyv[k][e] = old[k][e] = 0.f;
+      for (int e = 0; e < V; ++e) {
+        xv[k][e] = dyv[k][e] = old[k][e] = 0.f;
+        if constexpr (GATED) sg[k][e] = 0.f;
+      }
       if (okr && ok[k]) {
         load<V>(a.x, a.xbf, r * a.ldx + col[k], xv[k]);
         load<V>(a.dy, a.dybf, r * a.ldy + col[k], dyv[k]);
@@ -292,7 +296,7 @@ __global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(BwdArgs a, int 
       }
       if constexpr (GATED)
 #pragma unroll
-        for (int e = 0; e < V; ++e) sg[k][e] = sigmoid(sg[k][e]);  // (zero-filled rows: finite)
+        for (int e = 0; e < V; ++e) sg[k][e] = sigmoid(sg[k][e]);  // (rows past the end: σ(0))
     }
     const float rs_in = okr && a.rstd ? a.rstd[r] : 0.f;
     float ss = 0.f, gx = 0.f;
