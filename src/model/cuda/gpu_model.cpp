@@ -954,7 +954,7 @@ struct GpuModel::Impl {
       };
       auto deferred = [&](int64_t nb) -> const oc::AttnResDeferred* {
         if (!defer || nb == 0) return nullptr;
-        if (group.size() == 64) flush();  // attnres_flush's limit (block groups of more than 31 layers)
+        if (int64_t(group.size()) == oc::kAttnResMaxFlushReads) flush();  // (block groups of more than 31 layers)
         const size_t r = group.size();
         oc::AttnResDeferred a;
         a.closed = nb;

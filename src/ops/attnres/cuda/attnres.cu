@@ -463,7 +463,7 @@ __global__ void __launch_bounds__(NORM ? kNormMaxThreads : kRegMaxThreads, DEFER
 
 // ---- deferred closed-source gradients ----------------------------------------------------------------
 
-constexpr int kMaxReads = 64;
+constexpr int kMaxReads = int(kAttnResMaxFlushReads);
 constexpr int kFlushSources = 4;  // closed sources per pass (more: passes that read the δ_r again)
 struct FlushReads {
   const __nv_bfloat16* delta[kMaxReads];
@@ -868,6 +868,8 @@ bool backward_impl(const float* const* v, int64_t N, int64_t T, int64_t d, const
     vec = vec && aligned16(src.p[j]) && aligned16(dsrc.p[j]);
   }
   if (closed) vec = vec && aligned8(nb->delta) && aligned16(nb->coef);
+  // Everything but the last source deferred, vector accesses: the DEFER kernel (dq, dgn sums in shared memory).
+  const bool defer_kernel = closed > 0 && closed == N - 1 && vec;
   const bool want_dq = dw || dgamma;
   const int64_t nblk = std::min<int64_t>(T, kMaxBlocks);
   const int Nc = int(std::min<int64_t>(N, kRegMaxSources));
@@ -886,7 +888,7 @@ bool backward_impl(const float* const* v, int64_t N, int64_t T, int64_t d, const
   cudaError_t err = cudaSuccess;
   bool launched = false;
   if (plan.vpt) {
-    const size_t smem = size_t(nb ? closed == N - 1 ? 4 : 2 : 1) * size_t(d) * sizeof(float);  // q (gn, dq, dgn)
+    const size_t smem = size_t(defer_kernel ? 4 : nb ? 2 : 1) * size_t(d) * sizeof(float);  // q (gn, dq, dgn)
     with_vec(vec, [&](auto vv) {
       with_vpt(plan.vpt, [&](auto vp) {
         with_sources(int(N), [&](auto ns) {
@@ -900,7 +902,7 @@ bool backward_impl(const float* const* v, int64_t N, int64_t T, int64_t d, const
             }
           };
           // (the other combinations are never planned)
-          if (nb && closed > 0 && closed == N - 1 && V == 4) {  // everything but the last source deferred
+          if (defer_kernel) {
             if constexpr (V == 4 && V * VPT <= bwd_norm_max_elems(NS) && VPT <= bwd_max_vpt(V) && NS >= 2)
               launch(bwd_reg_kernel<V, VPT, NS, true, true>);
           } else if (nb) {
@@ -1030,7 +1032,8 @@ bool attnres_can_defer(int64_t N, int64_t d) {
 void attnres_flush(const float* const* v, int64_t C, int64_t T, int64_t d, const AttnResDeferred* reads, int64_t R,
                    float* const* dv, void* stream) {
   if (C < 1 || C > kMaxSources) fail("attnres_flush: need 1 <= C <= 32 closed sources, got " + std::to_string(C));
-  if (R < 0 || R > kMaxReads) fail("attnres_flush: need 0 <= R <= 64 reads, got " + std::to_string(R));
+  if (R < 0 || R > kMaxReads)
+    fail("attnres_flush: need 0 <= R <= " + std::to_string(kMaxReads) + " reads, got " + std::to_string(R));
   if (T < 0 || d <= 0 || d > (int64_t(1) << 30)) fail("attnres_flush: need T >= 0 and 0 < d < 2^30");
   if (!v || !dv || (R && !reads)) fail("attnres_flush: source, gradient and read arrays are required");
   Srcs src{};

@@ -51,7 +51,8 @@ void attnres_norm_backward(const float* const* v, int64_t N, int64_t T, int64_t 
 bool attnres_can_defer(int64_t N, int64_t d);
 
 // Adds R deferred reads (all with closed == C) to the gradients dv [C] (HOST array of device pointers [T, d],
-// a null entry is skipped) of the closed sources v [C]. R <= 64.
+// a null entry is skipped) of the closed sources v [C]. R <= kAttnResMaxFlushReads.
+constexpr int64_t kAttnResMaxFlushReads = 64;
 void attnres_flush(const float* const* v, int64_t C, int64_t T, int64_t d, const AttnResDeferred* reads, int64_t R,
                    float* const* dv, void* stream = nullptr);
 
