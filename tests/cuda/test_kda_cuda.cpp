@@ -83,6 +83,7 @@ struct Case {
   DiagPath diag = DiagPath::Auto;
   bool gate_f32 = false, h0 = true, dht = true;
   int64_t beta_ld = 0;  // beta_raw and dbeta_raw in rows of beta_ld (> H: strided inside a wider buffer)
+  bool keep = false;     // the forward keeps its intra-chunk tensors and states for the backward (`saved`)
   uint64_t seed = 1;
   int64_t seqs() const { return cu.empty() ? B : int64_t(cu.size()) - 1; }
   std::string name() const {
@@ -179,9 +180,11 @@ Outs run_gpu(const Case& c, const Data& d) {
   p.beta_ld = c.beta_ld;
   up_gate(db, Vec(rows * size_t(bld), -7.f), c.gate_f32);
   kc::Inputs in{q.p, k.p, v.p, g.p, beta.p, A.f(), dtb.f(), c.h0 ? h0.f() : nullptr};
-  kc::forward(p, in, o.p, ht.f());
+  Dev saved(c.keep ? kc::saved_bytes(p) : 1);  // NaN-poisoned: what the forward does not leave there shows
+  void* sv = c.keep ? saved.p : nullptr;
+  kc::forward(p, in, o.p, ht.f(), nullptr, sv);
   kc::Grads gr{dq.p, dk.p, dv.p, dg.p, db.p, dA.f(), ddt.f(), dh0.f()};
-  kc::backward(p, in, dO.p, c.dht ? dht.f() : nullptr, gr);
+  kc::backward(p, in, dO.p, c.dht ? dht.f() : nullptr, gr, nullptr, sv);
   kc::synchronize();
   Outs r;
   r.o = down_bf16(o, nv), r.ht = down_f32(ht, ns);
@@ -234,6 +237,38 @@ TEST(KdaCuda, StridedBeta) {
     const auto a = fields(dense), b = fields(strided);
     for (int i = 0; i < 10; ++i) EXPECT_LE(err(*a[i], *b[i]), 1e-5) << kNames[i] << (f32 ? " f32" : " bf16");
     compare(c.name() + " beta_ld 13", run_cpu(c, d), strided);
+  }
+}
+
+// A training forward that keeps its intra-chunk tensors and chunk-start states for the backward: o and ht within
+// the operator's tolerances of the CPU (bf16 products where the plain forward's run in fp16) and near the plain
+// forward's; the gradients those of the recomputing backward (the same arithmetic; only the order of the chunk
+// backward's shared-memory float atomics may differ between runs). Warpgroup (K = V = 128) and mma.sync
+// (K = V = 64) recurrences, bounded and exact tiles, varlen.
+TEST(KdaCuda, SavedForBackward) {
+  REQUIRE_GPU();
+  std::vector<Case> cases(3);
+  cases[0].B = 2, cases[0].T = 200, cases[0].H = 3, cases[0].diag = DiagPath::Bounded, cases[0].seed = 21;
+  cases[1].T = 300, cases[1].H = 2, cases[1].K = cases[1].V = 64, cases[1].cu = {0, 70, 71, 300};
+  cases[1].form = GateForm::Softplus, cases[1].diag = DiagPath::Exact, cases[1].gate_f32 = true, cases[1].seed = 22;
+  cases[2].T = 192, cases[2].H = 2, cases[2].cu = {0, 64, 192}, cases[2].h0 = false, cases[2].seed = 23;
+  for (Case c : cases) {
+    SCOPED_TRACE(c.name());
+    const Data d = make_data(c);
+    const Outs plain = run_gpu(c, d);
+    c.keep = true;
+    const Outs kept = run_gpu(c, d);
+    compare(c.name() + " kept", run_cpu(c, d), kept);
+    const auto a = fields(plain), b = fields(kept);
+    std::string line = "  kept vs plain:";
+    for (int i = 0; i < 10; ++i) {
+      const double e = err(*a[i], *b[i]);
+      char buf[48];
+      std::snprintf(buf, sizeof buf, " %s %.1e", kNames[i], e);
+      line += buf;
+      EXPECT_LE(e, i < 2 ? 4e-3 : 1e-5) << kNames[i];
+    }
+    std::printf("%s\n", line.c_str());
   }
 }
 

@@ -146,6 +146,11 @@ struct GpuModel::Impl {
   const float* state_last = nullptr;
   Profile* prof = nullptr;
   bool profiling = false;
+  // Training forward (a backward follows): each KDA layer's operator leaves its intra-chunk tensors and chunk-start
+  // states in kda_saved[i] (a buffer in `act`, null when not kept) for the backward, which then skips
+  // recomputing them. LONGMOE_KDA_SAVE=0 recomputes them instead (about 0.43 GB less per KDA layer at 16K tokens).
+  bool training = false;
+  std::vector<void*> kda_saved;
 
   explicit Impl(const ModelConfig& cfg, const std::function<bool(const ParamSpec&)>& decays)
       : c(cfg), d(cfg.hidden_size), V(cfg.vocab_size), L(cfg.num_hidden_layers) {
@@ -394,7 +399,14 @@ struct GpuModel::Impl {
     in.q = qc, in.k = kc_, in.v = vc, in.g_raw = f, in.beta_raw = braw;
     in.A_log = M(A + "A_log"), in.dt_bias = M(A + "dt_bias");
     sec.emplace(section("kda.core.fwd"));
-    kc::forward(kda_problem(), in, o, nullptr);
+    static const bool keep = [] {
+      const char* e = std::getenv("LONGMOE_KDA_SAVE");
+      return !(e && e[0] == '0');
+    }();
+    if (kda_saved.size() != size_t(L)) kda_saved.assign(size_t(L), nullptr);
+    const kc::Problem kp = kda_problem();
+    kda_saved[i] = training && keep ? buf(K(i, "kda_saved"), kc::saved_bytes(kp)) : nullptr;
+    kc::forward(kp, in, o, nullptr, nullptr, kda_saved[i]);
     sec.emplace(section("kda.onorm.fwd"));
     oc::rmsnorm_gated_forward(o, go, M(A + "o_norm.weight"), on, orstd, n * H, Kd, eps());
     sec.emplace(section("kda.proj.fwd"));
@@ -443,7 +455,7 @@ struct GpuModel::Impl {
     kc::Grads gr;
     gr.dq = dq, gr.dk = dk, gr.dv = dv, gr.dg_raw = df, gr.dbeta_raw = dbraw, gr.dA_log = dA, gr.ddt_bias = ddt;
     sec.emplace(section("kda.core.bwd"));
-    kc::backward(kda_problem(), in, d_o, nullptr, gr);
+    kc::backward(kda_problem(), in, d_o, nullptr, gr, nullptr, kda_saved.empty() ? nullptr : kda_saved[i]);
     add_f32(G(A + "A_log"), dA, H), add_f32(G(A + "dt_bias"), ddt, HK);
     sec.emplace(section("kda.proj.bwd"));
     oc::linear_bwd(fa, W(A + "f_b_proj.weight"), df, dp + 3 * HK, DType::BF16, G(A + "f_b_proj.weight"), n, Kd, HK,
@@ -1062,7 +1074,9 @@ GpuModel::LossStats GpuModel::forward_backward(const int32_t* ids, const int32_t
   LM_CHECK(targets, "forward_backward: targets are required");
   Impl& m = *p_;
   m.profiling = profiling;
+  m.training = true;
   const int64_t n_here = m.forward(ids, targets, s);
+  m.training = false;
   const int64_t n_norm = n_valid_total > 0 ? n_valid_total : n_here;
   float* d_hn = m.buf<float>("s.d_hn", size_t(m.rows) * m.d * 4);
   oc::CeResult r;
@@ -1080,6 +1094,7 @@ GpuModel::LossStats GpuModel::loss(const int32_t* ids, const int32_t* targets, c
   LM_CHECK(targets, "loss: targets are required");
   Impl& m = *p_;
   m.profiling = profiling;
+  m.training = false;
   m.forward(ids, targets, s);
   Impl::Timed t(m.part(Profile::LmHead, false));
   const oc::CeResult r = oc::cross_entropy_forward(m.get("hn"), m.W("lm_head.weight"), as<int32_t>(m.tgt_d.p), m.rows,

@@ -5,6 +5,8 @@
 // forward:  prep (K1) -> recurrence with the output (K2).
 // backward: prep (K1, keeping M and P_kk) -> recurrence keeping S0, E -> reverse recurrence keeping dS, dE
 //           -> per-chunk gradients -> dA_log / ddt_bias reduction.
+// forward keeping them (`saved`): the backward's prep -> recurrence with the output keeping S0, E; the backward
+//           given `saved` starts at the reverse recurrence.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -126,27 +128,35 @@ struct Arena {
   }
 };
 
-size_t layout(const Plan& pl, const Problem& p, bool bwd, OpParams* op, char* base) {
+// The workspace in two parts. Part::Forward / Part::Kept: the chunk tables and prep's tensors, with M, P_kk, S0
+// and E when kept for a backward (what a forward given `saved` leaves there). Part::BackwardOnly: dS, dE and the
+// partial sums of dA_log and ddt_bias. Each part's pointers go into op->ws (null op: sizes only).
+enum class Part { Forward, Kept, BackwardOnly };
+size_t layout(const Plan& pl, const Problem& p, Part part, OpParams* op, char* base) {
   Arena a{base, 0};
   const size_t chs = size_t(pl.NC) * size_t(p.H), KP = size_t(pl.KP);
+  detail::Ws w = op ? op->ws : detail::Ws{};
+  if (part == Part::BackwardOnly) {
+    w.dS = a.take<detail::bf16>(chs * KP * KP);
+    w.dE = a.take<detail::bf16>(chs * 64 * KP);
+    w.ddt_part = a.take<float>(chs * KP);
+    w.dA_part = a.take<float>(std::max<size_t>(chs, 1));
+    if (op) op->ws = w;
+    return a.off;
+  }
   auto* chunks = a.take<ChunkInfo>(std::max<size_t>(pl.chunks.size(), 1));
   auto* sc0 = a.take<int>(pl.seq_chunk0.size());
-  detail::Ws w{};
   w.W = a.take<detail::bf16>(chs * 64 * KP);
   w.U = a.take<detail::bf16>(chs * 64 * KP);
   w.Qg = a.take<detail::bf16>(chs * 64 * KP);
   w.Kd = a.take<detail::bf16>(chs * 64 * KP);
   w.Aqk = a.take<detail::bf16>(chs * 4096);
   w.Gl = a.take<float>(chs * KP);
-  if (bwd) {
+  if (part == Part::Kept) {
     w.M = a.take<detail::bf16>(chs * 4096);
     w.Pkk = a.take<detail::bf16>(chs * 4096);
     w.S0 = a.take<detail::bf16>(chs * KP * KP);
-    w.dS = a.take<detail::bf16>(chs * KP * KP);
     w.E = a.take<detail::bf16>(chs * 64 * KP);
-    w.dE = a.take<detail::bf16>(chs * 64 * KP);
-    w.ddt_part = a.take<float>(chs * KP);
-    w.dA_part = a.take<float>(std::max<size_t>(chs, 1));
   }
   if (op) {
     op->chunks = chunks;
@@ -202,37 +212,42 @@ struct BenchWs {
 
 }  // namespace
 
-void forward(const Problem& p, const Inputs& in, void* o, float* ht, void* stream) {
+size_t saved_bytes(const Problem& p) { return layout(make_plan(p), p, Part::Kept, nullptr, nullptr); }
+
+void forward(const Problem& p, const Inputs& in, void* o, float* ht, void* stream, void* saved) {
   check_inputs(in);
   if (!o) fail("o is required");
   const Plan pl = make_plan(p);
   auto s = static_cast<cudaStream_t>(stream);
   sm_count();
-  const size_t bytes = layout(pl, p, false, nullptr, nullptr);
-  char* base = alloc_async(bytes, s);
+  const Part part = saved ? Part::Kept : Part::Forward;
+  char* base = saved ? static_cast<char*>(saved) : alloc_async(layout(pl, p, part, nullptr, nullptr), s);
   OpParams op = base_params(p, pl, in);
-  layout(pl, p, false, &op, base);
+  layout(pl, p, part, &op, base);
   op.o = static_cast<detail::bf16*>(o);
   op.ht = ht;
   upload_tables(pl, op, s);
-  detail::launch_prep(op, pl.KP, pl.bounded, pl.gate_f32, false, s);
+  detail::launch_prep(op, pl.KP, pl.bounded, pl.gate_f32, saved != nullptr, s);
   check(cudaGetLastError(), "prep kernel launch");
-  detail::launch_recur_fwd(op, pl.KP, pl.NW, pl.N, 0, s);
+  detail::launch_recur_fwd(op, pl.KP, pl.NW, pl.N, saved ? 2 : 0, s);
   check(cudaGetLastError(), "recurrence kernel launch");
-  check(cudaFreeAsync(base, s), "workspace free");
+  if (!saved) check(cudaFreeAsync(base, s), "workspace free");
 }
 
-void backward(const Problem& p, const Inputs& in, const void* do_, const float* dht, const Grads& gr, void* stream) {
+void backward(const Problem& p, const Inputs& in, const void* do_, const float* dht, const Grads& gr, void* stream,
+              const void* saved) {
   check_inputs(in);
   if (!do_ || !gr.dq || !gr.dk || !gr.dv || !gr.dg_raw || !gr.dbeta_raw || !gr.dA_log || !gr.ddt_bias)
     fail("do and every gradient except dh0 are required");
   const Plan pl = make_plan(p);
   auto s = static_cast<cudaStream_t>(stream);
   sm_count();
-  const size_t bytes = layout(pl, p, true, nullptr, nullptr);
-  char* base = alloc_async(bytes, s);
+  // One allocation: the kept part (unless the forward left it in `saved`), then the backward's own.
+  const size_t kept = saved ? 0 : layout(pl, p, Part::Kept, nullptr, nullptr);
+  char* base = alloc_async(kept + layout(pl, p, Part::BackwardOnly, nullptr, nullptr), s);
   OpParams op = base_params(p, pl, in);
-  layout(pl, p, true, &op, base);
+  layout(pl, p, Part::Kept, &op, saved ? static_cast<char*>(const_cast<void*>(saved)) : base);
+  layout(pl, p, Part::BackwardOnly, &op, base + kept);
   op.dout = static_cast<const detail::bf16*>(do_);
   op.dht = dht;
   op.dq = static_cast<detail::bf16*>(gr.dq);
@@ -243,11 +258,13 @@ void backward(const Problem& p, const Inputs& in, const void* do_, const float* 
   op.dA_log = gr.dA_log;
   op.ddt_bias = gr.ddt_bias;
   op.dh0 = gr.dh0;
-  upload_tables(pl, op, s);
-  detail::launch_prep(op, pl.KP, pl.bounded, pl.gate_f32, true, s);
-  check(cudaGetLastError(), "prep kernel launch");
-  detail::launch_recur_fwd(op, pl.KP, pl.NW, pl.N, 1, s);
-  check(cudaGetLastError(), "state recurrence launch");
+  if (!saved) {
+    upload_tables(pl, op, s);
+    detail::launch_prep(op, pl.KP, pl.bounded, pl.gate_f32, true, s);
+    check(cudaGetLastError(), "prep kernel launch");
+    detail::launch_recur_fwd(op, pl.KP, pl.NW, pl.N, 1, s);
+    check(cudaGetLastError(), "state recurrence launch");
+  }
   detail::launch_recur_bwd(op, pl.KP, pl.NW, pl.N, s);
   check(cudaGetLastError(), "reverse recurrence launch");
   detail::launch_chunk_bwd(op, pl.KP, pl.bounded, pl.gate_f32, s);
@@ -286,7 +303,7 @@ void run_forward_stage(const Problem& p, const Inputs& in, void* o, Stage st, vo
   check_inputs(in);
   const Plan pl = make_plan(p);
   auto s = static_cast<cudaStream_t>(stream);
-  const size_t bytes = layout(pl, p, false, nullptr, nullptr);
+  const size_t bytes = layout(pl, p, Part::Forward, nullptr, nullptr);
   if (g_bench.bytes < bytes) {
     if (g_bench.base) check(cudaFree(g_bench.base), "free");
     void* b = nullptr;
@@ -295,7 +312,7 @@ void run_forward_stage(const Problem& p, const Inputs& in, void* o, Stage st, vo
     g_bench.bytes = bytes;
   }
   OpParams op = base_params(p, pl, in);
-  layout(pl, p, false, &op, g_bench.base);
+  layout(pl, p, Part::Forward, &op, g_bench.base);
   op.o = static_cast<detail::bf16*>(o);
   upload_tables(pl, op, s);
   switch (st) {
@@ -311,12 +328,12 @@ void run_forward_stage(const Problem& p, const Inputs& in, void* o, Stage st, vo
 PrepDebug debug_prep(const Problem& p, const Inputs& in) {
   check_inputs(in);
   const Plan pl = make_plan(p);
-  const size_t bytes = layout(pl, p, false, nullptr, nullptr);
+  const size_t bytes = layout(pl, p, Part::Forward, nullptr, nullptr);
   char* base = nullptr;
   check(cudaMalloc(reinterpret_cast<void**>(&base), bytes), "debug workspace");
   check(cudaMemset(base, 0xff, bytes), "debug workspace poison");
   OpParams op = base_params(p, pl, in);
-  layout(pl, p, false, &op, base);
+  layout(pl, p, Part::Forward, &op, base);
   upload_tables(pl, op, nullptr);
   detail::launch_prep(op, pl.KP, pl.bounded, pl.gate_f32, false, nullptr);
   check(cudaGetLastError(), "prep kernel launch");

@@ -45,10 +45,16 @@ struct Grads {
 
 // `stream` is a cudaStream_t (null: the default stream). Scratch memory comes from the stream-ordered
 // allocator. ht may be null.
-void forward(const Problem& p, const Inputs& in, void* o, float* ht, void* stream = nullptr);
-// Gradients of L = sum(o * do) + sum(ht * dht); dht may be null (zero). Recomputes the forward.
+// `saved` (training): device memory of saved_bytes(p) bytes, owned by the caller, where the forward leaves what
+// backward() would otherwise recompute (the intra-chunk tensors and the state at every chunk start). It then
+// computes o as the backward's recomputation does (bf16 products; without `saved`, o's products with E run in
+// fp16, a little closer to fp32).
+size_t saved_bytes(const Problem& p);
+void forward(const Problem& p, const Inputs& in, void* o, float* ht, void* stream = nullptr, void* saved = nullptr);
+// Gradients of L = sum(o * do) + sum(ht * dht); dht may be null (zero). Recomputes the forward, or, given the
+// `saved` of a forward with the same problem and inputs, starts from it (the same gradients bit for bit).
 void backward(const Problem& p, const Inputs& in, const void* do_, const float* dht, const Grads& gr,
-              void* stream = nullptr);
+              void* stream = nullptr, const void* saved = nullptr);
 
 // One token for each of S sequences (the recurrence of SPEC §2 in fp32): state [S,H,K,V] f32 updated in
 // place; q, k, g_raw [S,H,K]; v, o [S,H,V]; beta_raw [S,H]. The same fused inputs as forward().

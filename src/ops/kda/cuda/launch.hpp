@@ -10,8 +10,9 @@ namespace lm::kda::cuda::detail {
 // (and M, P_kk for the backward when `bwd`). stop 1 / 2 (forward, benchmarks): end before / after the A tiles;
 // 3: after the diagonal tiles alone.
 void launch_prep(const OpParams& p, int KP, bool bounded, bool gate_f32, bool bwd, cudaStream_t s, int stop = 0);
-// K2, per (sequence, head, value group of 16*NW columns): the chunk recurrence. mode 0: O and ht;
-// mode 1: the state at every chunk start (S0) and E, for the backward.
+// K2, per (sequence, head, value group of 16*NW columns): the chunk recurrence. mode 0: O and ht (fp16
+// products, after a forward prep); mode 1: the state at every chunk start (S0) and E, for the backward; mode 2:
+// both, after a backward prep (bf16 products: S0 and E equal mode 1's, kept for a later backward).
 void launch_recur_fwd(const OpParams& p, int KP, int NW, int N, int mode, cudaStream_t s);
 // The same with warpgroup MMAs (recur_wgmma.cu) when K = V = 128 and NW is 4 or 8; false: not handled.
 bool launch_recur_fwd_wgmma(const OpParams& p, int NW, int N, int mode, cudaStream_t s);

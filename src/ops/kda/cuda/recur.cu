@@ -28,7 +28,7 @@ template <int KP, int NW, int MODE>
 __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_kernel(const OpParams p) {
   using SM = RecSmem<KP, NW>;
   constexpr int LDB = SM::LDB, LDA = SM::LDA, LDU = SM::LDU, LDS = SM::LDS, NT = NW * 32;
-  constexpr bool F16 = MODE == 0;
+  constexpr bool F16 = MODE == 0, OUT = MODE != 1, KEEP = MODE != 0;  // see launch_recur_fwd
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, t = lane & 3;
   const int n = blockIdx.z, h = blockIdx.y, H = p.H, K = p.K, V = p.V;
@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_kernel(const OpParams p)
     const int64_t ch = int64_t(c) * H + h;
     load_tile<64, KP, LDB, NT>(sW, p.ws.W + ch * 64 * KP, KP, 64, KP, tid);
     load_tile<64, KP, LDB, NT>(sKd, p.ws.Kd + ch * 64 * KP, KP, 64, KP, tid);
-    if (MODE == 0) {
+    if (OUT) {
       load_tile<64, KP, LDB, NT>(sQg, p.ws.Qg + ch * 64 * KP, KP, 64, KP, tid);
       load_tile<64, 64, LDA, NT>(sA, p.ws.Aqk + ch * 4096, 64, 64, 64, tid);
     }
@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_kernel(const OpParams p)
       float* sGl;
       buf(s, sW, sQg, sKd, sA, sU, sGl);
       const int64_t ch = int64_t(c) * H + h;
-      if (MODE == 1) {  // the state at the chunk start, [K][V] layout
+      if (KEEP) {  // the state at the chunk start, [K][V] layout
         store_tile_t<KP, LDS>(p.ws.S0 + ch * KP * KP + ew, KP, stg, st, lane);
       }
       // Eᵀ (so far -Sᵀ Wᵀ) and Oᵀ = Sᵀ Qgᵀ over the KP keys
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_kernel(const OpParams p)
           ldsm4(b, sW + 16 * np * LDB + 16 * kk + bn_off(lane, LDB));
           mma_bf16(ae[2 * np], a, b[0], b[1]);
           mma_bf16(ae[2 * np + 1], a, b[2], b[3]);
-          if (MODE == 0) {
+          if (OUT) {
             ldsm4(b, sQg + 16 * np * LDB + 16 * kk + bn_off(lane, LDB));
             mma_bf16(ao[2 * np], a, b[0], b[1]);
             mma_bf16(ao[2 * np + 1], a, b[2], b[3]);
@@ -103,10 +103,10 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_kernel(const OpParams p)
       }
       uint32_t ea[4][4];  // Eᵀ = Uᵀ - Sᵀ Wᵀ as A fragments over the chunk rows
       e_from_u<F16, LDU>(ea, ae, sU, 16 * warp, lane);
-      if (MODE == 1) {
+      if (KEEP) {
         store_tile_t<64, LDS>(p.ws.E + ch * 64 * KP + ew, KP, stg, ae, lane);
       }
-      if (MODE == 0) {
+      if (OUT) {
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_kernel(const OpParams p)
     }
     __syncthreads();
   }
-  if (MODE == 0 && p.ht && active) store_state<KP>(st, p.ht + sh * K * V, K, V, ew, lane);
+  if (OUT && p.ht && active) store_state<KP>(st, p.ht + sh * K * V, K, V, ew, lane);
 }
 
 template <int KP, int NW>
@@ -260,20 +260,20 @@ void set_smem(F* f, size_t bytes) {
   cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
 }
 
+template <int KP, int NW, int MODE>
+void fwd_mode(const OpParams& p, dim3 grid, size_t smem, cudaStream_t s) {
+  static bool a = false;
+  if (!a) set_smem(recur_fwd_kernel<KP, NW, MODE>, smem), a = true;
+  recur_fwd_kernel<KP, NW, MODE><<<grid, NW * 32, smem, s>>>(p);
+}
 template <int KP, int NW>
 void fwd_t(const OpParams& p, int N, int mode, cudaStream_t s) {
   const size_t smem = RecSmem<KP, NW>::bytes;
   const int TW = (p.V + 15) / 16;
   const dim3 grid((TW + NW - 1) / NW, p.H, N);
-  if (mode == 0) {
-    static bool a = false;
-    if (!a) set_smem(recur_fwd_kernel<KP, NW, 0>, smem), a = true;
-    recur_fwd_kernel<KP, NW, 0><<<grid, NW * 32, smem, s>>>(p);
-  } else {
-    static bool a = false;
-    if (!a) set_smem(recur_fwd_kernel<KP, NW, 1>, smem), a = true;
-    recur_fwd_kernel<KP, NW, 1><<<grid, NW * 32, smem, s>>>(p);
-  }
+  if (mode == 0) fwd_mode<KP, NW, 0>(p, grid, smem, s);
+  else if (mode == 1) fwd_mode<KP, NW, 1>(p, grid, smem, s);
+  else fwd_mode<KP, NW, 2>(p, grid, smem, s);
 }
 template <int KP, int NW>
 void bwd_t(const OpParams& p, int N, cudaStream_t s) {

@@ -11,6 +11,7 @@
 // state never leaves registers. B tiles are [64][64] panels in the 128-byte swizzle (16-byte chunk c of row
 // r at chunk c ^ (r % 8)), written by cp.async and handed to the async proxy by a proxy fence.
 #include <cstdlib>
+#include <type_traits>
 
 #include "ops/kda/cuda/launch.hpp"
 #include "ops/kda/cuda/recur_common.cuh"
@@ -81,7 +82,7 @@ struct WgSmem {
   static constexpr size_t ATILE = 64 * 64 * 2;  // A_qk: one panel
   static constexpr size_t U = size_t(64) * LDU * 2;
   static constexpr size_t stage = (3 * TILE + ATILE + U + 128 * 4 + 1023) / 1024 * 1024;
-  // per warp, 16 columns of O (64 rows) or, in mode 1, of the chunk-start state (KP rows) and E
+  // per warp, 16 columns of O (64 rows) or, in modes 1 and 2, also of the chunk-start state (KP rows) and E
   static constexpr size_t staging = size_t(NW) * (MODE == 0 ? 64 : 128) * LDS * 2;
   static constexpr size_t bytes = 2 * stage + staging + 1024;   // + alignment of the dynamic base
 };
@@ -97,11 +98,12 @@ __device__ __forceinline__ void load_swz(unsigned char* s, const bf16* g, int ti
   }
 }
 
-// MODE 0: O and ht; MODE 1 (for the backward): the state at every chunk start (S0) and E, bf16 throughout.
+// MODE 0: O and ht; MODE 1 (for the backward): the state at every chunk start (S0) and E, bf16 throughout;
+// MODE 2 (a forward that keeps them for the backward): both, bf16 throughout, so S0 and E are mode 1's bit for bit.
 template <int NW, int MODE>
 __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpParams p) {
   using SM = WgSmem<NW, MODE>;
-  constexpr bool F16 = MODE == 0;
+  constexpr bool F16 = MODE == 0, OUT = MODE != 1, KEEP = MODE != 0;
   constexpr int KP = 128, LDU = SM::LDU, LDS = SM::LDS, NT = NW * 32;
   constexpr size_t TILE = SM::TILE, ATILE = SM::ATILE;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -116,7 +118,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
     const int64_t ch = int64_t(c) * H + h;
     load_swz<128, NT>(b, p.ws.W + ch * 64 * KP, tid);
     load_swz<128, NT>(b + 2 * TILE, p.ws.Kd + ch * 64 * KP, tid);
-    if (MODE == 0) {
+    if (OUT) {
       load_swz<128, NT>(b + TILE, p.ws.Qg + ch * 64 * KP, tid);
       load_swz<64, NT>(b + 3 * TILE, p.ws.Aqk + ch * 4096, tid);
     }
@@ -142,7 +144,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
     const bf16* sU = reinterpret_cast<const bf16*>(b + 3 * TILE + ATILE);
     const float* sGl = reinterpret_cast<const float*>(b + 3 * TILE + ATILE + SM::U);
     const int64_t ch = int64_t(c) * H + h;
-    if (MODE == 1) {  // the state at the chunk start, [K][V] layout
+    if (KEEP) {  // the state at the chunk start, [K][V] layout
       store_tile_t<KP, LDS>(p.ws.S0 + ch * KP * KP + ew, KP, stg, st, lane);
     }
 
@@ -160,7 +162,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
     for (int kk = 0; kk < KP / 16; ++kk) {
       const size_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
       wg_m64n64k16_rs_bf16(ae, sa[kk], hp::wg_desc(b + off), 1);
-      if (MODE == 0) wg_m64n64k16_rs_bf16(ao, sa[kk], hp::wg_desc(b + TILE + off), 1);
+      if (OUT) wg_m64n64k16_rs_bf16(ao, sa[kk], hp::wg_desc(b + TILE + off), 1);
     }
     hp::wg_commit();
     hp::wg_wait<0>();
@@ -168,13 +170,15 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
     fence_acc(ao);
     uint32_t ea[4][4];  // Eᵀ = Uᵀ - Sᵀ Wᵀ as A fragments over the chunk rows
     e_from_u<F16, LDU>(ea, ae, sU, 16 * warp, lane);
-    if (MODE == 1) {
-      store_tile_t<64, LDS>(p.ws.E + ch * 64 * KP + ew, KP, stg, ae, lane);
-    } else {
-      // Oᵀ += Eᵀ A_qkᵀ (A_qk K-major, fp16)
+    if (KEEP) store_tile_t<64, LDS>(p.ws.E + ch * 64 * KP + ew, KP, stg, ae, lane);
+    if (OUT) {
+      // Oᵀ += Eᵀ A_qkᵀ (A_qk K-major, fp16 in mode 0)
       hp::wg_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wg_m64n64k16_rs_f16(ao, ea[kk], hp::wg_desc(b + 3 * TILE + kk * 32), 1);
+      for (int kk = 0; kk < 4; ++kk) {
+        if constexpr (F16) wg_m64n64k16_rs_f16(ao, ea[kk], hp::wg_desc(b + 3 * TILE + kk * 32), 1);
+        else wg_m64n64k16_rs_bf16(ao, ea[kk], hp::wg_desc(b + 3 * TILE + kk * 32), 1);
+      }
       hp::wg_commit();
       hp::wg_wait<0>();
       fence_acc(ao);
@@ -190,7 +194,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
     for (int kk = 0; kk < 4; ++kk)
       wg_n128_tb<F16>(st, ea[kk], hp::wg_desc_mn(b + 2 * TILE + kk * 16 * 128, 8192));
     hp::wg_commit();
-    if (MODE == 0) {
+    if (OUT) {
       stage_t<8, LDS>(stg, ao, lane);
       __syncwarp();
       const ChunkInfo ci = p.chunks[c];
@@ -207,7 +211,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
     fence_acc(st);
     __syncthreads();  // stage s is free for chunk c + 2
   }
-  if (MODE == 0 && p.ht) store_state<KP>(st, p.ht + sh * K * V, K, V, ew, lane);
+  if (OUT && p.ht) store_state<KP>(st, p.ht + sh * K * V, K, V, ew, lane);
 }
 
 template <int NW, int MODE>
@@ -344,8 +348,14 @@ bool launch_recur_bwd_wgmma(const OpParams& p, int NW, int N, cudaStream_t s) {
 
 bool launch_recur_fwd_wgmma(const OpParams& p, int NW, int N, int mode, cudaStream_t s) {
   if (!use_wgmma(p, NW)) return false;
-  if (NW == 8) mode ? launch_nw<8, 1>(p, N, s) : launch_nw<8, 0>(p, N, s);
-  else mode ? launch_nw<4, 1>(p, N, s) : launch_nw<4, 0>(p, N, s);
+  auto go = [&](auto nw) {
+    constexpr int W = decltype(nw)::value;
+    if (mode == 0) launch_nw<W, 0>(p, N, s);
+    else if (mode == 1) launch_nw<W, 1>(p, N, s);
+    else launch_nw<W, 2>(p, N, s);
+  };
+  if (NW == 8) go(std::integral_constant<int, 8>{});
+  else go(std::integral_constant<int, 4>{});
   return true;
 }
 
