@@ -46,6 +46,7 @@ int kda(int reps_arg, bool prof) {
     Shape s;
     // tb, te: the A-tile stage, bounded / exact; db, de: its diagonal tiles alone
     double fb, fs, fbb, fbs, pb, pe, fe, fbe, rec, tb, te, head, db, de;
+    double kf, kfb;  // training pair, bounded: the forward keeping its tensors (`saved`), and with the backward
   };
   std::vector<Row> rows;
   for (const Shape& s : shapes) {
@@ -82,7 +83,7 @@ int kda(int reps_arg, bool prof) {
       return 0;
     }
     const int rf = reps * 2, rb = reps;
-    Row r{s, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    Row r{s, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
     // The A-tile stage: prep through the tiles minus prep up to them (same inputs, same launch shape).
     auto tile_stage = [&](double* before_out, double* diag_out) {
       const double before = median_ms([&] { kc::run_forward_stage(p, in, o, kc::Stage::PrepBeforeTiles); }, 3, rf);
@@ -99,6 +100,18 @@ int kda(int reps_arg, bool prof) {
     r.pb = median_ms([&] { kc::run_forward_stage(p, in, o, kc::Stage::Prep); }, 3, rf);
     r.rec = median_ms([&] { kc::run_forward_stage(p, in, o, kc::Stage::Recurrence); }, 3, rf);
     r.tb = tile_stage(&r.head, &r.db);
+    {
+      void* saved = nullptr;
+      CK(cudaMalloc(&saved, kc::saved_bytes(p)));
+      r.kf = median_ms([&] { kc::forward(p, in, o, nullptr, nullptr, saved); }, 3, rf);
+      r.kfb = median_ms(
+          [&] {
+            kc::forward(p, in, o, nullptr, nullptr, saved);
+            kc::backward(p, in, dO, nullptr, gr, nullptr, saved);
+          },
+          2, rb);
+      CK(cudaFree(saved));
+    }
     cfg(GateForm::LowerBound, DiagPath::Exact);
     r.fe = median_ms(fwd, 3, rf);
     r.fbe = median_ms(fb, 2, rb);
@@ -142,6 +155,12 @@ int kda(int reps_arg, bool prof) {
     std::printf("(%d,%d,%d,%d)%*s | %9.3f / %9.3f   | %9.2f / %9.2f   | %10.3f / %10.3f  | %10.2f / %10.2f\n", r.s.B,
                 r.s.T, r.s.H, r.s.K, int(20 - 13 - std::log10(double(r.s.T)) - std::log10(double(r.s.H))), "", r.fb, r.fs,
                 r.s.peer_fwd_b, r.s.peer_fwd_s, r.fbb, r.fbs, r.s.peer_fb_b, r.s.peer_fb_s);
+  std::printf("\ntraining pair, bounded: the forward keeps its intra-chunk tensors and chunk-start states for the"
+              " backward (as `longmoe train` runs it)\n");
+  std::printf("%-20s | %-10s | %-14s | %-10s\n", "(B,T,H,K=V)", "fwd keeps", "fwd+bwd keeps", "peer");
+  for (const Row& r : rows)
+    std::printf("(%d,%d,%d,%d)%*s | %10.3f | %14.3f | %10.2f\n", r.s.B, r.s.T, r.s.H, r.s.K,
+                int(20 - 13 - std::log10(double(r.s.T)) - std::log10(double(r.s.H))), "", r.kf, r.kfb, r.s.peer_fb_b);
   std::printf("\nlower-bound gate, exact / bounded diagonal path (time ratio; > 1 means the bounded path is faster)\n");
   std::printf("%-20s | %-36s | %-14s | %-21s | %-8s | %-21s | %-8s | %-13s | %-11s | fwd TFLOP/s\n",
               "(B,T,H,K=V)", "prep bnd/exact ms (head, rec: bnd)", "prep exact/bnd", "A-tile stage bnd/exact",

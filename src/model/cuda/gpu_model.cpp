@@ -349,6 +349,16 @@ struct GpuModel::Impl {
   std::string P_(int64_t i) const { return fmt::format("model.layers.{}", i); }
 
   // ================================ KDA mixer (kda_mixer.cpp) ===================================
+  // Whether a KDA layer may keep `bytes` for its backward: yes while a quarter of the device stays free after it
+  // (long sequences then recompute in their later layers rather than run out of memory in the backward).
+  bool kda_keep_fits(const std::string& key, size_t bytes) {
+    auto it = act.find(key);
+    if (it != act.end() && it->second.p && it->second.bytes >= bytes) return true;
+    size_t free = 0, total = 0;
+    if (cudaMemGetInfo(&free, &total) != cudaSuccess) return false;
+    return free > bytes + total / 4;
+  }
+
   kc::Problem kda_problem() const {
     kc::Problem p;
     p.B = seqs.B, p.T = seqs.T, p.H = c.kda_num_heads, p.K = c.kda_head_dim, p.V = c.kda_head_dim;
@@ -405,7 +415,9 @@ struct GpuModel::Impl {
     }();
     if (kda_saved.size() != size_t(L)) kda_saved.assign(size_t(L), nullptr);
     const kc::Problem kp = kda_problem();
-    kda_saved[i] = training && keep ? buf(K(i, "kda_saved"), kc::saved_bytes(kp)) : nullptr;
+    kda_saved[i] = training && keep && kda_keep_fits(K(i, "kda_saved"), kc::saved_bytes(kp))
+                       ? buf(K(i, "kda_saved"), kc::saved_bytes(kp))
+                       : nullptr;
     kc::forward(kp, in, o, nullptr, nullptr, kda_saved[i]);
     sec.emplace(section("kda.onorm.fwd"));
     oc::rmsnorm_gated_forward(o, go, M(A + "o_norm.weight"), on, orstd, n * H, Kd, eps());
