@@ -138,6 +138,10 @@ struct GpuModel::Impl {
     cudaEvent_t done = nullptr;
   };
   std::vector<HostOffsets> offsets_h;
+  // The copies of offsets_h run on `side` (non-blocking, so it never joins the default stream implicitly) after
+  // `permuted`: the expert GEMMs do not queue behind a device-to-host copy.
+  cudaStream_t side = nullptr;
+  cudaEvent_t permuted = nullptr;
   int64_t rows = 0;
   Seqs seqs;
   // AttnRes states of the last forward (buffers in `act`): each layer's input state, the closed blocks, and the
@@ -174,6 +178,10 @@ struct GpuModel::Impl {
       ck(cudaMallocHost(reinterpret_cast<void**>(&offsets_h[i].p), sizeof(int32_t) * (c.num_experts + 1)),
          "cudaMallocHost");
       ck(cudaEventCreateWithFlags(&offsets_h[i].done, cudaEventDisableTiming), "cudaEventCreate");
+      if (!side) {
+        ck(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate");
+        ck(cudaEventCreateWithFlags(&permuted, cudaEventDisableTiming), "cudaEventCreate");
+      }
     }
   }
   ~Impl() {
@@ -181,6 +189,8 @@ struct GpuModel::Impl {
       if (o.p) cudaFreeHost(o.p);
       if (o.done) cudaEventDestroy(o.done);
     }
+    if (permuted) cudaEventDestroy(permuted);
+    if (side) cudaStreamDestroy(side);
   }
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
@@ -649,9 +659,12 @@ struct GpuModel::Impl {
     int32_t *off = buf<int32_t>(K(i, "offsets"), size_t(E + 1) * 4), *prow = buf<int32_t>(K(i, "prow"), size_t(Mr) * 4),
             *ppos = buf<int32_t>(K(i, "ppos"), size_t(Mr) * 4);
     sec.emplace(section("moe.route.fwd"));
+    ck(cudaStreamWaitEvent(nullptr, offsets_h[i].done, 0), "wait");  // the last copy of `off` has left
     oc::moe_permute(topk_idx, n, k, E, off, prow, ppos);
-    ck(cudaMemcpyAsync(offsets_h[i].p, off, size_t(E + 1) * 4, cudaMemcpyDeviceToHost, nullptr), "offsets to host");
-    ck(cudaEventRecord(offsets_h[i].done, nullptr), "cudaEventRecord");
+    ck(cudaEventRecord(permuted, nullptr), "cudaEventRecord");
+    ck(cudaStreamWaitEvent(side, permuted, 0), "wait");
+    ck(cudaMemcpyAsync(offsets_h[i].p, off, size_t(E + 1) * 4, cudaMemcpyDeviceToHost, side), "offsets to host");
+    ck(cudaEventRecord(offsets_h[i].done, side), "cudaEventRecord");
     void *xs = buf(K(i, "xs"), size_t(Mr) * l * 2), *ab = buf(K(i, "eab"), size_t(Mr) * 2 * I * 2),
          *h = buf(K(i, "eh"), size_t(Mr) * I * 2), *eo = buf(K(i, "eo"), size_t(Mr) * l * 2);
     oc::moe_gather(z, prow, xs, n, k, l, nullptr, ldz);
