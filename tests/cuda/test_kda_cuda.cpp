@@ -84,6 +84,7 @@ struct Case {
   bool gate_f32 = false, h0 = true, dht = true;
   int64_t beta_ld = 0;  // beta_raw and dbeta_raw in rows of beta_ld (> H: strided inside a wider buffer)
   bool keep = false;     // the forward keeps its intra-chunk tensors and states for the backward (`saved`)
+  bool started = false;  // on a created stream, the recurrences recording a `started` event
   uint64_t seed = 1;
   int64_t seqs() const { return cu.empty() ? B : int64_t(cu.size()) - 1; }
   std::string name() const {
@@ -182,9 +183,15 @@ Outs run_gpu(const Case& c, const Data& d) {
   kc::Inputs in{q.p, k.p, v.p, g.p, beta.p, A.f(), dtb.f(), c.h0 ? h0.f() : nullptr};
   Dev saved(c.keep ? kc::saved_bytes(p) : 1);  // NaN-poisoned: what the forward does not leave there shows
   void* sv = c.keep ? saved.p : nullptr;
-  kc::forward(p, in, o.p, ht.f(), nullptr, sv);
+  void* st = c.started ? kc::stream_create() : nullptr;
+  void* ev = c.started ? kc::event_create() : nullptr;
+  kc::synchronize();  // the poisoning memsets ran on the default stream, which a created stream does not wait for
+  kc::forward(p, in, o.p, ht.f(), st, sv, ev);
   kc::Grads gr{dq.p, dk.p, dv.p, dg.p, db.p, dA.f(), ddt.f(), dh0.f()};
-  kc::backward(p, in, dO.p, c.dht ? dht.f() : nullptr, gr, nullptr, sv);
+  kc::backward(p, in, dO.p, c.dht ? dht.f() : nullptr, gr, st, sv, ev);
+  kc::synchronize();
+  kc::event_destroy(ev);
+  kc::stream_destroy(st);
   kc::synchronize();
   Outs r;
   r.o = down_bf16(o, nv), r.ht = down_f32(ht, ns);
@@ -269,6 +276,12 @@ TEST(KdaCuda, SavedForBackward) {
       EXPECT_LE(e, i < 2 ? 4e-3 : 1e-5) << kNames[i];
     }
     std::printf("%s\n", line.c_str());
+    // The same on a created stream with the recurrences recording a `started` event (launched through
+    // cudaLaunchKernelEx with a programmatic event): the same kernels and results.
+    c.started = true;
+    const Outs ev = run_gpu(c, d);
+    const auto e3 = fields(ev);
+    for (int i = 0; i < 10; ++i) EXPECT_LE(err(*b[i], *e3[i]), i < 2 ? 0.0 : 1e-5) << kNames[i] << " with `started`";
   }
 }
 

@@ -142,6 +142,29 @@ struct GpuModel::Impl {
   // `permuted`: the expert GEMMs do not queue behind a device-to-host copy.
   cudaStream_t side = nullptr;
   cudaEvent_t permuted = nullptr;
+  // `core`: a high-priority stream for the KDA operator. GEMMs off its path (the output gate's projections, o_proj's
+  // weight gradient) stay on the default stream, queued behind `started`, which the launch of the operator's
+  // recurrence records as a programmatic event (it fires once the recurrence's blocks have begun; in H200 traces it
+  // is observed when the recurrence ends): they never take SMs the recurrence's blocks need, and run beside the
+  // rest of the operator (the last wave of the chunk backward), where the priority hands freed SMs to the core.
+  // Queued before them, they took SMs first and stretched the reverse recurrence from 200 to ~330 us.
+  // fork(): core waits for everything queued on the default stream; join(): the default stream waits for core.
+  // Both within one KDA layer, so no scratch buffer is reused across them. LONGMOE_OVERLAP=0: one stream.
+  cudaStream_t core = nullptr;
+  cudaEvent_t fork_ev = nullptr, join_ev = nullptr, started = nullptr;
+  void after_start() {
+    if (core) ck(cudaStreamWaitEvent(nullptr, started, 0), "wait");
+  }
+  void fork() {
+    if (!core) return;
+    ck(cudaEventRecord(fork_ev, nullptr), "cudaEventRecord");
+    ck(cudaStreamWaitEvent(core, fork_ev, 0), "wait");
+  }
+  void join() {
+    if (!core) return;
+    ck(cudaEventRecord(join_ev, core), "cudaEventRecord");
+    ck(cudaStreamWaitEvent(nullptr, join_ev, 0), "wait");
+  }
   int64_t rows = 0;
   Seqs seqs;
   // AttnRes states of the last forward (buffers in `act`): each layer's input state, the closed blocks, and the
@@ -160,6 +183,15 @@ struct GpuModel::Impl {
       : c(cfg), d(cfg.hidden_size), V(cfg.vocab_size), L(cfg.num_hidden_layers) {
     c.validate("model config");
     LM_CHECK(available(), "no usable CUDA device");
+    const char* ov = std::getenv("LONGMOE_OVERLAP");
+    if (!(ov && ov[0] == '0')) {
+      int least = 0, greatest = 0;
+      ck(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities");
+      ck(cudaStreamCreateWithPriority(&core, cudaStreamNonBlocking, greatest), "cudaStreamCreate");
+      ck(cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming), "cudaEventCreate");
+      ck(cudaEventCreateWithFlags(&join_ev, cudaEventDisableTiming), "cudaEventCreate");
+      ck(cudaEventCreateWithFlags(&started, cudaEventDisableTiming), "cudaEventCreate");
+    }
     specs = param_specs(c);
     layout(decays);
     master.ensure(P * 4), grad.ensure(P * 4), mom1.ensure(P * 4), mom2.ensure(P * 4), wbf.ensure(P * 2);
@@ -191,6 +223,9 @@ struct GpuModel::Impl {
     }
     if (permuted) cudaEventDestroy(permuted);
     if (side) cudaStreamDestroy(side);
+    for (cudaEvent_t e : {fork_ev, join_ev, started})
+      if (e) cudaEventDestroy(e);
+    if (core) cudaStreamDestroy(core);
   }
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
@@ -408,13 +443,6 @@ struct GpuModel::Impl {
     kc::short_conv_forward(pre + 2 * HK, M(A + "v_conv1d.weight"), vc, cs);
     sec.emplace(section("kda.proj.fwd"));
     oc::linear_fwd(fa, W(A + "f_b_proj.weight"), f, DType::BF16, n, Kd, HK, false, nullptr, LF);
-    if (c.kda_full_rank_gate) {
-      oc::linear_fwd(xn, W(A + "g_proj.weight"), go, DType::BF16, n, d, HK);
-    } else {
-      void* ga = bf("ga", Kd);
-      oc::linear_fwd(xn, W(A + "g_a_proj.weight"), ga, DType::BF16, n, d, Kd);
-      oc::linear_fwd(ga, W(A + "g_b_proj.weight"), go, DType::BF16, n, Kd, HK);
-    }
     kc::Inputs in;
     in.q = qc, in.k = kc_, in.v = vc, in.g_raw = f, in.beta_raw = braw;
     in.A_log = M(A + "A_log"), in.dt_bias = M(A + "dt_bias");
@@ -428,7 +456,18 @@ struct GpuModel::Impl {
     kda_saved[i] = training && keep && kda_keep_fits(K(i, "kda_saved"), kc::saved_bytes(kp))
                        ? buf(K(i, "kda_saved"), kc::saved_bytes(kp))
                        : nullptr;
-    kc::forward(kp, in, o, nullptr, nullptr, kda_saved[i]);
+    fork();  // the core on its stream; the output gate's projections beside it
+    kc::forward(kp, in, o, nullptr, core, kda_saved[i], started);
+    sec.emplace(section("kda.proj.fwd"));
+    after_start();
+    if (c.kda_full_rank_gate) {
+      oc::linear_fwd(xn, W(A + "g_proj.weight"), go, DType::BF16, n, d, HK);
+    } else {
+      void* ga = bf("ga", Kd);
+      oc::linear_fwd(xn, W(A + "g_a_proj.weight"), ga, DType::BF16, n, d, Kd);
+      oc::linear_fwd(ga, W(A + "g_b_proj.weight"), go, DType::BF16, n, Kd, HK);
+    }
+    join();
     sec.emplace(section("kda.onorm.fwd"));
     oc::rmsnorm_gated_forward(o, go, M(A + "o_norm.weight"), on, orstd, n * H, Kd, eps());
     sec.emplace(section("kda.proj.fwd"));
@@ -453,20 +492,13 @@ struct GpuModel::Impl {
     float* orstd = get<float>(K(i, "orstd"));
     float* d_on = buf<float>("s.d_on", size_t(n) * HK * 4);
     std::optional<Timed> sec(std::in_place, section("kda.proj.bwd"));
-    oc::linear_bwd(on, W(A + "o_proj.weight"), dy, d_on, DType::F32, G(A + "o_proj.weight"), n, HK, d);
+    // o_proj's input gradient, the gated norm's backward, then the KDA core's backward on its stream, with
+    // o_proj's weight gradient and the output gate's backward beside it on this one.
+    oc::linear_bwd(on, W(A + "o_proj.weight"), dy, d_on, DType::F32, nullptr, n, HK, d);
     void *d_o = buf("s.d_o", size_t(n) * HK * 2), *d_gate = buf("s.d_gate", size_t(n) * HK * 2);
     sec.emplace(section("kda.onorm.bwd"));
     oc::rmsnorm_gated_backward(o, go, M(A + "o_norm.weight"), orstd, d_on, d_o, d_gate, G(A + "o_norm.weight"), n * H,
                                Kd, eps());
-    sec.emplace(section("kda.proj.bwd"));
-    if (c.kda_full_rank_gate) {
-      oc::linear_bwd(xn, W(A + "g_proj.weight"), d_gate, dxn, DType::F32, G(A + "g_proj.weight"), n, d, HK, false);
-    } else {
-      void* d_ga = buf("s.d_ga", size_t(n) * Kd * 2);
-      oc::linear_bwd(get(K(i, "ga")), W(A + "g_b_proj.weight"), d_gate, d_ga, DType::BF16, G(A + "g_b_proj.weight"), n,
-                     Kd, HK);
-      oc::linear_bwd(xn, W(A + "g_a_proj.weight"), d_ga, dxn, DType::F32, G(A + "g_a_proj.weight"), n, d, Kd, false);
-    }
     void *dq = buf("s.dq", size_t(n) * HK * 2), *dk = buf("s.dk", size_t(n) * HK * 2),
          *dv = buf("s.dv", size_t(n) * HK * 2), *df = buf("s.df", size_t(n) * HK * 2);
     uint16_t* dbraw = dp + 3 * HK + Kd;
@@ -477,7 +509,20 @@ struct GpuModel::Impl {
     kc::Grads gr;
     gr.dq = dq, gr.dk = dk, gr.dv = dv, gr.dg_raw = df, gr.dbeta_raw = dbraw, gr.dA_log = dA, gr.ddt_bias = ddt;
     sec.emplace(section("kda.core.bwd"));
-    kc::backward(kda_problem(), in, d_o, nullptr, gr, nullptr, kda_saved.empty() ? nullptr : kda_saved[i]);
+    fork();
+    kc::backward(kda_problem(), in, d_o, nullptr, gr, core, kda_saved.empty() ? nullptr : kda_saved[i], started);
+    sec.emplace(section("kda.proj.bwd"));
+    after_start();
+    oc::linear_bwd(on, nullptr, dy, nullptr, DType::F32, G(A + "o_proj.weight"), n, HK, d);
+    if (c.kda_full_rank_gate) {
+      oc::linear_bwd(xn, W(A + "g_proj.weight"), d_gate, dxn, DType::F32, G(A + "g_proj.weight"), n, d, HK, false);
+    } else {
+      void* d_ga = buf("s.d_ga", size_t(n) * Kd * 2);
+      oc::linear_bwd(get(K(i, "ga")), W(A + "g_b_proj.weight"), d_gate, d_ga, DType::BF16, G(A + "g_b_proj.weight"), n,
+                     Kd, HK);
+      oc::linear_bwd(xn, W(A + "g_a_proj.weight"), d_ga, dxn, DType::F32, G(A + "g_a_proj.weight"), n, d, Kd, false);
+    }
+    join();
     add_f32(G(A + "A_log"), dA, H), add_f32(G(A + "dt_bias"), ddt, HK);
     sec.emplace(section("kda.proj.bwd"));
     oc::linear_bwd(fa, W(A + "f_b_proj.weight"), df, dp + 3 * HK, DType::BF16, G(A + "f_b_proj.weight"), n, Kd, HK,

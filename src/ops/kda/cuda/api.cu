@@ -214,7 +214,7 @@ struct BenchWs {
 
 size_t saved_bytes(const Problem& p) { return layout(make_plan(p), p, Part::Kept, nullptr, nullptr); }
 
-void forward(const Problem& p, const Inputs& in, void* o, float* ht, void* stream, void* saved) {
+void forward(const Problem& p, const Inputs& in, void* o, float* ht, void* stream, void* saved, void* started) {
   check_inputs(in);
   if (!o) fail("o is required");
   const Plan pl = make_plan(p);
@@ -229,13 +229,14 @@ void forward(const Problem& p, const Inputs& in, void* o, float* ht, void* strea
   upload_tables(pl, op, s);
   detail::launch_prep(op, pl.KP, pl.bounded, pl.gate_f32, saved != nullptr, s);
   check(cudaGetLastError(), "prep kernel launch");
+  op.started = started;
   detail::launch_recur_fwd(op, pl.KP, pl.NW, pl.N, saved ? 2 : 0, s);
   check(cudaGetLastError(), "recurrence kernel launch");
   if (!saved) check(cudaFreeAsync(base, s), "workspace free");
 }
 
 void backward(const Problem& p, const Inputs& in, const void* do_, const float* dht, const Grads& gr, void* stream,
-              const void* saved) {
+              const void* saved, void* started) {
   check_inputs(in);
   if (!do_ || !gr.dq || !gr.dk || !gr.dv || !gr.dg_raw || !gr.dbeta_raw || !gr.dA_log || !gr.ddt_bias)
     fail("do and every gradient except dh0 are required");
@@ -265,6 +266,7 @@ void backward(const Problem& p, const Inputs& in, const void* do_, const float* 
     detail::launch_recur_fwd(op, pl.KP, pl.NW, pl.N, 1, s);
     check(cudaGetLastError(), "state recurrence launch");
   }
+  op.started = started;
   detail::launch_recur_bwd(op, pl.KP, pl.NW, pl.N, s);
   check(cudaGetLastError(), "reverse recurrence launch");
   detail::launch_chunk_bwd(op, pl.KP, pl.bounded, pl.gate_f32, s);
@@ -398,5 +400,21 @@ void copy_to_host(void* dst, const void* src, size_t bytes) {
 }
 void device_fill(void* p, int byte, size_t bytes) { check(cudaMemset(p, byte, bytes), "memset"); }
 void synchronize() { check(cudaDeviceSynchronize(), "synchronize"); }
+void* stream_create() {
+  cudaStream_t s = nullptr;
+  check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  return s;
+}
+void stream_destroy(void* s) {
+  if (s) cudaStreamDestroy(static_cast<cudaStream_t>(s));
+}
+void* event_create() {
+  cudaEvent_t e = nullptr;
+  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  return e;
+}
+void event_destroy(void* e) {
+  if (e) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+}
 
 }  // namespace lm::kda::cuda

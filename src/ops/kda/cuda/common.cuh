@@ -251,6 +251,8 @@ struct OpParams {
   bf16 *dq, *dk, *dv;
   void *dg_raw, *dbeta_raw;
   float *dA_log, *ddt_bias, *dh0;
+  // host only: the programmatic event of the recurrence that produces o (forward) or dS (backward), see launch.hpp
+  void* started;
 };
 
 }  // namespace lm::kda::cuda::detail

@@ -49,12 +49,16 @@ struct Grads {
 // backward() would otherwise recompute (the intra-chunk tensors and the state at every chunk start). It then
 // computes o as the backward's recomputation does (bf16 products; without `saved`, o's products with E run in
 // fp16, a little closer to fp32).
+// `started` (nullable, a cudaEvent_t created with timing disabled): recorded by the launch of the recurrence as a
+// programmatic event that fires once all its blocks have begun, so another stream can wait for it and fill the SMs
+// the recurrence leaves idle without delaying it (as the GPU model does).
 size_t saved_bytes(const Problem& p);
-void forward(const Problem& p, const Inputs& in, void* o, float* ht, void* stream = nullptr, void* saved = nullptr);
+void forward(const Problem& p, const Inputs& in, void* o, float* ht, void* stream = nullptr, void* saved = nullptr,
+             void* started = nullptr);
 // Gradients of L = sum(o * do) + sum(ht * dht); dht may be null (zero). Recomputes the forward, or, given the
 // `saved` of a forward with the same problem and inputs, starts from it (the same gradients bit for bit).
 void backward(const Problem& p, const Inputs& in, const void* do_, const float* dht, const Grads& gr,
-              void* stream = nullptr, const void* saved = nullptr);
+              void* stream = nullptr, const void* saved = nullptr, void* started = nullptr);
 
 // One token for each of S sequences (the recurrence of SPEC §2 in fp32): state [S,H,K,V] f32 updated in
 // place; q, k, g_raw [S,H,K]; v, o [S,H,V]; beta_raw [S,H]. The same fused inputs as forward().
@@ -69,6 +73,10 @@ void copy_to_device(void* dst, const void* src, size_t bytes);
 void copy_to_host(void* dst, const void* src, size_t bytes);
 void device_fill(void* p, int byte, size_t bytes);
 void synchronize();
+void* stream_create();  // a non-blocking cudaStream_t
+void stream_destroy(void* s);
+void* event_create();  // a cudaEvent_t with timing disabled (as `started` needs)
+void event_destroy(void* e);
 
 // ---- stages, for benchmarks: forward() is prep (intra-chunk: gate, cumsum, norms, A_qk, A_kk, its
 // inverse, W, U) followed by the sequential state pass with the output. run_forward_stage runs one of

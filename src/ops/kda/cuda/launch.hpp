@@ -6,6 +6,26 @@
 
 namespace lm::kda::cuda::detail {
 
+// kernel<<<grid, block, smem, s>>>(p). With p.started (an event created with timing disabled), the launch records
+// it as a programmatic event triggered at the start of every block: it fires once all of the kernel's blocks have
+// begun, so work that another stream queues behind it runs beside the kernel without delaying its blocks.
+inline void launch_recurrence(void (*kernel)(OpParams), dim3 grid, int threads, size_t smem, cudaStream_t s,
+                              const OpParams& p) {
+  if (!p.started) {
+    kernel<<<grid, threads, smem, s>>>(p);
+    return;
+  }
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid, cfg.blockDim = dim3(threads), cfg.dynamicSmemBytes = smem, cfg.stream = s;
+  cudaLaunchAttribute at{};
+  at.id = cudaLaunchAttributeProgrammaticEvent;
+  at.val.programmaticEvent.event = static_cast<cudaEvent_t>(p.started);
+  at.val.programmaticEvent.flags = 0;
+  at.val.programmaticEvent.triggerAtBlockStart = 1;
+  cfg.attrs = &at, cfg.numAttrs = 1;
+  cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
 // K1, per (chunk, head): gate, cumsum, L2 norms, A_qk, A_kk, M = (I + A_kk)^-1, W, U, Qg, Kd, Γ_last
 // (and M, P_kk for the backward when `bwd`). stop 1 / 2 (forward, benchmarks): end before / after the A tiles;
 // 3: after the diagonal tiles alone.

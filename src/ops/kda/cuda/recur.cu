@@ -264,7 +264,7 @@ template <int KP, int NW, int MODE>
 void fwd_mode(const OpParams& p, dim3 grid, size_t smem, cudaStream_t s) {
   static bool a = false;
   if (!a) set_smem(recur_fwd_kernel<KP, NW, MODE>, smem), a = true;
-  recur_fwd_kernel<KP, NW, MODE><<<grid, NW * 32, smem, s>>>(p);
+  launch_recurrence(recur_fwd_kernel<KP, NW, MODE>, grid, NW * 32, smem, s, p);
 }
 template <int KP, int NW>
 void fwd_t(const OpParams& p, int N, int mode, cudaStream_t s) {
@@ -281,7 +281,7 @@ void bwd_t(const OpParams& p, int N, cudaStream_t s) {
   const int TW = (p.V + 15) / 16;
   static bool a = false;
   if (!a) set_smem(recur_bwd_kernel<KP, NW>, smem), a = true;
-  recur_bwd_kernel<KP, NW><<<dim3((TW + NW - 1) / NW, p.H, N), NW * 32, smem, s>>>(p);
+  launch_recurrence(recur_bwd_kernel<KP, NW>, dim3((TW + NW - 1) / NW, p.H, N), NW * 32, smem, s, p);
 }
 
 }  // namespace

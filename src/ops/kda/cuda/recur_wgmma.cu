@@ -223,7 +223,7 @@ void launch_nw(const OpParams& p, int N, cudaStream_t s) {
     cudaFuncSetAttribute(recur_fwd_wgmma_kernel<NW, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     attr = true;
   }
-  recur_fwd_wgmma_kernel<NW, MODE><<<dim3(128 / (16 * NW), p.H, N), NW * 32, smem, s>>>(p);
+  launch_recurrence(recur_fwd_wgmma_kernel<NW, MODE>, dim3(128 / (16 * NW), p.H, N), NW * 32, smem, s, p);
 }
 
 // The reverse recurrence (recur.cu's recur_bwd_kernel): dS at every chunk end, dE, dh0; bf16 operands.
@@ -322,7 +322,7 @@ void launch_bwd_nw(const OpParams& p, int N, cudaStream_t s) {
     cudaFuncSetAttribute(recur_bwd_wgmma_kernel<NW>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     attr = true;
   }
-  recur_bwd_wgmma_kernel<NW><<<dim3(128 / (16 * NW), p.H, N), NW * 32, smem, s>>>(p);
+  launch_recurrence(recur_bwd_wgmma_kernel<NW>, dim3(128 / (16 * NW), p.H, N), NW * 32, smem, s, p);
 }
 
 bool use_wgmma(const OpParams& p, int NW) {
