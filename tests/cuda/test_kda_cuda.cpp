@@ -192,7 +192,6 @@ Outs run_gpu(const Case& c, const Data& d) {
   kc::synchronize();
   kc::event_destroy(ev);
   kc::stream_destroy(st);
-  kc::synchronize();
   Outs r;
   r.o = down_bf16(o, nv), r.ht = down_f32(ht, ns);
   r.dq = down_bf16(dq, nqk), r.dk = down_bf16(dk, nqk), r.dv = down_bf16(dv, nv);

@@ -453,9 +453,8 @@ struct GpuModel::Impl {
     }();
     if (kda_saved.size() != size_t(L)) kda_saved.assign(size_t(L), nullptr);
     const kc::Problem kp = kda_problem();
-    kda_saved[i] = training && keep && kda_keep_fits(K(i, "kda_saved"), kc::saved_bytes(kp))
-                       ? buf(K(i, "kda_saved"), kc::saved_bytes(kp))
-                       : nullptr;
+    const size_t kb = training && keep ? kc::saved_bytes(kp) : 0;
+    kda_saved[i] = kb && kda_keep_fits(K(i, "kda_saved"), kb) ? buf(K(i, "kda_saved"), kb) : nullptr;
     fork();  // the core on its stream; the output gate's projections beside it
     kc::forward(kp, in, o, nullptr, core, kda_saved[i], started);
     sec.emplace(section("kda.proj.fwd"));

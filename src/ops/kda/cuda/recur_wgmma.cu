@@ -11,7 +11,6 @@
 // state never leaves registers. B tiles are [64][64] panels in the 128-byte swizzle (16-byte chunk c of row
 // r at chunk c ^ (r % 8)), written by cp.async and handed to the async proxy by a proxy fence.
 #include <cstdlib>
-#include <type_traits>
 
 #include "ops/kda/cuda/launch.hpp"
 #include "ops/kda/cuda/recur_common.cuh"
@@ -226,6 +225,13 @@ void launch_nw(const OpParams& p, int N, cudaStream_t s) {
   launch_recurrence(recur_fwd_wgmma_kernel<NW, MODE>, dim3(128 / (16 * NW), p.H, N), NW * 32, smem, s, p);
 }
 
+template <int NW>
+void launch_mode(const OpParams& p, int N, int mode, cudaStream_t s) {
+  if (mode == 0) launch_nw<NW, 0>(p, N, s);
+  else if (mode == 1) launch_nw<NW, 1>(p, N, s);
+  else launch_nw<NW, 2>(p, N, s);
+}
+
 // The reverse recurrence (recur.cu's recur_bwd_kernel): dS at every chunk end, dE, dh0; bf16 operands.
 //   dEᵀ = dSᵀ Kdᵀ + dOᵀ A_qk,   dSᵀ <- dSᵀ Diag(Γ_last) + dOᵀ Qg - dEᵀ W
 // Kd is read K-major here and W, Qg, A_qk N-major: the same swizzled panels serve both descriptor kinds.
@@ -348,14 +354,8 @@ bool launch_recur_bwd_wgmma(const OpParams& p, int NW, int N, cudaStream_t s) {
 
 bool launch_recur_fwd_wgmma(const OpParams& p, int NW, int N, int mode, cudaStream_t s) {
   if (!use_wgmma(p, NW)) return false;
-  auto go = [&](auto nw) {
-    constexpr int W = decltype(nw)::value;
-    if (mode == 0) launch_nw<W, 0>(p, N, s);
-    else if (mode == 1) launch_nw<W, 1>(p, N, s);
-    else launch_nw<W, 2>(p, N, s);
-  };
-  if (NW == 8) go(std::integral_constant<int, 8>{});
-  else go(std::integral_constant<int, 4>{});
+  if (NW == 8) launch_mode<8>(p, N, mode, s);
+  else launch_mode<4>(p, N, mode, s);
   return true;
 }
 
