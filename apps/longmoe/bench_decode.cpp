@@ -72,7 +72,7 @@ int run(const Args& a) {
     for (int64_t i = seq.pos(); i < c; ++i) ids.push_back(tok(static_cast<uint64_t>(i)));
     double prefill_tps = 0;
     if (!ids.empty()) {
-      for (auto& v : seq.mla) v.reserve(static_cast<size_t>(c * cfg.mla_cache_dim()));
+      for (auto& l : seq.layers) l.rows.reserve(static_cast<size_t>(c * l.row_width));
       const auto t0 = std::chrono::steady_clock::now();
       s.prefill(seq, ids);
       prefill_tps = static_cast<double>(ids.size()) /

@@ -6,11 +6,10 @@
 //         Hm MLA heads, R kv_lora_rank, Dr qk_rope_head_dim, RD = R + Dr, T tokens in a sequence,
 //         S sequences decoded together, n tokens of one prefill chunk, Cp the prefill chunk.
 //
-// Cache of one sequence (fp32 on the CPU):
-//   KDA layer:  S_state [H, K, V] and the last W-1 inputs of the q, k, v convolutions [3, HK, W-1];
-//   MLA layer:  the latent rows [RMSNorm_kv(c) ; k_r]  [T, RD]  (nothing per head);
-//   AttnRes:    nothing: every read is over the depth sources of its own token, which the walk over the
-//               layers rebuilds for the new tokens alone.
+// Cache of one sequence (fp32 on the CPU): one model::LayerCache per layer, laid out as the layer's mixer
+// describes it (cache_spec: a KDA layer's state and conv inputs, an MLA layer's latent rows [T, RD]). AttnRes
+// keeps nothing: every read is over the depth sources of its own token, which the walk rebuilds for the new
+// tokens alone. The session walks the stack plan and calls each layer's own prefill / decode.
 // Prefill runs a prompt in chunks whose boundaries sit on the absolute grid of multiples of Cp
 // (the first chunk of a continued sequence ends at the next grid point): KDA carries its state through
 // h0/ht and the conv caches, MLA attends (absorbed, causal with an offset) to the latent cache so far.
@@ -18,9 +17,8 @@
 // depend on how the prompt arrived; prefix-cache snapshots are taken at grid points, so resuming one
 // and prefilling the rest gives the same bits as a fresh prefill.
 // Decode: one token for each of S sequences; projections, FFNs and MoE are one GEMM over the S rows;
-// KDA is the recurrent step, MLA the absorbed form over each sequence's latent cache (q̃ = W_UKᵀ q_nope,
-// o = W_UV ō), AttnRes reads are batched per block (phase 1 over the closed blocks for every read of
-// the block, phase 2 with the partial sum).
+// KDA is the recurrent step, MLA the absorbed form over each sequence's latent cache; AttnRes reads are
+// batched per block (phase 1 over the closed blocks for every read of the block, phase 2 with the partial sum).
 // Not thread-safe: one thread drives a Session (the server's scheduler).
 #include <chrono>
 #include <cstdint>
@@ -49,10 +47,8 @@ class Sequence {
   int64_t cache_bytes() const;
   int64_t cache_capacity_bytes() const;
 
-  std::vector<int32_t> tokens;               // [T]
-  std::vector<std::vector<float>> kda_state;  // per KDA layer [H, K, V]
-  std::vector<std::vector<float>> kda_conv;   // per KDA layer [3, HK, W-1]: q, k, v histories
-  std::vector<std::vector<float>> mla;        // per MLA layer [T, RD] (capacity grows in steps)
+  std::vector<int32_t> tokens;                  // [T]
+  std::vector<model::LayerCache<float>> layers;  // [L], each as its layer's cache_spec() lays it out
   // Every cached value came from prefill chunks on the absolute grid, so the caches equal a fresh prefill's
   // bit for bit; only such sequences feed the prefix cache. Cleared by decode and by a prefill that starts
   // off the grid.
@@ -114,27 +110,22 @@ class Session {
   // Runs `n` new tokens of one sequence (prefill chunk) or one token of each of `seqs` (decode) through
   // the stack; writes the final-normed hidden [rows, d].
   void walk(const std::vector<Sequence*>& seqs, const int32_t* ids, int64_t rows, bool decode, float* hn);
-  void kda_prefill(int64_t layer, Sequence& s, const float* x, int64_t n, float* y);
-  void kda_decode(int64_t layer, const std::vector<Sequence*>& seqs, const float* x, float* y);
-  void mla_prefill(int64_t layer, Sequence& s, const float* x, int64_t n, float* y);
-  void mla_decode(int64_t layer, const std::vector<Sequence*>& seqs, const float* x, float* y);
-  void mla_queries(int64_t layer, const float* x, int64_t rows, float* qa);  // [rows, Hm, RD] absorbed
-  void mla_output(int64_t layer, const float* x, const float* o_lat, int64_t rows, float* y);
+  void check_sequence(const Sequence& s, const char* what, int64_t index) const;
   void check_ids(std::span<const int32_t> ids) const;
   void store_prefix(const Sequence& s);
 
   model::Model<float>& m_;
   const model::ModelConfig& cfg_;
+  const model::StackPlan& plan_;
   SessionOptions opt_;
   int64_t max_ctx_;
-  std::vector<int64_t> kda_slot_, mla_slot_;  // layer -> index into Sequence::kda_* / mla (or -1)
+  std::vector<model::CacheSpec> specs_;  // [L] the mixers' cache layouts
   const float* embed_;
   const float* lm_head_;
   const float* final_norm_;
   std::vector<const float*> ln1_, ln2_;
-  // AttnRes per block b: the pseudo-queries and gains of the reads that share its closed sources,
-  // [Q_b, d] each, in walk order: (mlp read of the first layer), then attn and mlp reads of the others,
-  // then the output read for the last block. The first layer's attention read is separate.
+  // AttnRes per block b: the pseudo-queries and gains of the reads that share its closed sources
+  // (StackPlan::block_reads), [Q_b, d] each, in walk order.
   struct BlockReads {
     std::vector<float> w, g;
     int64_t Q = 0;
@@ -157,11 +148,5 @@ class Session {
 
 // FNV-1a over token ids (prefix-cache key; collisions are ruled out by comparing the tokens).
 uint64_t hash_tokens(std::span<const int32_t> t);
-
-// Causal absorbed attention of n queries at positions p..p+n-1 over latent rows [0, p+n) (SPEC §3):
-// qa [n, Hm, RD] = [q̃ ; q_rope] per head; cache [p+n, RD] = [c ; k_r]; o_lat [n, Hm, R] = Σ p c.
-// Query tiles run in parallel with an online softmax over key tiles.
-void mla_prefill_attention(const float* qa, const float* cache, int64_t p, int64_t n, int64_t Hm, int64_t R,
-                           int64_t Dr, float scale, float* o_lat);
 
 }  // namespace lm::infer

@@ -6,13 +6,16 @@
 //         Hm MLA heads, Dn/Dr/Dv MLA nope/rope/value head dims, R kv_lora_rank, I FFN width,
 //         E experts, k experts per token, l latent width (routed_expert_hidden_size).
 // Conventions: forward(x, y) writes y [rows, d] from the normed input x [rows, d]; backward(dy, dx)
-// writes dx [rows, d] and accumulates parameter gradients (when the store has them).
+// writes dx [rows, d] and accumulates parameter gradients (when the store has them). The mixers also run
+// inference over a per-sequence cache whose layout they describe (cache_spec, model/cache.hpp): prefill(n new
+// tokens of one sequence) and decode(one new token for each of S sequences); both keep nothing for a backward.
 #include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "model/cache.hpp"
 #include "model/config.hpp"
 #include "model/params.hpp"
 #include "model/seqs.hpp"
@@ -26,13 +29,28 @@ template <class F>
 using Buf = std::vector<F>;
 
 // ---- KDA mixer (SPEC §2) -------------------------------------------------------------------------
+// The input projections of the KDA mixer, shared by training, prefill and decode.
+template <class F>
+struct KdaProjections {
+  Buf<F> qp, kp, vp;   // [rows, HK] before the short convs
+  Buf<F> fa, f;        // [rows, K] low-rank forget-gate input, [rows, HK] raw gate input
+  Buf<F> braw;         // [rows, H] β logits
+  Buf<F> ga, gate_o;   // [rows, K] low-rank output-gate input (unless full rank), [rows, HK] output gate
+};
+
 template <class F>
 class KdaMixer {
  public:
   KdaMixer(const ModelConfig& c, ParamStore<F>& ps, int layer);
   void forward(const F* x, F* y, const Seqs& s);
   void backward(const F* dy, F* dx, const Seqs& s);
-  // Decode support (infer/): the pieces of forward for one new token per sequence.
+  // Cache: "S" [H, K, V] state and "conv" [3, HK, W-1] short-conv inputs (model/cache.hpp).
+  CacheSpec cache_spec() const;
+  // n new tokens of one sequence after those its cache holds: chunked KDA from the cached state.
+  void prefill(LayerCache<F>& cache, const F* x, int64_t n, F* y);
+  // One new token for each of S = caches.size() sequences: the recurrent step.
+  void decode(const std::vector<LayerCache<F>*>& caches, const F* x, F* y);
+
   const ModelConfig& config() const { return c_; }
   kda::GateParams gate() const { return gate_; }
   F scale() const { return static_cast<F>(1.0 / std::sqrt(static_cast<double>(K_))); }
@@ -40,11 +58,16 @@ class KdaMixer {
       *Wgb = nullptr, *onorm, *Wo;
 
  private:
+  void project(const F* x, int64_t rows, KdaProjections<F>& p) const;
+  // y = W_o [RMSNorm_head(o) ⊙ σ(gate_o)]; on [rows, HK] and rstd [rows, H] are written.
+  void output(const F* o, const F* gate_o, int64_t rows, F* on, F* rstd, F* y) const;
+
   const ModelConfig& c_;
   int64_t d_, H_, K_, HK_, W_;
   kda::GateParams gate_;
-  // Saved by forward: x, pre-conv projections, post-conv q/k/v, gate pieces, core output, norm rstd.
-  Buf<F> x_, qp_, kp_, vp_, qc_, kc_, vc_, fa_, f_, braw_, ga_, gate_o_, o_, rstd_, on_;
+  // Saved by forward: x, projections, post-conv q/k/v, core output, norm rstd and output.
+  Buf<F> x_, qc_, kc_, vc_, o_, rstd_, on_;
+  KdaProjections<F> p_;
   Buf<F> states_;  // KDA chunk-start states from forward, reused by backward
 };
 
@@ -55,12 +78,31 @@ class GatedMla {
   GatedMla(const ModelConfig& c, ParamStore<F>& ps, int layer);
   void forward(const F* x, F* y, const Seqs& s);
   void backward(const F* dy, F* dx, const Seqs& s);
+  // Cache: one latent row [RMSNorm_kv(c) ; k_r] of R + Dr values per token, nothing per head.
+  CacheSpec cache_spec() const;
+  // Absorbed attention (q̃ = W_UKᵀ q_nope, o = W_UV ō) over the latent rows: n new tokens of one sequence
+  // (causal over the cache and the chunk), or one new token for each of S = caches.size() sequences.
+  void prefill(LayerCache<F>& cache, const F* x, int64_t n, F* y);
+  void decode(const std::vector<LayerCache<F>*>& caches, const F* x, F* y);
+
   const ModelConfig& config() const { return c_; }
   F scale() const { return static_cast<F>(1.0 / std::sqrt(static_cast<double>(Dn_ + Dr_))); }
   Param<F> *Wqa = nullptr, *qa_norm = nullptr, *Wqb = nullptr, *Wq = nullptr, *Wkva, *kva_norm, *Wkvb, *Wo,
            *Wg = nullptr;
 
  private:
+  // q [rows, Hm, Dq] (qa, qan, qa_rstd: the q-LoRA intermediates, kept by forward).
+  void queries(const F* x, int64_t rows, Buf<F>& qa, Buf<F>& qan, Buf<F>& qa_rstd, F* q) const;
+  // ckr = W_kva x [rows, RD] and cn = RMSNorm_kv(c) into rows of stride ldcn (c_rstd nullable).
+  void latent(const F* x, int64_t rows, F* ckr, F* cn, int64_t ldcn, F* c_rstd) const;
+  // y = W_o (o ⊙ σ(W_G x)) (graw, og: the gate's logits and output, resized; unused without a gate).
+  void output(const F* x, const F* o, int64_t rows, Buf<F>& graw, Buf<F>& og, F* y) const;
+  // Absorbed pieces: qabs [rows, Hm, RD] = per head [W_UK,hᵀ q_nope,h ; q_rope,h]; o [rows, Hm, Dv] = W_UV,h ō_h.
+  void absorb_queries(const F* x, int64_t rows, F* qabs) const;
+  void expand_values(const F* o_lat, int64_t rows, F* o) const;
+  // The latent rows of `rows` new tokens [rows, RD].
+  void latent_rows(const F* x, int64_t rows, F* dst) const;
+
   const ModelConfig& c_;
   int64_t d_, Hm_, Dn_, Dr_, Dv_, R_, Q_;  // Q_: q_lora_rank (0 without)
   Buf<F> x_, qa_, qa_rstd_, qan_, q_, ckr_, c_rstd_, cn_, kv_, k_, v_, o_, lse_, graw_, og_;

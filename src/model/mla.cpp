@@ -54,22 +54,45 @@ GatedMla<F>::GatedMla(const ModelConfig& c, ParamStore<F>& ps, int layer)
 }
 
 template <class F>
+void GatedMla<F>::queries(const F* x, int64_t rows, Buf<F>& qa, Buf<F>& qan, Buf<F>& qa_rstd, F* q) const {
+  const int64_t d = d_, H = Hm_, Dq = Dn_ + Dr_;
+  if (Q_) {
+    qa.resize(rows * Q_), qan.resize(rows * Q_), qa_rstd.resize(rows);
+    linear_forward(x, Wqa->w(), qa.data(), rows, d, Q_);
+    ops::rmsnorm_forward(qa.data(), qa_norm->w(), qan.data(), qa_rstd.data(), rows, Q_, static_cast<F>(kLoraEps));
+    linear_forward(qan.data(), Wqb->w(), q, rows, Q_, H * Dq);
+  } else {
+    linear_forward(x, Wq->w(), q, rows, d, H * Dq);
+  }
+}
+
+template <class F>
+void GatedMla<F>::latent(const F* x, int64_t rows, F* ckr, F* cn, int64_t ldcn, F* c_rstd) const {
+  const int64_t RD = R_ + Dr_;
+  linear_forward(x, Wkva->w(), ckr, rows, d_, RD);
+  ops::rmsnorm_forward(ckr, kva_norm->w(), cn, c_rstd, rows, R_, static_cast<F>(kLoraEps), RD, ldcn);
+}
+
+template <class F>
+void GatedMla<F>::output(const F* x, const F* o, int64_t rows, Buf<F>& graw, Buf<F>& og, F* y) const {
+  const int64_t HV = Hm_ * Dv_;
+  if (Wg) {
+    graw.resize(rows * HV), og.resize(rows * HV);
+    linear_forward(x, Wg->w(), graw.data(), rows, d_, HV);
+    for (int64_t i = 0; i < rows * HV; ++i) og[i] = o[i] * sigmoid(graw[i]);
+    o = og.data();
+  }
+  linear_forward(o, Wo->w(), y, rows, HV, d_);
+}
+
+template <class F>
 void GatedMla<F>::forward(const F* x, F* y, const Seqs& s) {
   const int64_t rows = s.rows(), d = d_, H = Hm_, Dq = Dn_ + Dr_, Dkv = Dn_ + Dv_, RD = R_ + Dr_;
   x_.assign(x, x + rows * d);
   q_.resize(rows * H * Dq);
-  if (Q_) {
-    qa_.resize(rows * Q_), qan_.resize(rows * Q_), qa_rstd_.resize(rows);
-    linear_forward(x, Wqa->w(), qa_.data(), rows, d, Q_);
-    ops::rmsnorm_forward(qa_.data(), qa_norm->w(), qan_.data(), qa_rstd_.data(), rows, Q_, static_cast<F>(kLoraEps));
-    linear_forward(qan_.data(), Wqb->w(), q_.data(), rows, Q_, H * Dq);
-  } else {
-    linear_forward(x, Wq->w(), q_.data(), rows, d, H * Dq);
-  }
+  queries(x, rows, qa_, qan_, qa_rstd_, q_.data());
   ckr_.resize(rows * RD), cn_.resize(rows * R_), c_rstd_.resize(rows);
-  linear_forward(x, Wkva->w(), ckr_.data(), rows, d, RD);
-  ops::rmsnorm_forward(ckr_.data(), kva_norm->w(), cn_.data(), c_rstd_.data(), rows, R_, static_cast<F>(kLoraEps), RD,
-                       R_);
+  latent(x, rows, ckr_.data(), cn_.data(), R_, c_rstd_.data());
   kv_.resize(rows * H * Dkv);
   linear_forward(cn_.data(), Wkvb->w(), kv_.data(), rows, R_, H * Dkv);
   k_.resize(rows * H * Dq), v_.resize(rows * H * Dv_);
@@ -84,14 +107,7 @@ void GatedMla<F>::forward(const F* x, F* y, const Seqs& s) {
   o_.resize(rows * H * Dv_), lse_.resize(rows * H);
   const ops::AttnDims ad = s.attn_dims(H, Dq, Dv_);
   ops::attention_forward(q_.data(), k_.data(), v_.data(), o_.data(), lse_.data(), ad, scale());
-  const F* o_in = o_.data();
-  if (Wg) {
-    graw_.resize(rows * H * Dv_), og_.resize(rows * H * Dv_);
-    linear_forward(x, Wg->w(), graw_.data(), rows, d, H * Dv_);
-    for (int64_t i = 0; i < rows * H * Dv_; ++i) og_[i] = o_[i] * sigmoid(graw_[i]);
-    o_in = og_.data();
-  }
-  linear_forward(o_in, Wo->w(), y, rows, H * Dv_, d);
+  output(x, o_.data(), rows, graw_, og_, y);
 }
 
 template <class F>
@@ -142,6 +158,98 @@ void GatedMla<F>::backward(const F* dy, F* dx, const Seqs& s) {
   } else {
     linear_backward(x, Wq->w(), dq.data(), dx, Wq->g(), rows, d, H * Dq, true);
   }
+}
+
+// ---- inference over the latent cache (absorbed form) --------------------------------------------------
+// W_kvb [Hm·(Dn + Dv), R]: per head h, rows h·(Dn+Dv) .. +Dn are W_UK,h [Dn, R], the next Dv rows W_UV,h.
+
+template <class F>
+CacheSpec GatedMla<F>::cache_spec() const {
+  CacheSpec c;
+  c.row_width = R_ + Dr_;
+  c.row_dtype = DType::BF16;
+  return c;
+}
+
+template <class F>
+void GatedMla<F>::latent_rows(const F* x, int64_t rows, F* dst) const {
+  const int64_t RD = R_ + Dr_;
+  Buf<F> ckr(rows * RD);
+  latent(x, rows, ckr.data(), dst, RD, static_cast<F*>(nullptr));
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(&ckr[r * RD + R_], Dr_, dst + r * RD + R_);
+}
+
+template <class F>
+void GatedMla<F>::absorb_queries(const F* x, int64_t rows, F* qabs) const {
+  const int64_t H = Hm_, Dq = Dn_ + Dr_, RD = R_ + Dr_;
+  Buf<F> q(rows * H * Dq), qa, qan, qa_rstd;
+  queries(x, rows, qa, qan, qa_rstd, q.data());
+  // q̃_h = W_UK,hᵀ q_nope,h (Dn -> R); q_rope is used as is (NoPE: no rotation).
+  const F* Wkvb_ = Wkvb->w();
+  for (int64_t h = 0; h < H; ++h)
+    ops::gemm(false, false, rows, R_, Dn_, F(1), q.data() + h * Dq, H * Dq, Wkvb_ + h * (Dn_ + Dv_) * R_, R_, F(0),
+              qabs + h * RD, H * RD);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < H; ++h) std::copy_n(&q[(r * H + h) * Dq + Dn_], Dr_, qabs + (r * H + h) * RD + R_);
+}
+
+template <class F>
+void GatedMla<F>::expand_values(const F* o_lat, int64_t rows, F* o) const {
+  const int64_t H = Hm_, HV = H * Dv_;
+  const F* Wkvb_ = Wkvb->w();
+  for (int64_t h = 0; h < H; ++h)
+    ops::gemm(false, true, rows, Dv_, R_, F(1), o_lat + h * R_, H * R_, Wkvb_ + (h * (Dn_ + Dv_) + Dn_) * R_, R_, F(0),
+              o + h * Dv_, HV);
+}
+
+// Appends `add` rows of `width` values, growing the capacity by at least 1/16 (and 1024 rows) so a decode
+// neither copies the cache per token nor doubles its footprint.
+template <class F>
+static void grow(std::vector<F>& v, int64_t add, int64_t width) {
+  const size_t need = v.size() + static_cast<size_t>(add * width);
+  if (need <= v.capacity()) return;
+  const size_t step = std::max<size_t>(v.capacity() / 16, static_cast<size_t>(1024 * width));
+  v.reserve(std::max(need, v.capacity() + step));
+}
+
+template <class F>
+void GatedMla<F>::prefill(LayerCache<F>& cache, const F* x, int64_t n, F* y) {
+  const int64_t H = Hm_, RD = R_ + Dr_;
+  auto& rows = cache.rows;
+  const int64_t p = cache.tokens();
+  grow(rows, n, RD);
+  rows.resize((p + n) * RD);
+  latent_rows(x, n, rows.data() + p * RD);
+  Buf<F> qabs(n * H * RD), o_lat(n * H * R_), o(n * H * Dv_), graw, og;
+  absorb_queries(x, n, qabs.data());
+  ops::mla_prefill_absorbed(qabs.data(), rows.data(), p, n, H, R_, Dr_, scale(), o_lat.data());
+  expand_values(o_lat.data(), n, o.data());
+  output(x, o.data(), n, graw, og, y);
+}
+
+template <class F>
+void GatedMla<F>::decode(const std::vector<LayerCache<F>*>& caches, const F* x, F* y) {
+  const int64_t H = Hm_, R = R_, Dr = Dr_, RD = R + Dr, S = static_cast<int64_t>(caches.size());
+  Buf<F> lat(S * RD);
+  latent_rows(x, S, lat.data());
+  Buf<F> qabs(S * H * RD), o_lat(S * H * R), ql(H * R), qr(H * Dr), o(S * H * Dv_), graw, og;
+  absorb_queries(x, S, qabs.data());
+  for (int64_t s = 0; s < S; ++s) {
+    auto& rows = caches[s]->rows;
+    grow(rows, 1, RD);
+    rows.insert(rows.end(), lat.begin() + s * RD, lat.begin() + (s + 1) * RD);
+    for (int64_t h = 0; h < H; ++h) {
+      const F* q = qabs.data() + (s * H + h) * RD;
+      std::copy_n(q, R, ql.data() + h * R);
+      std::copy_n(q + R, Dr, qr.data() + h * Dr);
+    }
+    ops::DecodeDims dd;
+    dd.H = H, dd.Tc = caches[s]->tokens(), dd.R = R, dd.Dr = Dr, dd.ldc = RD, dd.ldkr = RD;
+    ops::mla_decode_absorbed(ql.data(), Dr ? qr.data() : nullptr, rows.data(), Dr ? rows.data() + R : nullptr,
+                             o_lat.data() + s * H * R, static_cast<F*>(nullptr), dd, scale());
+  }
+  expand_values(o_lat.data(), S, o.data());
+  output(x, o.data(), S, graw, og, y);
 }
 
 template class GatedMla<float>;

@@ -1,12 +1,8 @@
 // The decoder stack (SPEC §1, §6) forward and backward, with Block AttnRes or plain residuals.
 //
-// Legend: rows tokens, d hidden, V vocabulary, L layers, bs = attn_res_block_size.
-// AttnRes wiring per layer i (prefix = partial block sum; blocks = closed sources, blocks[0] = embedding):
-//   x = blocks empty ? prefix : Read_attn(blocks ++ [prefix])
-//   if i % bs == 0: blocks.push(prefix); prefix = none
-//   prefix = (prefix ? prefix : 0) + mixer(input_layernorm(x))
-//   y = Read_mlp(blocks ++ [prefix]);  prefix += ffn(post_attention_layernorm(y))
-// end: h = Read_out(blocks ++ [prefix]) -> final norm -> lm_head.
+// Legend: rows tokens, d hidden, V vocabulary, L layers.
+// The wiring is the stack plan's (model/stack.hpp): prefix = the partial block sum, blocks_ = the closed
+// sources (blocks_[0] = embedding); the backward walks the same plan in reverse.
 #include "model/model.hpp"
 
 #include <chrono>
@@ -41,20 +37,21 @@ void add_into(F* y, const F* x, int64_t n) {
 template <class F>
 Model<F>::Model(const ModelConfig& c) : cfg_(c), ps_(cfg_) {
   cfg_.validate("model config");
+  plan_ = StackPlan::build(cfg_);
   const int64_t L = cfg_.num_hidden_layers;
   mixers_.reserve(L);
   denses_.resize(L);
   moes_.resize(L);
   for (int64_t i = 0; i < L; ++i) {
     const int li = static_cast<int>(i);
-    if (cfg_.is_kda(i)) mixers_.emplace_back(std::in_place_type<KdaMixer<F>>, cfg_, ps_, li);
+    if (plan_[i].kda()) mixers_.emplace_back(std::in_place_type<KdaMixer<F>>, cfg_, ps_, li);
     else mixers_.emplace_back(std::in_place_type<GatedMla<F>>, cfg_, ps_, li);
     const std::string P = "model.layers." + std::to_string(i);
-    if (cfg_.is_moe(i)) moes_[i] = std::make_unique<LatentMoe<F>>(cfg_, ps_, li);
+    if (plan_[i].moe()) moes_[i] = std::make_unique<LatentMoe<F>>(cfg_, ps_, li);
     else denses_[i] = std::make_unique<DenseFfn<F>>(cfg_, ps_, P + ".mlp", cfg_.intermediate_size);
     ln1_.push_back(&ps_.at(P + ".input_layernorm.weight"));
     ln2_.push_back(&ps_.at(P + ".post_attention_layernorm.weight"));
-    if (cfg_.has_attn_res()) {
+    if (plan_.attn_res) {
       attn_w_.push_back(&ps_.at(P + ".self_attention_res_proj.weight"));
       attn_g_.push_back(&ps_.at(P + ".self_attention_res_norm.weight"));
       mlp_w_.push_back(&ps_.at(P + ".mlp_res_proj.weight"));
@@ -64,7 +61,7 @@ Model<F>::Model(const ModelConfig& c) : cfg_(c), ps_(cfg_) {
   embed_ = &ps_.at("model.embed_tokens.weight");
   lm_head_ = &ps_.at("lm_head.weight");
   final_norm_ = &ps_.at("model.norm.weight");
-  if (cfg_.has_attn_res()) {
+  if (plan_.attn_res) {
     out_w_ = &ps_.at("model.output_attn_res_proj.weight");
     out_g_ = &ps_.at("model.output_attn_res_norm.weight");
   }
@@ -131,32 +128,33 @@ void Model<F>::forward_impl(const int32_t* ids, const Seqs& s, const ForwardOpti
     ops::rmsnorm_forward(x.data(), w->w(), y.data(), rstd.data(), rows, d, eps);
   };
   Buf<F> a(rows * d), f(rows * d);
-  if (cfg_.has_attn_res()) {
-    const int64_t bs = *cfg_.attn_res_block_size;
+  if (plan_.attn_res) {
     blocks_.clear();
     Buf<F> prefix = std::move(emb);
+    // The first `closed` closed blocks and the partial sum.
+    auto sources = [&](int64_t closed) {
+      std::vector<const F*> src;
+      for (int64_t j = 0; j < closed; ++j) src.push_back(blocks_[j].data());
+      src.push_back(prefix.data());
+      return src;
+    };
     for (int64_t i = 0; i < L; ++i) {
+      const LayerPlan& lp = plan_[i];
       LayerActs& A = acts_[i];
       A.prefix_in = prefix;
-      std::vector<const F*> src;
-      for (const auto& b : blocks_) src.push_back(b.data());
-      if (src.empty()) {
+      if (lp.attn_closed == 0) {
         A.x_in = prefix;
       } else {
-        src.push_back(prefix.data());
         A.x_in.resize(rows * d);
-        read(src, attn_w_[i], attn_g_[i], rows, A.x_in.data());
+        read(sources(lp.attn_closed), attn_w_[i], attn_g_[i], rows, A.x_in.data());
       }
-      const bool reset = i % bs == 0;
-      if (reset) blocks_.push_back(prefix);
+      if (lp.opens_block) blocks_.push_back(prefix);
       norm(A.x_in, ln1_[i], A.xn, A.rstd1);
       mixer_fwd(i, A.xn.data(), a.data());
-      if (reset) prefix = a;
+      if (lp.opens_block) prefix = a;
       else add_into(prefix.data(), a.data(), rows * d);
       A.prefix_mid = prefix;
-      src.clear();
-      for (const auto& b : blocks_) src.push_back(b.data());
-      src.push_back(prefix.data());
+      const std::vector<const F*> src = sources(lp.mlp_closed);
       A.y_in.resize(rows * d);
       read(src, mlp_w_[i], mlp_g_[i], rows, A.y_in.data());
       norm(A.y_in, ln2_[i], A.yn, A.rstd2);
@@ -164,12 +162,9 @@ void Model<F>::forward_impl(const int32_t* ids, const Seqs& s, const ForwardOpti
       add_into(prefix.data(), f.data(), rows * d);
       if (out && opt.hidden) out->hidden[i] = prefix;
     }
-    residual_ = std::move(prefix);
-    std::vector<const F*> src;
-    for (const auto& b : blocks_) src.push_back(b.data());
-    src.push_back(residual_.data());
     h_final_.resize(rows * d);
-    read(src, out_w_, out_g_, rows, h_final_.data());
+    read(sources(plan_.out_closed), out_w_, out_g_, rows, h_final_.data());
+    residual_ = std::move(prefix);
   } else {
     Buf<F> h = std::move(emb);
     for (int64_t i = 0; i < L; ++i) {
@@ -226,8 +221,7 @@ void Model<F>::backward_impl(const Buf<F>& d_hn, const Seqs& s) {
   Buf<F> dh_final(rows * d), dnorm_out(rows * d), dx_in(rows * d);
   norm_bwd(h_final_, final_norm_, rstd_f_, d_hn.data(), dh_final.data());
   Buf<F> d_prefix(rows * d, F(0));
-  if (cfg_.has_attn_res()) {
-    const int64_t bs = *cfg_.attn_res_block_size;
+  if (plan_.attn_res) {
     std::vector<Buf<F>> d_blocks(blocks_.size(), Buf<F>(rows * d, F(0)));
     auto sources = [&](int64_t nb, const Buf<F>& partial, Buf<F>& d_partial, std::vector<const F*>& src,
                        std::vector<F*>& dsrc) {
@@ -237,24 +231,22 @@ void Model<F>::backward_impl(const Buf<F>& d_hn, const Seqs& s) {
     };
     std::vector<const F*> src;
     std::vector<F*> dsrc;
-    sources(static_cast<int64_t>(blocks_.size()), residual_, d_prefix, src, dsrc);
+    sources(plan_.out_closed, residual_, d_prefix, src, dsrc);
     read_backward(src, dsrc, out_w_, out_g_, rows, dh_final.data());
-    // Closed blocks seen by layer i's reads: before its own push (mixer) and after it (ffn).
-    int64_t nb = static_cast<int64_t>(blocks_.size());
     for (int64_t i = L - 1; i >= 0; --i) {
+      const LayerPlan& lp = plan_[i];
       LayerActs& A = acts_[i];
-      const bool reset = i % bs == 0;
-      const int64_t nb_mlp = nb, nb_attn = reset ? nb - 1 : nb;
+      const int64_t nb_mlp = lp.mlp_closed, nb_attn = lp.attn_closed;
       // prefix_out = prefix_mid + ffn(norm2(Read_mlp(blocks ++ [prefix_mid])))
       ffn_bwd(i, d_prefix.data(), dnorm_out.data());
       Buf<F> dy_in(rows * d);
       norm_bwd(A.y_in, ln2_[i], A.rstd2, dnorm_out.data(), dy_in.data());
       sources(nb_mlp, A.prefix_mid, d_prefix, src, dsrc);
       read_backward(src, dsrc, mlp_w_[i], mlp_g_[i], rows, dy_in.data());
-      // prefix_mid = (reset ? 0 : prefix_in) + mixer(norm1(x_in))
+      // prefix_mid = (opens_block ? 0 : prefix_in) + mixer(norm1(x_in))
       mixer_bwd(i, d_prefix.data(), dnorm_out.data());
       norm_bwd(A.x_in, ln1_[i], A.rstd1, dnorm_out.data(), dx_in.data());
-      if (reset) {  // the block pushed at this layer was prefix_in
+      if (lp.opens_block) {  // the block pushed at this layer was prefix_in
         d_prefix = std::move(d_blocks[nb_attn]);
         d_blocks.pop_back();
       }
@@ -264,7 +256,6 @@ void Model<F>::backward_impl(const Buf<F>& d_hn, const Seqs& s) {
         sources(nb_attn, A.prefix_in, d_prefix, src, dsrc);
         read_backward(src, dsrc, attn_w_[i], attn_g_[i], rows, dx_in.data());
       }
-      nb = nb_attn;
     }
   } else {
     d_prefix = dh_final;

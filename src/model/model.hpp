@@ -14,6 +14,7 @@
 #include "model/layers.hpp"
 #include "model/params.hpp"
 #include "model/seqs.hpp"
+#include "model/stack.hpp"
 
 namespace lm::model {
 
@@ -47,6 +48,7 @@ class Model {
   Model& operator=(const Model&) = delete;
 
   const ModelConfig& config() const { return cfg_; }
+  const StackPlan& plan() const { return plan_; }
   ParamStore<F>& params() { return ps_; }
   const ParamStore<F>& params() const { return ps_; }
 
@@ -73,6 +75,10 @@ class Model {
   int64_t num_layers() const { return cfg_.num_hidden_layers; }
   KdaMixer<F>* kda(int64_t i) { return std::get_if<KdaMixer<F>>(&mixers_[i]); }
   GatedMla<F>* mla(int64_t i) { return std::get_if<GatedMla<F>>(&mixers_[i]); }
+  // The per-sequence cache layer i's mixer keeps for inference (model/cache.hpp).
+  CacheSpec cache_spec(int64_t i) const {
+    return std::visit([](const auto& m) { return m.cache_spec(); }, mixers_[static_cast<size_t>(i)]);
+  }
   LatentMoe<F>* moe(int64_t i) { return moes_[i].get(); }
   DenseFfn<F>* dense(int64_t i) { return denses_[i].get(); }
 
@@ -97,6 +103,7 @@ class Model {
 
   ModelConfig cfg_;
   ParamStore<F> ps_;
+  StackPlan plan_;
   std::vector<std::variant<KdaMixer<F>, GatedMla<F>>> mixers_;
   std::vector<std::unique_ptr<DenseFfn<F>>> denses_;
   std::vector<std::unique_ptr<LatentMoe<F>>> moes_;

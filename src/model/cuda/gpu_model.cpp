@@ -1,7 +1,7 @@
 // The decoder on one GPU (gpu_model.hpp): the walk of model.cpp and the sublayers of kda_mixer.cpp, mla.cpp,
 // ffn.cpp and moe.cpp, with device buffers and the CUDA kernels of ops/*/cuda.
 //
-// Legend: rows tokens, d hidden, V vocabulary, L layers, bs attn_res_block_size; KDA H heads, K = V head dim,
+// Legend: rows tokens, d hidden, V vocabulary, L layers (wired by the stack plan, model/stack.hpp); KDA H heads, K = V head dim,
 //         HK = H·K; MLA Hm heads, Dn/Dr/Dv head dims, Dq = Dn + Dr, Dkv = Dn + Dv, R kv_lora_rank, Q q_lora_rank;
 //         MoE E experts, k per token, I expert width, l latent width, M = rows·k permuted rows.
 // dtypes: GEMM operands bf16 (weights: the bf16 copy of the fp32 master); GEMM outputs that feed reductions
@@ -113,6 +113,7 @@ bool built_with_cuda() { return true; }
 struct GpuModel::Impl {
   ModelConfig c;
   int64_t d, V, L;
+  StackPlan plan;
   // ---- parameters ------------------------------------------------------------------------------
   struct Slot {
     size_t off = 0;  // elements into the flat arrays
@@ -182,6 +183,7 @@ struct GpuModel::Impl {
   explicit Impl(const ModelConfig& cfg, const std::function<bool(const ParamSpec&)>& decays)
       : c(cfg), d(cfg.hidden_size), V(cfg.vocab_size), L(cfg.num_hidden_layers) {
     c.validate("model config");
+    plan = StackPlan::build(c);
     LM_CHECK(available(), "no usable CUDA device");
     const char* ov = std::getenv("LONGMOE_OVERLAP");
     if (!(ov && ov[0] == '0')) {
@@ -202,11 +204,11 @@ struct GpuModel::Impl {
     wT_off.assign(L, 0);
     const size_t per = static_cast<size_t>(c.num_experts) * 3 * c.moe_intermediate_size * c.expert_width();
     for (int64_t i = 0; i < L; ++i)
-      if (c.is_moe(i)) wT_off[i] = t, t += per;
+      if (plan[i].moe()) wT_off[i] = t, t += per;
     if (t) wT.ensure(t * 2);
     offsets_h.resize(L);
     for (int64_t i = 0; i < L; ++i) {
-      if (!c.is_moe(i)) continue;
+      if (!plan[i].moe()) continue;
       ck(cudaMallocHost(reinterpret_cast<void**>(&offsets_h[i].p), sizeof(int32_t) * (c.num_experts + 1)),
          "cudaMallocHost");
       ck(cudaEventCreateWithFlags(&offsets_h[i].done, cudaEventDisableTiming), "cudaEventCreate");
@@ -234,7 +236,7 @@ struct GpuModel::Impl {
   void refresh_transposed() {
     const int64_t E = c.num_experts, I = c.moe_intermediate_size, l = c.expert_width();
     for (int64_t i = 0; i < L; ++i) {
-      if (!c.is_moe(i)) continue;
+      if (!plan[i].moe()) continue;
       const std::string X = P_(i) + ".block_sparse_moe.experts.0.";
       uint16_t* t13 = as<uint16_t>(wT.p) + wT_off[i];
       transpose_bf16(W(X + "w1.weight"), t13, E, 2 * I, l);
@@ -839,7 +841,7 @@ struct GpuModel::Impl {
 
   // ================================ the stack (model.cpp) =======================================
   void mixer_forward(int64_t i, const void* xn, float* y, const float* base) {
-    if (c.is_kda(i)) {
+    if (plan[i].kda()) {
       Timed t(part(Profile::Kda, false));
       kda_forward(i, xn, y, base);
     } else {
@@ -848,7 +850,7 @@ struct GpuModel::Impl {
     }
   }
   void ffn_fwd(int64_t i, const void* yn, float* y, const float* base) {
-    if (c.is_moe(i)) {
+    if (plan[i].moe()) {
       Timed t(part(Profile::Moe, false));
       moe_forward(i, yn, y, base);
     } else {
@@ -898,32 +900,31 @@ struct GpuModel::Impl {
       Timed t(part(Profile::Embedding, false));
       oc::embedding_forward(as<int32_t>(ids_d.p), rows, W("model.embed_tokens.weight"), d, prefix);
     }
-    if (c.has_attn_res()) {
+    if (plan.attn_res) {
       // Every state of the partial block sum has its own buffer (the embedding in "prefix", then each layer
       // part's output: "pmid" after the mixer, "pout" after the FFN), written by the layer part's last GEMM as
       // state + product: no copies, and the closed blocks are the states themselves.
-      const int64_t bs = *c.attn_res_block_size;
       std::vector<const float*> blocks;
       state_in.assign(L, nullptr);
       const float* cur = prefix;
-      auto with = [&](const float* last) {
-        std::vector<const float*> src = blocks;
+      auto with = [&](int64_t closed, const float* last) {
+        std::vector<const float*> src(blocks.begin(), blocks.begin() + closed);
         src.push_back(last);
         return src;
       };
       for (int64_t i = 0; i < L; ++i) {
+        const LayerPlan& lp = plan[i];
         const std::string Pi = P_(i);
         state_in[i] = cur;
-        if (blocks.empty())
+        if (lp.attn_closed == 0)
           norm_fwd(cur, Pi + ".input_layernorm.weight", K(i, "xn"), K(i, "rstd1"));
         else
-          read_norm(with(cur), Pi + ".self_attention_res_proj.weight", Pi + ".self_attention_res_norm.weight",
-                    Pi + ".input_layernorm.weight", K(i, "xn"), K(i, "rstd1"));
-        const bool reset = i % bs == 0;
-        if (reset) blocks.push_back(cur);
+          read_norm(with(lp.attn_closed, cur), Pi + ".self_attention_res_proj.weight",
+                    Pi + ".self_attention_res_norm.weight", Pi + ".input_layernorm.weight", K(i, "xn"), K(i, "rstd1"));
+        if (lp.opens_block) blocks.push_back(cur);
         float* mid = buf<float>(K(i, "pmid"), RD4);
-        mixer_forward(i, get(K(i, "xn")), mid, reset ? nullptr : cur);
-        read_norm(with(mid), Pi + ".mlp_res_proj.weight", Pi + ".mlp_res_norm.weight",
+        mixer_forward(i, get(K(i, "xn")), mid, lp.opens_block ? nullptr : cur);
+        read_norm(with(lp.mlp_closed, mid), Pi + ".mlp_res_proj.weight", Pi + ".mlp_res_norm.weight",
                   Pi + ".post_attention_layernorm.weight", K(i, "yn"), K(i, "rstd2"));
         float* out = buf<float>(K(i, "pout"), RD4);
         ffn_fwd(i, get(K(i, "yn")), out, mid);
@@ -931,7 +932,7 @@ struct GpuModel::Impl {
       }
       block_src = blocks;
       state_last = cur;
-      read_norm(with(cur), "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight",
+      read_norm(with(plan.out_closed, cur), "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight",
                 "model.norm.weight", "hn", "rstd_f");
     } else {
       for (int64_t i = 0; i < L; ++i) {
@@ -974,7 +975,7 @@ struct GpuModel::Impl {
   }
   // dyb: the bf16 gradient of the mixer's output.
   void mixer_bwd(int64_t i, const void* dyb, float* dxn) {
-    if (c.is_kda(i)) {
+    if (plan[i].kda()) {
       Timed t(part(Profile::Kda, true));
       kda_backward(i, dyb, dxn);
     } else {
@@ -983,7 +984,7 @@ struct GpuModel::Impl {
     }
   }
   void ffn_bwd(int64_t i, const void* dyb, float* dyn) {
-    if (c.is_moe(i)) {
+    if (plan[i].moe()) {
       Timed t(part(Profile::Moe, true));
       moe_backward(i, dyb, dyn);
     } else {
@@ -998,8 +999,7 @@ struct GpuModel::Impl {
     float* dx_in = buf<float>("s.dx_in", RD4);
     float* d_prefix = buf<float>("s.d_prefix", RD4);
     void* dyb = buf("s.dy_bf", size_t(rows) * d * 2);
-    if (c.has_attn_res()) {
-      const int64_t bs = *c.attn_res_block_size;
+    if (plan.attn_res) {
       ck(cudaMemsetAsync(d_prefix, 0, RD4, nullptr), "memset");
       std::vector<float*> d_blocks;
       const auto nblocks = static_cast<int64_t>(block_src.size());
@@ -1025,7 +1025,7 @@ struct GpuModel::Impl {
       }();
       const bool defer = defer_on && nblocks > 0 && oc::attnres_can_defer(nblocks + 1, d);
       std::vector<oc::AttnResDeferred> group;
-      group.reserve(size_t(2 * bs + 1));
+      group.reserve(size_t(oc::kAttnResMaxFlushReads));  // (deferred() hands out pointers into it)
       auto flush = [&] {
         if (group.empty()) return;
         Timed t(part(Profile::AttnRes, true));
@@ -1045,21 +1045,20 @@ struct GpuModel::Impl {
         group.push_back(a);
         return &group.back();
       };
-      sources(nblocks, state_last);
+      sources(plan.out_closed, state_last);
       read_norm_bwd(src, dsrc, "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight",
-                    "model.norm.weight", get<float>("rstd_f"), d_hn, dyb, deferred(nblocks));
-      int64_t nb = nblocks;
+                    "model.norm.weight", get<float>("rstd_f"), d_hn, dyb, deferred(plan.out_closed));
       for (int64_t i = L - 1; i >= 0; --i) {
+        const LayerPlan& lp = plan[i];
         const std::string Pi = P_(i);
-        const bool reset = i % bs == 0;
-        const int64_t nb_mlp = nb, nb_attn = reset ? nb - 1 : nb;
+        const int64_t nb_mlp = lp.mlp_closed, nb_attn = lp.attn_closed;
         ffn_bwd(i, dyb, dnorm);  // dyb: bf16 of d_prefix, the gradient of this layer's output state
         sources(nb_mlp, get<float>(K(i, "pmid")));
         read_norm_bwd(src, dsrc, Pi + ".mlp_res_proj.weight", Pi + ".mlp_res_norm.weight",
                       Pi + ".post_attention_layernorm.weight", get<float>(K(i, "rstd2")), dnorm, dyb,
                       deferred(nb_mlp));
         mixer_bwd(i, dyb, dnorm);
-        if (reset) {  // the block closed here was this layer's input state: its gradient is complete now
+        if (lp.opens_block) {  // the block closed here was this layer's input state: its gradient is complete now
           flush();
           std::swap(d_prefix, d_blocks[nb_attn]);
         }
@@ -1072,7 +1071,6 @@ struct GpuModel::Impl {
           read_norm_bwd(src, dsrc, Pi + ".self_attention_res_proj.weight", Pi + ".self_attention_res_norm.weight",
                         Pi + ".input_layernorm.weight", get<float>(K(i, "rstd1")), dnorm, dyb, deferred(nb_attn));
         }
-        nb = nb_attn;
       }
       flush();  // (layer 0 opens a block, so nothing is left here)
     } else {
@@ -1191,7 +1189,7 @@ void GpuModel::adamw(const AdamWStep& a) {
 void GpuModel::balance() {
   Impl& m = *p_;
   for (int64_t i = 0; i < m.L; ++i) {
-    if (!m.c.is_moe(i)) continue;
+    if (!m.plan[i].moe()) continue;
     const std::string b = m.P_(i) + ".block_sparse_moe.gate.e_score_correction_bias";
     qb_update(m.get<float>(Impl::K(i, "scores")), m.get<float>(Impl::K(i, "alpha")), m.M(b), m.rows, m.c.num_experts,
               m.c.num_experts_per_token);
@@ -1217,7 +1215,7 @@ void GpuModel::set_adam(const std::string& name, const float* m, const float* v)
 
 std::vector<int64_t> GpuModel::expert_loads(int64_t layer) const {
   const Impl& m = *p_;
-  LM_CHECK(layer >= 0 && layer < m.L && m.c.is_moe(layer), "expert_loads: layer {} is not an MoE layer", layer);
+  LM_CHECK(layer >= 0 && layer < m.L && m.plan[layer].moe(), "expert_loads: layer {} is not an MoE layer", layer);
   ck(cudaEventSynchronize(m.offsets_h[layer].done), "expert loads");
   std::vector<int64_t> r(m.c.num_experts);
   for (int64_t e = 0; e < m.c.num_experts; ++e) r[e] = m.offsets_h[layer].p[e + 1] - m.offsets_h[layer].p[e];

@@ -77,4 +77,12 @@ template <class F>
 void mla_decode_absorbed(const F* q_lat, const F* q_rope, const F* c, const F* k_r, F* o_lat, F* lse,
                          const DecodeDims& d, F scale);
 
+// ---- MLA absorbed prefill (absorbed.cpp) ---------------------------------------------------------------
+// Causal attention of n queries at positions p .. p+n-1 over latent rows [0, p+n) (the chunk's own rows
+// already appended): qa [n, Hm, RD] = per head [q̃ ; q_rope]; cache [p+n, RD] = [c ; k_r]; o_lat [n, Hm, R]
+// = Σ_t p_t c_t. Query tiles run in parallel with an online softmax over key tiles; no [n, T] buffer.
+template <class F>
+void mla_prefill_absorbed(const F* qa, const F* cache, int64_t p, int64_t n, int64_t Hm, int64_t R, int64_t Dr,
+                          F scale, F* o_lat);
+
 }  // namespace lm::ops
