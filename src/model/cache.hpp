@@ -43,6 +43,7 @@ struct LayerCache {
     return c;
   }
   int64_t tokens() const { return row_width ? static_cast<int64_t>(rows.size()) / row_width : 0; }
+  bool operator==(const LayerCache&) const = default;
   // Values held / allocated (the rows grow in steps).
   int64_t size() const {
     int64_t n = static_cast<int64_t>(rows.size());

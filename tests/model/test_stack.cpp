@@ -68,7 +68,10 @@ TEST(StackPlan, AttnResBlocks) {
   ASSERT_EQ(p.block_reads.size(), 3u);
   auto str = [](const std::vector<ReadPlan>& g) {
     std::string s;
-    for (const auto& r : g) s += (r.kind == ReadPlan::Attn ? "a" : r.kind == ReadPlan::Mlp ? "m" : "o") + std::to_string(r.layer) + " ";
+    for (const auto& r : g) {
+      s.push_back(r.kind == ReadPlan::Attn ? 'a' : r.kind == ReadPlan::Mlp ? 'm' : 'o');
+      s.append(std::to_string(r.layer)).push_back(' ');
+    }
     return s;
   };
   EXPECT_EQ(str(p.block_reads[0]), "m0 a1 m1 a2 m2 ");
