@@ -45,7 +45,8 @@ class CudaEngine final : public Engine {
     for (auto& [name, t] : optim.state()) st.emplace(name, t);
     for (const auto& pr : host.params().all()) {
       auto im = st.find(kAdamM + pr.spec.name), iv = st.find(kAdamV + pr.spec.name);
-      if (im != st.end() && iv != st.end()) gm_.set_adam(pr.spec.name, im->second.data<float>(), iv->second.data<float>());
+      if (im != st.end() && iv != st.end())
+        gm_.set_adam(pr.spec.name, im->second.data<float>(), iv->second.data<float>());
     }
   }
 

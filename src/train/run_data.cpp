@@ -88,7 +88,9 @@ std::string RunData::tokenizer_file() const { return fs::exists(tok_path) ? tok_
 Loader::ExtraDocs RunData::passkey_docs(int64_t si) const {
   if (!passkey) return {};
   return [tk = tok.get(), T = cfg.stages[static_cast<size_t>(si)].seq_len, target = passkey_target,
-          rng = passkey_rng(cfg.seed, si)](uint64_t epoch) { return passkey_documents(*tk, T, target, rng.fork(epoch)); };
+          rng = passkey_rng(cfg.seed, si)](uint64_t epoch) {
+    return passkey_documents(*tk, T, target, rng.fork(epoch));
+  };
 }
 
 uint64_t RunData::stage_fingerprint(int64_t si) {

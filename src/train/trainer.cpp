@@ -337,8 +337,9 @@ Stage Run::begin_stage(int64_t si) {
   const StageConfig& S = cfg_.stages[si];
   const int64_t per_step = S.batch_seqs * S.seq_len;
   const int64_t steps = std::max<int64_t>(1, S.tokens / per_step);
-  Stage st{si,    S, per_step, steps, S.micro_seqs ? S.micro_seqs : S.batch_seqs, Schedule(S.schedule, steps),
-           si == start_.stage ? start_.step_in_stage : 0, {}};
+  const int64_t micro = S.micro_seqs ? S.micro_seqs : S.batch_seqs;
+  const int64_t first = si == start_.stage ? start_.step_in_stage : 0;
+  Stage st{si, S, per_step, steps, micro, Schedule(S.schedule, steps), first, {}};
   if (data_->passkey && at_.data_stage != si) {  // this stage's documents, at its seq_len; the corpus continues
     loader_->set_extra(data_->passkey_docs(si));
     at_.data_stage = si;
@@ -384,9 +385,11 @@ StepReport Run::train_step(const Stage& st, int64_t step) {
   // sees exactly the sequences of the unaccumulated step.
   std::vector<Batch> mb;
   Batch whole = loader_->next(st.cfg.batch_seqs);
-  if (st.micro == st.cfg.batch_seqs) mb.push_back(std::move(whole));
-  else
+  if (st.micro == st.cfg.batch_seqs) {
+    mb.push_back(std::move(whole));
+  } else {
     for (int64_t b = 0; b < st.cfg.batch_seqs; b += st.micro) mb.push_back(whole.sequences(b, st.micro));
+  }
   int64_t n_valid = 0;
   for (const Batch& b : mb) n_valid += b.predicted();
 
@@ -434,7 +437,8 @@ void Run::log_step(const Stage& st, int64_t step, const StepReport& r) {
   if (!tty_ && (opt_.quiet || !every_20th)) return;
   const double eta = (st.steps - step - 1) * st.per_step / std::max(tok_rate_, 1e-9);
   char line[1024];
-  std::snprintf(line, sizeof line, "[stage %ld/%zu T=%ld] step %ld/%ld  loss %.4f  %.0f tok/s  lr %.2e  maxvio %.3f  ETA %s",
+  std::snprintf(line, sizeof line,
+                "[stage %ld/%zu T=%ld] step %ld/%ld  loss %.4f  %.0f tok/s  lr %.2e  maxvio %.3f  ETA %s",
                 static_cast<long>(st.index + 1), cfg_.stages.size(), static_cast<long>(st.cfg.seq_len),
                 static_cast<long>(step + 1), static_cast<long>(st.steps), r.loss, tok_rate_, r.info.lr_adamw,
                 r.maxvio_worst, fmt_duration(eta).c_str());
@@ -450,7 +454,8 @@ void Run::eval_and_save(const Stage& st, int64_t step) {
   const bool inside = step + 1 < st.steps;  // the stage's end evaluates and saves anyway
   if (cfg_.eval_every > 0 && at_.global_step % cfg_.eval_every == 0 && inside) {
     const double el = evaluate(st.cfg.seq_len, cfg_.eval_batches);
-    metrics_->write(json{{"step", at_.global_step}, {"stage", st.index}, {"eval_loss", el}, {"eval_ppl", std::exp(el)}});
+    metrics_->write(
+        json{{"step", at_.global_step}, {"stage", st.index}, {"eval_loss", el}, {"eval_ppl", std::exp(el)}});
   }
   if (cfg_.save_every > 0 && at_.global_step % cfg_.save_every == 0 && inside) save(st.index, step + 1, "");
 }
@@ -521,7 +526,7 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
   const auto t_start = Clock::now();
   check_device(opt.device, cfg);  // first: nothing is written (no run folder, no tokenizer) for a run that cannot start
   const InterruptScope interrupt_scope;
-  Run run(cfg, opt, t_start);
+  Run run(cfg, opt, t_start);  // run folder, resume point, data and tokenizer, model and engine, metrics
   for (int64_t si = run.first_stage(); si < static_cast<int64_t>(cfg.stages.size()); ++si) {
     const Stage st = run.begin_stage(si);
     int64_t step = st.first;
