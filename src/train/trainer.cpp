@@ -1,6 +1,7 @@
 // The training loop (issue "Training on CPU"): data -> tokenizer -> model -> optimiser, Quantile
 // Balancing (or a baseline) per MoE layer per step, a staged context curriculum, metrics JSONL,
-// held-out evaluation, atomic checkpoints and exact resume.
+// held-out evaluation, atomic checkpoints and exact resume. The device's work is the engine's
+// (train/engine.hpp); the run folder's files are run_dir.hpp's, the data run_data.hpp's.
 //
 // Legend: B sequences per step, T seq_len of the stage, m = tokens routed in a step (B·T), E experts,
 //         k experts per token.
@@ -14,28 +15,23 @@
 
 #include <algorithm>
 #include <atomic>
-#include <csignal>
-#include <cstdlib>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <memory>
-#include <regex>
-#include <sstream>
 
 #include "core/error.hpp"
 #include "core/parallel.hpp"
 #include "io/checkpoint.hpp"
-#include "io/corpus.hpp"
 #include "io/safetensors.hpp"
-#include "io/tokenizer.hpp"
 #include "model/accounting.hpp"
-#include "model/cuda/gpu_model.hpp"
 #include "model/model.hpp"
 #include "train/data.hpp"
-#include "train/synthetic.hpp"
+#include "train/engine.hpp"
+#include "train/run_data.hpp"
+#include "train/run_dir.hpp"
 
 namespace lm::train {
 
@@ -53,6 +49,9 @@ Balance parse_balance(const std::string& s, const std::string& ctx) {
   if (s == "none") return Balance::None;
   fail("{}: balance.kind must be one of qb, sign, aux, none (got '{}')", ctx, s);
 }
+
+}  // namespace
+
 const char* balance_name(Balance b) {
   switch (b) {
     case Balance::QB: return "qb";
@@ -62,8 +61,6 @@ const char* balance_name(Balance b) {
   }
   return "?";
 }
-
-}  // namespace
 
 RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   io::check_known_fields(j,
@@ -181,17 +178,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// A checkpoint's data_fingerprint: the training corpus, and with passkey documents the documents of
-// epoch 0 of the stage the saved position refers to (they depend on the seed, the stage's seq_len,
-// the fraction, the tokenizer and the template). Without passkey documents: the corpus' alone, as
-// before they existed.
-uint64_t data_fingerprint(const TokenizedDocs& corpus, const TokenizedDocs* passkey0) {
-  uint64_t h = corpus.fingerprint();
-  if (!passkey0) return h;
-  const uint64_t x = passkey0->fingerprint();
-  for (int i = 0; i < 8; ++i) h = (h ^ ((x >> (8 * i)) & 0xFF)) * 0x100000001B3ull;
-  return h;
-}
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 std::string fmt_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
@@ -201,38 +188,8 @@ std::string fmt_duration(double s) {
   return fmt::format("{}s", t);
 }
 
-// "model.layers.12.block_sparse_moe.experts.3.w1.weight" -> "layer 12 (MoE)".
-std::string describe_param(const std::string& name, const model::ModelConfig& c) {
-  static const std::regex re(R"(model\.layers\.(\d+)\.([a-z_]+))");
-  std::smatch m;
-  if (!std::regex_search(name, m, re)) return "'" + name + "'";
-  const int64_t i = std::stoll(m[1].str());
-  const std::string part = m[2].str();
-  std::string what = part == "self_attn" ? (c.is_kda(i) ? "KDA mixer" : "MLA mixer")
-                     : part == "block_sparse_moe" ? "MoE"
-                     : part == "mlp" ? "dense FFN"
-                                     : part;
-  return fmt::format("layer {} ({}), parameter '{}'", i, what, name);
-}
-
-struct Balancer {
-  Balance kind;
-  bool hist;
-  ops::QbHistogram h;
-  double gamma;
-  int64_t E = 0, k = 0;
-  std::vector<std::vector<float>> scores;    // per MoE layer: [m, E] of the step (exact QB)
-  std::vector<std::vector<int64_t>> counts;  // per MoE layer: histogram counts (hist QB)
-  std::vector<std::vector<int64_t>> loads;   // per MoE layer: [E] selections this step
-  std::vector<int64_t> layers;               // MoE layer indices
-  std::vector<double> maxvio;                // per MoE layer, last step
-};
-
-}  // namespace
-
 // SIGINT / SIGTERM: the first one asks the step loop to stop after the current step and save a
 // checkpoint (a stopped run is one --resume away from continuing); a second one exits at once.
-namespace {
 std::atomic<int> g_interrupts{0};
 void on_interrupt(int sig) {
   if (g_interrupts.fetch_add(1) > 0) {
@@ -255,544 +212,332 @@ struct InterruptScope {
   InterruptScope(const InterruptScope&) = delete;
   InterruptScope& operator=(const InterruptScope&) = delete;
 };
+
+// One curriculum stage as this process runs it.
+struct Stage {
+  int64_t index;
+  const StageConfig& cfg;
+  int64_t per_step;  // tokens per step, B·T
+  int64_t steps;
+  int64_t micro;     // sequences per micro-batch
+  Schedule sched;
+  int64_t first;     // the first step run here (non-zero when resumed inside the stage)
+  Clock::time_point t0;
+};
+
+// One optimiser step, for the log.
+struct StepReport {
+  double loss = 0, aux_loss = 0, seconds = 0;
+  StepInfo info;
+  std::vector<double> maxvio;  // per MoE layer
+  double maxvio_worst = 0;
+};
+
+// A run between its steps: the data, the host model and optimiser, the engine, the position in the
+// curriculum and the training stream, the files. train() below is its main loop.
+class Run {
+ public:
+  // The run folder, the resume point, data and tokenizer, model and engine, the loader, metrics.jsonl.
+  Run(const RunConfig& cfg, const TrainOptions& opt, Clock::time_point t_start);
+  int64_t first_stage() const { return start_.stage; }
+  Stage begin_stage(int64_t si);
+  bool stop_requested();                                 // max_steps reached, or SIGINT/SIGTERM
+  StepReport train_step(const Stage& st, int64_t step);  // batch -> forward_backward -> step -> balance
+  void log_step(const Stage& st, int64_t step, const StepReport& r);
+  void eval_and_save(const Stage& st, int64_t step);     // the periodic ones
+  // After the stage's step loop ended at `step` (< steps: stopped inside the stage). False: the run ends.
+  bool end_stage(const Stage& st, int64_t step);
+  TrainResult finish();                                  // the result and summary.json
+
+ private:
+  void say(const std::string& s) const {
+    if (!opt_.quiet) std::printf("%s\n", s.c_str()), std::fflush(stdout);
+  }
+  void load_model();
+  void report_passkey(const StageConfig& S);
+  double evaluate(int64_t seq_len, int64_t max_batches);
+  void save(int64_t stage, int64_t step_in_stage, const std::string& also_as);
+
+  const RunConfig& cfg_;
+  const TrainOptions& opt_;
+  const Clock::time_point t_start_;
+  const fs::path out_;
+  const bool tty_;
+  std::string resume_dir_;  // the checkpoint resumed ("" for a new run)
+  std::unique_ptr<RunData> data_;
+  model::ModelConfig mcfg_;
+  std::unique_ptr<model::Model<float>> model_;
+  std::unique_ptr<Optimizer> optim_;
+  std::unique_ptr<Engine> engine_;
+  // Where this process started, and where it is: global_step, tokens, data_stage and data_fingerprint
+  // are kept up to date (stage, step_in_stage and position are filled in by save()).
+  TrainerState start_, at_;
+  std::unique_ptr<Loader> loader_;
+  std::unique_ptr<MetricsLog> metrics_;
+  TrainResult result_;
+  std::string last_ckpt_;
+  double tok_rate_ = 0;  // tokens/s, smoothed over the steps
+  int64_t stage_tokens_ = 0;
+};
+
+Run::Run(const RunConfig& cfg, const TrainOptions& opt, Clock::time_point t_start)
+    : cfg_(cfg), opt_(opt), t_start_(t_start), out_(cfg.out), tty_(!opt.quiet && isatty(STDERR_FILENO)) {
+  fs::create_directories(out_);
+  // The resume point first: a resumed run must use the tokenizer it started with.
+  io::json state;
+  if (opt.resume) {
+    resume_dir_ = resolve_checkpoint(out_.string());
+    state = io::load_json_file((fs::path(resume_dir_) / "trainer_state.json").string());
+    say(fmt::format("resuming from {}", resume_dir_));
+  }
+  data_ = std::make_unique<RunData>(cfg, out_, resume_dir_, [this](const std::string& s) { say(s); });
+  load_model();
+  if (resume_dir_.empty())
+    at_.data_fingerprint = data_->stage_fingerprint(0);
+  else
+    at_ = read_trainer_state(state, resume_dir_ + "/trainer_state.json", cfg.stages.size(),
+                             [this](int64_t si) { return data_->stage_fingerprint(si); });
+  start_ = at_;
+  loader_ = std::make_unique<Loader>(data_->train, cfg.stages[at_.stage].seq_len, cfg.seed, at_.position,
+                                     data_->passkey_docs(at_.data_stage));
+  // A resumed run first drops the metrics lines written after its checkpoint.
+  metrics_ = std::make_unique<MetricsLog>(out_ / "metrics.jsonl", !resume_dir_.empty(), at_.global_step);
+  result_.first_step = at_.global_step;
+  last_ckpt_ = resume_dir_;
+}
+
+// The model config trained (vocab_size from the tokenizer) and the run config, written to the run folder; the
+// host model and optimiser (initialised, or the resumed checkpoint's), and the engine over them.
+void Run::load_model() {
+  mcfg_ = model::ModelConfig::load(cfg_.model);
+  if (mcfg_.vocab_size != data_->tok->vocab_size()) {
+    say(fmt::format("model: vocab_size {} -> {} (the tokenizer's)", mcfg_.vocab_size, data_->tok->vocab_size()));
+    mcfg_.vocab_size = data_->tok->vocab_size();
+  }
+  mcfg_.validate(cfg_.model);
+  mcfg_.save((out_ / "config.json").string());
+  io::write_file_atomic((out_ / "run.json").string(), cfg_.to_json().dump(2) + "\n");
+  model_ = std::make_unique<model::Model<float>>(mcfg_);
+  const auto counts = model::count_params(mcfg_);
+  const fs::path resume(resume_dir_);
+  if (!resume_dir_.empty()) model_->params().load(io::Checkpoint::open((resume / "model.safetensors").string()));
+  else model_->params().init(cfg_.seed);
+  model_->params().enable_grads();
+  optim_ = std::make_unique<Optimizer>(model_->params(), mcfg_, cfg_.optim);
+  if (!resume_dir_.empty())
+    optim_->load_state(io::SafeTensorsFile::open((resume / "optimizer.safetensors").string()));
+  engine_ = make_engine(opt_.device, cfg_, *model_, *optim_);
+  say(fmt::format("model: {:.2f}M parameters, {:.2f}M activated; {} layers ({} KDA, {} MLA), {} MoE layers, "
+                  "balance {}; {}",
+                  counts.total / 1e6, counts.activated / 1e6, mcfg_.num_hidden_layers, mcfg_.num_kda_layers(),
+                  mcfg_.num_mla_layers(), mcfg_.num_moe_layers(), balance_name(cfg_.balance), engine_->where()));
+}
+
+Stage Run::begin_stage(int64_t si) {
+  const StageConfig& S = cfg_.stages[si];
+  const int64_t per_step = S.batch_seqs * S.seq_len;
+  const int64_t steps = std::max<int64_t>(1, S.tokens / per_step);
+  const int64_t micro = S.micro_seqs ? S.micro_seqs : S.batch_seqs;
+  const int64_t first = si == start_.stage ? start_.step_in_stage : 0;
+  Stage st{si, S, per_step, steps, micro, Schedule(S.schedule, steps), first, {}};
+  if (data_->passkey && at_.data_stage != si) {  // this stage's documents, at its seq_len; the corpus continues
+    loader_->set_extra(data_->passkey_docs(si));
+    at_.data_stage = si;
+    at_.data_fingerprint = data_->stage_fingerprint(si);
+  }
+  loader_->set_seq_len(S.seq_len);
+  say(fmt::format("stage {}/{}: seq_len {}, {} steps of {} x {} tokens ({} micro-batches), schedule {}", si + 1,
+                  cfg_.stages.size(), S.seq_len, steps, S.batch_seqs, S.seq_len, S.batch_seqs / st.micro,
+                  S.schedule.kind));
+  if (data_->passkey) report_passkey(S);
+  st.t0 = Clock::now();
+  stage_tokens_ = 0;
+  return st;
+}
+
+// The share of the stage's passkey documents in the first epoch of its training stream.
+void Run::report_passkey(const StageConfig& S) {
+  const TokenizedDocs &pk = data_->stage_pk, &corpus = *data_->train;
+  const double tok_frac = static_cast<double>(pk.tokens()) / static_cast<double>(pk.tokens() + corpus.tokens());
+  const double doc_frac =
+      static_cast<double>(pk.num_docs()) / static_cast<double>(pk.num_docs() + corpus.num_docs());
+  int64_t lo = S.seq_len, hi = 0;
+  for (int64_t d = 0; d < pk.num_docs(); ++d) {
+    const auto n = static_cast<int64_t>(pk.doc(d).size());
+    lo = std::min(lo, n), hi = std::max(hi, n);
+  }
+  result_.stage_passkey_token_fraction.push_back(tok_frac);
+  result_.stage_passkey_doc_fraction.push_back(doc_frac);
+  say(fmt::format("  passkey: {} synthetic documents of {}..{} tokens per epoch: {:.1f}% of the training tokens, "
+                  "{:.1f}% of the documents (made in {:.1f}s)",
+                  pk.num_docs(), lo, hi, 100 * tok_frac, 100 * doc_frac, data_->stage_pk_seconds));
+}
+
+bool Run::stop_requested() {
+  if (g_interrupts.load() > 0) result_.interrupted = true;
+  return (cfg_.max_steps > 0 && at_.global_step >= cfg_.max_steps) || result_.interrupted;
+}
+
+StepReport Run::train_step(const Stage& st, int64_t step) {
+  const auto t0 = Clock::now();
+  // The step's micro-batches, fetched first: the loss is normalised by their total target count.
+  // One batch of all B sequences (the loader's lanes are defined by B), then split: accumulation
+  // sees exactly the sequences of the unaccumulated step.
+  std::vector<Batch> mb;
+  Batch whole = loader_->next(st.cfg.batch_seqs);
+  if (st.micro == st.cfg.batch_seqs) {
+    mb.push_back(std::move(whole));
+  } else {
+    for (int64_t b = 0; b < st.cfg.batch_seqs; b += st.micro) mb.push_back(whole.sequences(b, st.micro));
+  }
+  int64_t n_valid = 0;
+  for (const Batch& b : mb) n_valid += b.predicted();
+
+  StepReport r;
+  double loss_sum = 0;
+  try {
+    engine_->zero_grads();
+    for (const Batch& b : mb) loss_sum += engine_->forward_backward(b, n_valid).loss_sum;
+    r.info = engine_->step(st.sched.factor_at(step));
+  } catch (const NonFinite& e) {
+    fail("step {}: {}. Stopping; the last checkpoint is {}", at_.global_step, e.what(),
+         last_ckpt_.empty() ? "none" : last_ckpt_);
+  }
+  engine_->balance();  // the new biases are installed for the next step
+  r.loss = loss_sum / static_cast<double>(std::max<int64_t>(n_valid, 1));
+  r.aux_loss = engine_->aux_loss();
+  for (const auto& l : engine_->expert_loads())
+    r.maxvio.push_back(ops::max_violation(l.data(), static_cast<int64_t>(l.size())));
+
+  ++at_.global_step;
+  at_.tokens += st.per_step;
+  stage_tokens_ += st.per_step;
+  result_.losses.push_back(r.loss);
+  result_.final_train_loss = r.loss;
+  r.seconds = seconds_since(t0);
+  result_.train_seconds += r.seconds;
+  tok_rate_ = tok_rate_ == 0 ? st.per_step / r.seconds : 0.9 * tok_rate_ + 0.1 * st.per_step / r.seconds;
+  for (double v : r.maxvio) r.maxvio_worst = std::max(r.maxvio_worst, v);
+  if (!r.maxvio.empty()) result_.maxvio_worst.push_back(r.maxvio_worst);
+  return r;
+}
+
+// A metrics line (every log_every steps and at the stage's last) and the progress line: rewritten in place on a
+// terminal, else about 20 lines per stage.
+void Run::log_step(const Stage& st, int64_t step, const StepReport& r) {
+  if (at_.global_step % cfg_.log_every == 0 || step + 1 == st.steps) {
+    json row = {{"step", at_.global_step}, {"stage", st.index},      {"tokens", at_.tokens},
+                {"loss", r.loss},          {"lr", r.info.lr_adamw},  {"lr_muon", r.info.lr_muon},
+                {"grad_norm", r.info.grad_norm}, {"tok_per_s", st.per_step / r.seconds}, {"maxvio", r.maxvio},
+                {"elapsed", seconds_since(t_start_)}};
+    if (cfg_.balance == Balance::Aux) row["aux_loss"] = r.aux_loss;
+    metrics_->write(row);
+  }
+  const bool every_20th = (step + 1) % std::max<int64_t>(1, st.steps / 20) == 0 || step + 1 == st.steps;
+  if (!tty_ && (opt_.quiet || !every_20th)) return;
+  const double eta = (st.steps - step - 1) * st.per_step / std::max(tok_rate_, 1e-9);
+  char line[1024];
+  std::snprintf(line, sizeof line,
+                "[stage %ld/%zu T=%ld] step %ld/%ld  loss %.4f  %.0f tok/s  lr %.2e  maxvio %.3f  ETA %s",
+                static_cast<long>(st.index + 1), cfg_.stages.size(), static_cast<long>(st.cfg.seq_len),
+                static_cast<long>(step + 1), static_cast<long>(st.steps), r.loss, tok_rate_, r.info.lr_adamw,
+                r.maxvio_worst, fmt_duration(eta).c_str());
+  if (tty_) {
+    std::fprintf(stderr, "\r%s   ", line);
+  } else {
+    std::printf("%s\n", line);
+    std::fflush(stdout);
+  }
+}
+
+void Run::eval_and_save(const Stage& st, int64_t step) {
+  const bool inside = step + 1 < st.steps;  // the stage's end evaluates and saves anyway
+  if (cfg_.eval_every > 0 && at_.global_step % cfg_.eval_every == 0 && inside) {
+    const double el = evaluate(st.cfg.seq_len, cfg_.eval_batches);
+    metrics_->write(
+        json{{"step", at_.global_step}, {"stage", st.index}, {"eval_loss", el}, {"eval_ppl", std::exp(el)}});
+  }
+  if (cfg_.save_every > 0 && at_.global_step % cfg_.save_every == 0 && inside) save(st.index, step + 1, "");
+}
+
+bool Run::end_stage(const Stage& st, int64_t step) {
+  if (tty_) std::fprintf(stderr, "\n");
+  if (step < st.steps) {  // a partial stage: checkpoint where it stopped, so --resume continues from here
+    save(st.index, step, "");
+    if (result_.interrupted)
+      say(fmt::format("interrupted at step {}: checkpoint {} saved; continue with --resume", at_.global_step,
+                      last_ckpt_));
+    return false;
+  }
+  // Stage end: held-out perplexity over the whole split, then the stage's checkpoint.
+  const double stage_s = seconds_since(st.t0);
+  const double el = evaluate(st.cfg.seq_len, 0);
+  metrics_->write(json{{"step", at_.global_step}, {"stage", st.index}, {"eval_loss", el}, {"eval_ppl", std::exp(el)},
+                       {"stage_end", true}});
+  say(fmt::format("stage {} done: {} tokens in {}, {:.0f} tok/s; held-out loss {:.4f}, ppl {:.2f} (unigram ppl "
+                  "{:.2f})",
+                  st.index + 1, stage_tokens_, fmt_duration(stage_s), stage_tokens_ / std::max(stage_s, 1e-9), el,
+                  std::exp(el), std::exp(data_->unigram_ce)));
+  result_.heldout_loss = el;
+  result_.heldout_ppl = std::exp(el);
+  result_.stage_heldout_ppl.push_back(std::exp(el));
+  save(st.index + 1, 0, fmt::format("stage-{}", st.index));
+  return !(cfg_.max_steps > 0 && at_.global_step >= cfg_.max_steps);
+}
+
+TrainResult Run::finish() {
+  result_.steps = at_.global_step;
+  result_.tokens = at_.tokens;
+  result_.unigram_ppl = std::exp(data_->unigram_ce);
+  result_.tokens_per_s = result_.train_seconds > 0
+                             ? static_cast<double>(at_.tokens - start_.tokens) / result_.train_seconds
+                             : tok_rate_;
+  result_.checkpoint = last_ckpt_;
+  if (!result_.interrupted) write_summary(out_, cfg_, result_);
+  say(fmt::format("done: {} steps, {} tokens in {}; checkpoint {}", at_.global_step, at_.tokens,
+                  fmt_duration(seconds_since(t_start_)), last_ckpt_));
+  return std::move(result_);
+}
+
+// Mean loss over the held-out batches of seq_len tokens (max_batches 0: the whole split).
+double Run::evaluate(int64_t seq_len, int64_t max_batches) {
+  const int64_t B = std::max<int64_t>(1, std::min<int64_t>(8, 8192 / seq_len));
+  const int32_t pad = data_->tok->pad() >= 0 ? data_->tok->pad() : 0;
+  double sum = 0;
+  int64_t n = 0;
+  for (const auto& b : eval_batches(data_->heldout, seq_len, B, pad, max_batches)) {
+    const LossStats st = engine_->loss(b);
+    sum += st.loss_sum, n += st.n_valid;
+  }
+  return n > 0 ? sum / static_cast<double>(n) : NAN;
+}
+
+void Run::save(int64_t stage, int64_t step_in_stage, const std::string& also_as) {
+  engine_->sync_to_host();
+  TrainerState st = at_;
+  st.stage = stage, st.step_in_stage = step_in_stage, st.position = loader_->position();
+  last_ckpt_ = save_checkpoint(out_, {mcfg_, data_->tokenizer_file(), model_->params(), *optim_}, st,
+                               cfg_.keep_checkpoints, also_as);
+}
+
 }  // namespace
 
 TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
   const auto t_start = Clock::now();
-  // The device first: nothing is written (no run folder, no tokenizer) for a run that cannot start.
-  LM_CHECK(opt.device == "cpu" || opt.device == "cuda", "train: --device must be cpu or cuda, not '{}'", opt.device);
-  if (opt.device == "cuda") {
-    LM_CHECK(cfg.optim.kind == "adamw",
-             "train --device cuda: optimizer.kind must be \"adamw\" (Muon runs on the CPU only), not \"{}\"",
-             cfg.optim.kind);
-    LM_CHECK(cfg.balance == Balance::None || (cfg.balance == Balance::QB && cfg.qb_estimator == "exact"),
-             "train --device cuda: balance must be qb with the exact estimator, or none (got {})",
-             balance_name(cfg.balance));
-    LM_CHECK(model::cuda::available(), "train --device cuda: no usable CUDA device{}",
-             model::cuda::built_with_cuda() ? "" : " (longmoe was built without CUDA: nvcc was not found)");
-  }
+  check_device(opt.device, cfg);  // first: nothing is written (no run folder, no tokenizer) for a run that cannot start
   const InterruptScope interrupt_scope;
-  const fs::path out(cfg.out);
-  fs::create_directories(out);
-  const bool tty = !opt.quiet && isatty(STDERR_FILENO);
-  auto say = [&](const std::string& s) {
-    if (!opt.quiet) std::printf("%s\n", s.c_str()), std::fflush(stdout);
-  };
-
-  // Resume point (read first: a resumed run must use the tokenizer it started with).
-  std::string resume_dir;
-  json state;
-  if (opt.resume) {
-    resume_dir = resolve_checkpoint(out.string());
-    state = io::load_json_file((fs::path(resume_dir) / "trainer_state.json").string());
-    say(fmt::format("resuming from {}", resume_dir));
+  Run run(cfg, opt, t_start);  // run folder, resume point, data and tokenizer, model and engine, metrics
+  for (int64_t si = run.first_stage(); si < static_cast<int64_t>(cfg.stages.size()); ++si) {
+    const Stage st = run.begin_stage(si);
+    int64_t step = st.first;
+    for (; step < st.steps && !run.stop_requested(); ++step) {
+      const StepReport r = run.train_step(st, step);  // batch -> forward_backward -> step -> balance
+      run.log_step(st, step, r);
+      run.eval_and_save(st, step);
+    }
+    if (!run.end_stage(st, step)) break;  // stopped inside the stage, or max_steps reached at its end
   }
-
-  // ---- data and tokenizer
-  const auto docs = io::read_corpus(cfg.data, io::parse_corpus_format(cfg.data_format));
-  LM_CHECK(docs.size() >= 2, "'{}': need at least 2 documents (one is held out), found {}", cfg.data, docs.size());
-  // The held-out documents are chosen before the tokenizer exists (one placeholder token per document),
-  // so the tokenizer never sees them.
-  TokenizedDocs index_only;
-  for (size_t i = 0; i < docs.size(); ++i) index_only.ids.push_back(0), index_only.offsets.push_back(i + 1);
-  const DataSplit idx = split_documents(index_only, cfg.heldout_fraction, cfg.seed);
-  const fs::path tok_path = out / "tokenizer.model";
-  std::unique_ptr<io::Tokenizer> tok;
-  if (!resume_dir.empty()) {
-    tok = std::make_unique<io::Tokenizer>(io::Tokenizer::load((fs::path(resume_dir) / "tokenizer.model").string()));
-  } else if (!cfg.tokenizer.empty()) {
-    tok = std::make_unique<io::Tokenizer>(io::Tokenizer::load(cfg.tokenizer));
-    fs::copy_file(cfg.tokenizer, tok_path, fs::copy_options::overwrite_existing);
-  } else {
-    std::vector<std::string> texts;
-    for (int64_t d : idx.train_docs) texts.push_back(docs[d]);
-    const auto t0 = Clock::now();
-    io::Tokenizer::TrainOptions to;
-    to.vocab_size = cfg.tokenizer_vocab;
-    to.seed = cfg.seed;
-    tok = std::make_unique<io::Tokenizer>(io::Tokenizer::train(texts, tok_path.string(), to));
-    say(fmt::format("tokenizer: BPE, {} tokens, trained on {} documents in {:.1f}s", tok->vocab_size(),
-                    texts.size(), std::chrono::duration<double>(Clock::now() - t0).count()));
-  }
-  const TokenizedDocs all = tokenize_documents(*tok, docs);
-  auto train_docs = std::make_shared<TokenizedDocs>(select_documents(all, idx.train_docs));
-  const TokenizedDocs heldout = select_documents(all, idx.heldout_docs);
-  const Unigram unigram = Unigram::fit(*train_docs, tok->vocab_size());
-  const double unigram_ce = unigram.cross_entropy(heldout);
-  say(fmt::format("data: {} documents ({} train, {} held out), {} train tokens, {} held-out tokens; unigram "
-                  "held-out ppl {:.1f}",
-                  docs.size(), idx.train_docs.size(), idx.heldout_docs.size(), train_docs->tokens(),
-                  heldout.tokens(), std::exp(unigram_ce)));
-
-  // ---- synthetic passkey documents (training stream only): per stage at its seq_len, per epoch
-  const bool passkey = cfg.passkey_fraction > 0;
-  const int64_t passkey_target = passkey ? passkey_target_tokens(train_docs->tokens(), cfg.passkey_fraction) : 0;
-  if (passkey)
-    for (size_t i = 0; i < cfg.stages.size(); ++i) {
-      try {
-        passkey_min_doc_tokens(*tok, cfg.stages[i].seq_len);
-      } catch (const Error& e) {
-        fail("stages[{}]: {}", i, e.what());
-      }
-    }
-  auto passkey_docs = [&, tk = tok.get()](int64_t si) -> Loader::ExtraDocs {
-    if (!passkey) return {};
-    return [tk, T = cfg.stages[static_cast<size_t>(si)].seq_len, target = passkey_target,
-            rng = passkey_rng(cfg.seed, si)](uint64_t epoch) { return passkey_documents(*tk, T, target, rng.fork(epoch)); };
-  };
-  // Epoch 0's passkey documents of stage si and the fingerprint they give.
-  TokenizedDocs stage_pk;
-  double stage_pk_seconds = 0;
-  auto stage_fingerprint = [&](int64_t si) {
-    if (!passkey) return data_fingerprint(*train_docs, nullptr);
-    const auto t0 = Clock::now();
-    stage_pk = passkey_docs(si)(0);
-    stage_pk_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    return data_fingerprint(*train_docs, &stage_pk);
-  };
-
-  // ---- model
-  model::ModelConfig mcfg = model::ModelConfig::load(cfg.model);
-  if (mcfg.vocab_size != tok->vocab_size()) {
-    say(fmt::format("model: vocab_size {} -> {} (the tokenizer's)", mcfg.vocab_size, tok->vocab_size()));
-    mcfg.vocab_size = tok->vocab_size();
-  }
-  mcfg.validate(cfg.model);
-  mcfg.save((out / "config.json").string());
-  io::write_file_atomic((out / "run.json").string(), cfg.to_json().dump(2) + "\n");
-  auto m = std::make_unique<model::Model<float>>(mcfg);
-  const auto counts = model::count_params(mcfg);
-  if (!resume_dir.empty()) m->params().load(io::Checkpoint::open((fs::path(resume_dir) / "model.safetensors").string()));
-  else m->params().init(cfg.seed);
-  m->params().enable_grads();
-  Optimizer optim(m->params(), mcfg, cfg.optim);
-  if (!resume_dir.empty())
-    optim.load_state(io::SafeTensorsFile::open((fs::path(resume_dir) / "optimizer.safetensors").string()));
-  // GPU: the same weights and AdamW state, moved to the device; the host copies are refreshed at each save.
-  std::unique_ptr<model::cuda::GpuModel> gm;
-  int64_t gpu_t = optim.step_count();  // AdamW steps taken (bias corrections)
-  if (opt.device == "cuda") {  // (checked at the top)
-    gm = std::make_unique<model::cuda::GpuModel>(
-        mcfg, [&](const model::ParamSpec& s) { return param_rule(s, mcfg, cfg.optim).decay; });
-    gm->upload(m->params());
-    std::map<std::string, Tensor> st;
-    for (auto& [name, t] : optim.state()) st.emplace(name, t);
-    for (const auto& pr : m->params().all()) {
-      auto im = st.find("optim.adamw.m." + pr.spec.name), iv = st.find("optim.adamw.v." + pr.spec.name);
-      if (im != st.end() && iv != st.end()) gm->set_adam(pr.spec.name, im->second.data<float>(), iv->second.data<float>());
-    }
-  }
-  // The GPU's weights and AdamW state into the host model and optimizer (for a checkpoint).
-  auto sync_from_gpu = [&] {
-    if (!gm) return;
-    gm->download(m->params());
-    std::map<std::string, Tensor> st;
-    st.emplace("optim.step", Tensor::from_vector<int64_t>({gpu_t}, {1}));
-    for (const auto& [name, t] : optim.state()) {
-      if (name.rfind("optim.adamw.m.", 0) != 0) continue;
-      const std::string pn = name.substr(14);
-      Tensor mt = Tensor::empty(t.shape(), DType::F32), vt = Tensor::empty(t.shape(), DType::F32);
-      gm->get_adam(pn, mt.data<float>(), vt.data<float>());
-      st.emplace(name, std::move(mt));
-      st.emplace("optim.adamw.v." + pn, std::move(vt));
-    }
-    optim.load_state(st, "GPU optimizer state");
-  };
-  say(fmt::format("model: {:.2f}M parameters, {:.2f}M activated; {} layers ({} KDA, {} MLA), {} MoE layers, "
-                  "balance {}; {}",
-                  counts.total / 1e6, counts.activated / 1e6, mcfg.num_hidden_layers, mcfg.num_kda_layers(),
-                  mcfg.num_mla_layers(), mcfg.num_moe_layers(), balance_name(cfg.balance),
-                  gm ? std::string("on the GPU") : fmt::format("{} threads", num_threads())));
-
-  // ---- balancing state
-  Balancer bal;
-  bal.kind = cfg.balance;
-  bal.hist = cfg.qb_estimator == "hist";
-  bal.h.bins = cfg.qb_bins;
-  bal.gamma = cfg.sign_gamma;
-  for (int64_t i = 0; i < mcfg.num_hidden_layers; ++i)
-    if (m->moe(i)) {
-      bal.layers.push_back(i);
-      if (cfg.balance == Balance::Aux) m->moe(i)->aux_coef = cfg.aux_coef;
-    }
-  bal.E = mcfg.num_experts;
-  bal.k = mcfg.num_experts_per_token;
-  bal.scores.resize(bal.layers.size());
-  bal.counts.resize(bal.layers.size());
-  bal.loads.resize(bal.layers.size());
-  bal.maxvio.assign(bal.layers.size(), 0.0);
-
-  // ---- position
-  // data_stage: the stage whose passkey documents the loader's stream holds (the saved position is in
-  // that stream); a stage switch moves it on (Loader::set_extra), keeping the corpus where it was.
-  int64_t stage0 = 0, step_in_stage0 = 0, global_step = 0, tokens_seen = 0, data_stage = 0;
-  Position pos;
-  uint64_t data_fp = 0;
-  if (!resume_dir.empty()) {
-    const std::string sctx = resume_dir + "/trainer_state.json";
-    stage0 = io::get_required<int64_t>(state, "stage", sctx);
-    step_in_stage0 = io::get_required<int64_t>(state, "step_in_stage", sctx);
-    global_step = io::get_required<int64_t>(state, "global_step", sctx);
-    tokens_seen = io::get_required<int64_t>(state, "tokens", sctx);
-    data_stage = io::get_or<int64_t>(state, "data_stage", stage0, sctx);
-    from_json(state.at("position"), pos);
-    LM_CHECK(stage0 < static_cast<int64_t>(cfg.stages.size()),
-             "{}: this run already finished all {} stages; nothing to resume", sctx, cfg.stages.size());
-    LM_CHECK(data_stage >= 0 && data_stage <= stage0, "{}: data_stage {} outside [0, stage {}]", sctx, data_stage,
-             stage0);
-    data_fp = stage_fingerprint(data_stage);
-    LM_CHECK(io::get_required<uint64_t>(state, "data_fingerprint", sctx) == data_fp,
-             "{}: the training data differ from the run being resumed (different corpus, split, tokenizer or "
-             "passkey documents)",
-             sctx);
-  } else {
-    data_fp = stage_fingerprint(data_stage);
-  }
-  Loader loader(train_docs, cfg.stages[stage0].seq_len, cfg.seed, pos, passkey_docs(data_stage));
-  const int64_t first_tokens = tokens_seen;
-
-  // Metrics: a resumed run first drops the lines written after its checkpoint.
-  const fs::path metrics_path = out / "metrics.jsonl";
-  if (!resume_dir.empty() && fs::exists(metrics_path)) {
-    std::ifstream in(metrics_path);
-    std::string line, kept;
-    while (std::getline(in, line)) {
-      try {
-        if (json::parse(line).value("step", int64_t{0}) <= global_step) kept += line + "\n";
-      } catch (const json::exception&) {
-        // a torn last line from the killed run: drop it
-      }
-    }
-    io::write_file_atomic(metrics_path.string(), kept);
-  } else if (resume_dir.empty()) {
-    io::write_file_atomic(metrics_path.string(), "");
-  }
-  std::ofstream metrics(metrics_path, std::ios::app);
-
-  TrainResult result;
-  result.first_step = global_step;
-  std::string last_ckpt = resume_dir;
-
-  auto evaluate = [&](int64_t seq_len, int64_t max_batches) {
-    const int64_t B = std::max<int64_t>(1, std::min<int64_t>(8, 8192 / seq_len));
-    const auto batches = eval_batches(heldout, seq_len, B, tok->pad() >= 0 ? tok->pad() : 0, max_batches);
-    double sum = 0;
-    int64_t n = 0;
-    for (const auto& b : batches) {
-      const model::Seqs sq = model::Seqs::packed(b.cu_seqlens);
-      auto add = [&](const auto& st) { sum += st.loss_sum, n += st.n_valid; };
-      if (gm) add(gm->loss(b.ids.data(), b.targets.data(), sq));
-      else add(m->loss(b.ids.data(), b.targets.data(), sq));
-    }
-    return n > 0 ? sum / static_cast<double>(n) : NAN;
-  };
-
-  auto save = [&](int64_t stage, int64_t step_in_stage, const std::string& also_as) {
-    const fs::path ck = out / "ckpt";
-    fs::create_directories(ck);
-    const std::string name = fmt::format("step-{:08}", global_step);
-    const fs::path tmp = ck / (".tmp-" + name), dst = ck / name;
-    fs::remove_all(tmp);
-    fs::create_directories(tmp);
-    sync_from_gpu();
-    mcfg.save((tmp / "config.json").string());
-    fs::copy_file(fs::exists(tok_path) ? tok_path.string() : tok->model_path(), tmp / "tokenizer.model",
-                  fs::copy_options::overwrite_existing);
-    io::save_checkpoint(tmp.string(), m->params().named(DType::F32), uint64_t{2} << 30,
-                        {{"longmoe_step", std::to_string(global_step)}});
-    io::save_safetensors((tmp / "optimizer.safetensors").string(), optim.state());
-    // Test hook: die in the middle of a save (after the weights, before the rename), as a kill would.
-    if (const char* c = std::getenv("LONGMOE_CRASH_IN_SAVE_AT_STEP"); c && std::atoll(c) == global_step) std::abort();
-    json st;
-    st["stage"] = stage;
-    st["step_in_stage"] = step_in_stage;
-    st["global_step"] = global_step;
-    st["tokens"] = tokens_seen;
-    st["position"] = loader.position();
-    st["data_fingerprint"] = data_fp;
-    st["data_stage"] = data_stage;
-    st["threads"] = num_threads();
-    io::write_file_atomic((tmp / "trainer_state.json").string(), st.dump(2) + "\n");
-    fs::remove_all(dst);
-    fs::rename(tmp, dst);
-    io::write_file_atomic((out / "latest").string(), "ckpt/" + name + "\n");
-    last_ckpt = dst.string();
-    if (!also_as.empty()) {  // stage-end checkpoints stay; hard links cost no space
-      const fs::path sd = out / also_as;
-      fs::remove_all(sd);
-      fs::create_directories(sd);
-      for (const auto& e : fs::directory_iterator(dst)) fs::create_hard_link(e.path(), sd / e.path().filename());
-    }
-    // Keep the newest `keep_checkpoints` step folders.
-    std::vector<fs::path> steps;
-    for (const auto& e : fs::directory_iterator(ck))
-      if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0) steps.push_back(e.path());
-    std::sort(steps.begin(), steps.end());
-    for (size_t i = 0; i + static_cast<size_t>(cfg.keep_checkpoints) < steps.size(); ++i) fs::remove_all(steps[i]);
-  };
-
-  // ---- stages
-  double tok_rate = 0;
-  for (int64_t si = stage0; si < static_cast<int64_t>(cfg.stages.size()); ++si) {
-    const StageConfig& S = cfg.stages[si];
-    const int64_t per_step = S.batch_seqs * S.seq_len;
-    const int64_t steps = std::max<int64_t>(1, S.tokens / per_step);
-    const int64_t micro = S.micro_seqs ? S.micro_seqs : S.batch_seqs;
-    const Schedule sched(S.schedule, steps);
-    if (passkey && data_stage != si) {  // this stage's documents, at its seq_len; the corpus continues
-      loader.set_extra(passkey_docs(si));
-      data_stage = si;
-      data_fp = stage_fingerprint(si);
-    }
-    loader.set_seq_len(S.seq_len);
-    say(fmt::format("stage {}/{}: seq_len {}, {} steps of {} x {} tokens ({} micro-batches), schedule {}", si + 1,
-                    cfg.stages.size(), S.seq_len, steps, S.batch_seqs, S.seq_len, S.batch_seqs / micro,
-                    S.schedule.kind));
-    if (passkey) {
-      const double tok_frac = static_cast<double>(stage_pk.tokens()) /
-                              static_cast<double>(stage_pk.tokens() + train_docs->tokens());
-      const double doc_frac = static_cast<double>(stage_pk.num_docs()) /
-                              static_cast<double>(stage_pk.num_docs() + train_docs->num_docs());
-      int64_t lo = S.seq_len, hi = 0;
-      for (int64_t d = 0; d < stage_pk.num_docs(); ++d) {
-        const auto n = static_cast<int64_t>(stage_pk.doc(d).size());
-        lo = std::min(lo, n), hi = std::max(hi, n);
-      }
-      result.stage_passkey_token_fraction.push_back(tok_frac);
-      result.stage_passkey_doc_fraction.push_back(doc_frac);
-      say(fmt::format("  passkey: {} synthetic documents of {}..{} tokens per epoch: {:.1f}% of the training tokens, "
-                      "{:.1f}% of the documents (made in {:.1f}s)",
-                      stage_pk.num_docs(), lo, hi, 100 * tok_frac, 100 * doc_frac, stage_pk_seconds));
-    }
-    const int64_t first = si == stage0 ? step_in_stage0 : 0;
-    const auto stage_t0 = Clock::now();
-    int64_t stage_tokens = 0;
-    bool stopped = false;  // max_steps reached, or SIGINT/SIGTERM, inside the stage
-    int64_t step = first;
-    for (; step < steps; ++step) {
-      if (g_interrupts.load() > 0) result.interrupted = true;
-      if ((cfg.max_steps > 0 && global_step >= cfg.max_steps) || result.interrupted) {
-        stopped = true;
-        break;
-      }
-      const auto t0 = Clock::now();
-      // The step's micro-batches, fetched first: the loss is normalised by their total target count.
-      // One batch of all B sequences (the loader's lanes are defined by B), then split: accumulation
-      // sees exactly the sequences of the unaccumulated step.
-      std::vector<Batch> mb;
-      int64_t n_valid = 0;
-      {
-        Batch whole = loader.next(S.batch_seqs);
-        if (micro == S.batch_seqs) {
-          mb.push_back(std::move(whole));
-        } else {
-          for (int64_t b = 0; b < S.batch_seqs; b += micro) mb.push_back(whole.sequences(b, micro));
-        }
-        for (const Batch& b : mb) n_valid += b.predicted();
-      }
-      if (gm) gm->zero_grads();
-      else m->params().zero_grads();
-      for (auto& s : bal.scores) s.clear();
-      for (auto& c : bal.counts) c.clear();
-      for (auto& l : bal.loads) l.assign(bal.E, 0);
-      double loss_sum = 0, aux = 0;
-      for (const Batch& b : mb) {
-        const model::Seqs seqs = model::Seqs::packed(b.cu_seqlens);
-        if (gm) {  // GPU: loss, gradients and the experts' loads (QB reads the scores on the device)
-          const auto st = gm->forward_backward(b.ids.data(), b.targets.data(), seqs, n_valid);
-          loss_sum += st.loss_sum;
-          if (!std::isfinite(st.loss_sum))
-            fail("step {}: the loss became {} on the GPU. Stopping; the last checkpoint is {}", global_step,
-                 st.loss_sum, last_ckpt.empty() ? "none" : last_ckpt);
-          for (size_t li = 0; li < bal.layers.size(); ++li) {
-            const auto l = gm->expert_loads(bal.layers[li]);
-            for (int64_t e = 0; e < bal.E; ++e) bal.loads[li][e] += l[e];
-          }
-          continue;
-        }
-        const auto st = m->forward_backward(b.ids.data(), b.targets.data(), seqs, n_valid);
-        loss_sum += st.loss_sum;
-        if (!std::isfinite(st.loss_sum)) {
-          // Find the first layer whose output is no longer finite.
-          model::ForwardResult<float> fr;
-          m->forward(b.ids.data(), seqs, model::ForwardOptions{true, false, false}, &fr);
-          for (size_t i = 0; i < fr.hidden.size(); ++i)
-            for (float x : fr.hidden[i])
-              if (!std::isfinite(x))
-                fail("step {}: the loss became {}; the first non-finite activation is the output of layer {} ({} "
-                     "mixer, {}). Stopping; the last checkpoint is {}",
-                     global_step, st.loss_sum, i, mcfg.is_kda(static_cast<int64_t>(i)) ? "KDA" : "MLA",
-                     mcfg.is_moe(static_cast<int64_t>(i)) ? "MoE" : "dense FFN",
-                     last_ckpt.empty() ? "none" : last_ckpt);
-          fail("step {}: the loss became {} (every layer's output is finite: the LM head overflowed). Stopping; the "
-               "last checkpoint is {}",
-               global_step, st.loss_sum, last_ckpt.empty() ? "none" : last_ckpt);
-        }
-        const int64_t rows = b.tokens();
-        for (size_t li = 0; li < bal.layers.size(); ++li) {
-          auto* moe = m->moe(bal.layers[li]);
-          std::vector<int64_t> l(bal.E);
-          ops::expert_loads(moe->topk_idx().data(), rows, bal.k, bal.E, l.data());
-          for (int64_t e = 0; e < bal.E; ++e) bal.loads[li][e] += l[e];
-          if (cfg.balance == Balance::QB) {
-            if (bal.hist) {
-              bal.counts[li].resize(bal.E * ops::qb_hist_slots(bal.h), 0);
-              ops::qb_hist_accumulate(moe->scores().data(), moe->bias(), static_cast<const float*>(nullptr), rows,
-                                      bal.E, bal.k, bal.h, bal.counts[li].data());
-            } else {
-              bal.scores[li].insert(bal.scores[li].end(), moe->scores().begin(), moe->scores().end());
-            }
-          }
-          aux += moe->last_aux_loss;
-        }
-      }
-      const double loss = loss_sum / static_cast<double>(std::max<int64_t>(n_valid, 1));
-      StepInfo info;
-      if (gm) {
-        // AdamW as train::Optimizer does it: global-norm clip, then the update (and the bf16 copy).
-        info.grad_norm = gm->grad_norm();
-        if (!std::isfinite(info.grad_norm))
-          fail("step {}: a gradient became NaN/Inf on the GPU. Stopping; the last checkpoint is {}", global_step,
-               last_ckpt.empty() ? "none" : last_ckpt);
-        if (cfg.optim.clip > 0 && info.grad_norm > cfg.optim.clip)
-          info.clip_coef = cfg.optim.clip / (info.grad_norm + 1e-6);
-        info.lr_adamw = info.lr_muon = cfg.optim.lr_adamw * sched.factor_at(step);
-        model::cuda::AdamWStep as;
-        as.lr = info.lr_adamw, as.beta1 = cfg.optim.beta1, as.beta2 = cfg.optim.beta2, as.eps = cfg.optim.eps;
-        as.weight_decay = cfg.optim.weight_decay, as.step = ++gpu_t, as.grad_scale = info.clip_coef;
-        gm->adamw(as);
-        if (cfg.balance == Balance::QB) gm->balance();
-        for (size_t li = 0; li < bal.layers.size(); ++li)
-          bal.maxvio[li] = ops::max_violation(bal.loads[li].data(), bal.E);
-      } else {
-        try {
-          info = optim.step(sched.factor_at(step));
-        } catch (const Error& e) {
-          const auto bad = nonfinite_grad(m->params());
-          if (bad)
-            fail("step {}: a gradient became NaN/Inf in {}. Stopping; the last checkpoint is {}", global_step,
-                 describe_param(*bad, mcfg), last_ckpt.empty() ? "none" : last_ckpt);
-          throw;
-        }
-      }
-      // Balancing: the new bias is installed for the next step.
-      for (size_t li = 0; li < bal.layers.size() && !gm; ++li) {
-        auto* moe = m->moe(bal.layers[li]);
-        float* b = moe->bias();
-        if (cfg.balance == Balance::QB) {
-          if (bal.hist) {
-            std::vector<float> beta(bal.E);
-            ops::qb_beta_from_hist(bal.counts[li].data(), b, beta.data(), bal.E, bal.k, bal.h);
-            ops::qb_bias_from_beta(beta.data(), b, bal.E);
-          } else {
-            const int64_t mrows = static_cast<int64_t>(bal.scores[li].size()) / bal.E;
-            ops::qb_update_exact(bal.scores[li].data(), b, static_cast<const float*>(nullptr), b, mrows, bal.E, bal.k);
-          }
-        } else if (cfg.balance == Balance::Sign) {
-          ops::bias_sign_update(bal.loads[li].data(), b, bal.E, static_cast<float>(bal.gamma));
-        }
-        bal.maxvio[li] = ops::max_violation(bal.loads[li].data(), bal.E);
-      }
-      ++global_step;
-      tokens_seen += per_step;
-      stage_tokens += per_step;
-      result.losses.push_back(loss);
-      const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-      result.train_seconds += dt;
-      tok_rate = tok_rate == 0 ? per_step / dt : 0.9 * tok_rate + 0.1 * per_step / dt;
-      double mv_max = 0;
-      for (double v : bal.maxvio) mv_max = std::max(mv_max, v);
-      if (!bal.maxvio.empty()) result.maxvio_worst.push_back(mv_max);
-      if (global_step % cfg.log_every == 0 || step + 1 == steps) {
-        json row = {{"step", global_step}, {"stage", si},          {"tokens", tokens_seen},
-                    {"loss", loss},        {"lr", info.lr_adamw},  {"lr_muon", info.lr_muon},
-                    {"grad_norm", info.grad_norm}, {"tok_per_s", per_step / dt}, {"maxvio", bal.maxvio},
-                    {"elapsed", std::chrono::duration<double>(Clock::now() - t_start).count()}};
-        if (cfg.balance == Balance::Aux) row["aux_loss"] = aux;
-        metrics << row.dump() << "\n" << std::flush;
-      }
-      const double eta = (steps - step - 1) * per_step / std::max(tok_rate, 1e-9);
-      if (tty) {
-        std::fprintf(stderr, "\r[stage %ld/%zu T=%ld] step %ld/%ld  loss %.4f  %.0f tok/s  lr %.2e  maxvio %.3f  ETA %s   ",
-                     static_cast<long>(si + 1), cfg.stages.size(), static_cast<long>(S.seq_len),
-                     static_cast<long>(step + 1), static_cast<long>(steps), loss, tok_rate, info.lr_adamw, mv_max,
-                     fmt_duration(eta).c_str());
-      } else if (!opt.quiet && ((step + 1) % std::max<int64_t>(1, steps / 20) == 0 || step + 1 == steps)) {
-        std::printf("[stage %ld/%zu T=%ld] step %ld/%ld  loss %.4f  %.0f tok/s  lr %.2e  maxvio %.3f  ETA %s\n",
-                    static_cast<long>(si + 1), cfg.stages.size(), static_cast<long>(S.seq_len),
-                    static_cast<long>(step + 1), static_cast<long>(steps), loss, tok_rate, info.lr_adamw, mv_max,
-                    fmt_duration(eta).c_str());
-        std::fflush(stdout);
-      }
-      if (cfg.eval_every > 0 && global_step % cfg.eval_every == 0 && step + 1 < steps) {
-        const double el = evaluate(S.seq_len, cfg.eval_batches);
-        metrics << json{{"step", global_step}, {"stage", si}, {"eval_loss", el}, {"eval_ppl", std::exp(el)}}.dump()
-                << "\n"
-                << std::flush;
-      }
-      if (cfg.save_every > 0 && global_step % cfg.save_every == 0 && step + 1 < steps) save(si, step + 1, "");
-      result.final_train_loss = loss;
-    }
-    if (tty) std::fprintf(stderr, "\n");
-    if (stopped) {  // a partial stage: checkpoint where it stopped, so --resume continues from here
-      save(si, step, "");
-      if (result.interrupted) say(fmt::format("interrupted at step {}: checkpoint {} saved; continue with --resume",
-                                              global_step, last_ckpt));
-      break;
-    }
-    // Stage end: held-out perplexity over the whole split, then the stage's checkpoint.
-    const double stage_s = std::chrono::duration<double>(Clock::now() - stage_t0).count();
-    const double el = evaluate(S.seq_len, 0);
-    metrics << json{{"step", global_step}, {"stage", si}, {"eval_loss", el}, {"eval_ppl", std::exp(el)},
-                    {"stage_end", true}}.dump()
-            << "\n"
-            << std::flush;
-    say(fmt::format("stage {} done: {} tokens in {}, {:.0f} tok/s; held-out loss {:.4f}, ppl {:.2f} (unigram ppl "
-                    "{:.2f})",
-                    si + 1, stage_tokens, fmt_duration(stage_s), stage_tokens / std::max(stage_s, 1e-9), el,
-                    std::exp(el), std::exp(unigram_ce)));
-    result.heldout_loss = el;
-    result.heldout_ppl = std::exp(el);
-    result.stage_heldout_ppl.push_back(std::exp(el));
-    save(si + 1, 0, fmt::format("stage-{}", si));
-    if (cfg.max_steps > 0 && global_step >= cfg.max_steps) break;
-  }
-  result.steps = global_step;
-  result.tokens = tokens_seen;
-  result.unigram_ppl = std::exp(unigram_ce);
-  result.tokens_per_s = result.train_seconds > 0
-                            ? static_cast<double>(tokens_seen - first_tokens) / result.train_seconds
-                            : tok_rate;
-  result.checkpoint = last_ckpt;
-  if (!result.interrupted) {
-    // summary.json: the run's headline figures, for people and scripts (docs/experiments.md).
-    const BalanceSummary bs = summarize_balance(result, 0.3, 50);
-    json sj = {{"steps", global_step},
-               {"tokens", tokens_seen},
-               {"tokens_per_s", result.tokens_per_s},
-               {"threads", num_threads()},
-               {"final_train_loss", result.final_train_loss},
-               {"heldout_loss", result.heldout_loss},
-               {"heldout_ppl", result.heldout_ppl},
-               {"stage_heldout_ppl", result.stage_heldout_ppl},
-               {"unigram_ppl", result.unigram_ppl},
-               {"balance", cfg.to_json()["balance"]},
-               {"passkey_fraction", cfg.passkey_fraction},
-               {"checkpoint", last_ckpt}};
-    if (passkey) {
-      sj["stage_passkey_token_fraction"] = result.stage_passkey_token_fraction;
-      sj["stage_passkey_doc_fraction"] = result.stage_passkey_doc_fraction;
-    }
-    if (!result.maxvio_worst.empty()) {
-      sj["maxvio_first_step_below_0.3"] = bs.first_step_below;
-      sj["maxvio_median_after_step_50"] = bs.median_after;
-      sj["maxvio_max_after_step_50"] = bs.max_after;
-    }
-    io::write_file_atomic((out / "summary.json").string(), sj.dump(2) + "\n");
-  }
-  say(fmt::format("done: {} steps, {} tokens in {}; checkpoint {}", global_step, tokens_seen,
-                  fmt_duration(std::chrono::duration<double>(Clock::now() - t_start).count()), last_ckpt));
-  return result;
+  return run.finish();
 }
 
 BalanceSummary summarize_balance(const TrainResult& r, double below, int64_t after) {

@@ -26,6 +26,7 @@
 namespace lm::train {
 
 enum class Balance { QB, Sign, Aux, None };
+const char* balance_name(Balance b);  // qb, sign, aux, none (balance.kind in a run config)
 
 struct StageConfig {
   int64_t seq_len = 512;

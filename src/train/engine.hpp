@@ -1,0 +1,75 @@
+#pragma once
+// The training engine: a step's device work behind one interface, so that the step loop (trainer.cpp)
+// is the same on every device. Per optimiser step the trainer calls
+//   zero_grads, forward_backward per micro-batch, step, balance, then reads expert_loads and aux_loss;
+// loss serves the held-out evaluation and sync_to_host precedes each checkpoint.
+// The host model and optimiser belong to the trainer (checkpoints are written from them): an engine starts
+// from their weights and state and, when it keeps its own copy on a device, writes that back in sync_to_host.
+//
+// Implementations: engine_cpu.cpp (model::Model<float> + train::Optimizer + the host Balancer) and
+// engine_cuda.cpp (model::cuda::GpuModel: forward, backward, AdamW and Quantile Balancing on the GPU).
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/error.hpp"
+#include "model/model.hpp"
+#include "train/data.hpp"
+#include "train/optim.hpp"
+#include "train/trainer.hpp"
+
+namespace lm::train {
+
+// A NaN or Inf loss or gradient: what() says which and where ("the loss became nan on the GPU"); the
+// trainer adds the step and the last checkpoint to the message.
+class NonFinite : public Error {
+ public:
+  using Error::Error;
+};
+
+struct LossStats {
+  double loss_sum = 0;  // cross-entropy summed over the batch's targets
+  int64_t n_valid = 0;  // targets of the batch (kIgnore excluded)
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  // Where the steps run, for the log ("on the GPU", "2 threads").
+  virtual std::string where() const = 0;
+  // A new step: zero gradients and no expert loads or router statistics yet.
+  virtual void zero_grads() = 0;
+  // One micro-batch: forward, cross-entropy normalised by the step's n_valid_total targets (so that
+  // accumulation equals one big batch), backward into the gradients; adds the micro-batch's expert loads
+  // and router statistics to the step's. NonFinite on a NaN/Inf loss (naming the first bad layer where it can).
+  virtual LossStats forward_backward(const Batch& b, int64_t n_valid_total) = 0;
+  // Loss only (held-out evaluation).
+  virtual LossStats loss(const Batch& b) = 0;
+  // Global-norm clip and the optimiser update, learning rates times the schedule's lr_factor.
+  // NonFinite on a NaN/Inf gradient; weights and optimiser state are then unchanged.
+  virtual StepInfo step(double lr_factor) = 0;
+  // Every MoE layer's selection bias from the step's routing (RunConfig::balance), used from the next step on.
+  virtual void balance() = 0;
+  // Tokens routed to each expert in this step: [MoE layers, in model order][E].
+  virtual const std::vector<std::vector<int64_t>>& expert_loads() const = 0;
+  // The MoE layers' auxiliary losses summed over the step's micro-batches (non-zero with balance aux).
+  virtual double aux_loss() const = 0;
+  // The engine's weights and optimiser state into the host model and optimiser (before a checkpoint).
+  virtual void sync_to_host() = 0;
+};
+
+// lm::Error unless `device` (cpu | cuda) can run `cfg`; called before anything is written.
+void check_device(const std::string& device, const RunConfig& cfg);
+// The engine for `device` (check_device first) over the host model and optimiser, which hold the starting
+// weights and state and must outlive it.
+std::unique_ptr<Engine> make_engine(const std::string& device, const RunConfig& cfg, model::Model<float>& host,
+                                    Optimizer& optim);
+
+// The two implementations behind make_engine / check_device.
+std::unique_ptr<Engine> make_cpu_engine(const RunConfig& cfg, model::Model<float>& host, Optimizer& optim);
+std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, model::Model<float>& host, Optimizer& optim);
+void check_cuda_run(const RunConfig& cfg);
+
+}  // namespace lm::train

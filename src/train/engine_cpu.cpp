@@ -1,0 +1,94 @@
+// The CPU training engine: model::Model<float> (fp32; OpenBLAS + OpenMP), train::Optimizer (AdamW / Muon)
+// and the host Balancer, all working on the trainer's host model and optimiser themselves.
+#include <cmath>
+#include <regex>
+
+#include "core/parallel.hpp"
+#include "train/balancer.hpp"
+#include "train/engine.hpp"
+
+namespace lm::train {
+
+namespace {
+
+// "model.layers.12.block_sparse_moe.experts.3.w1.weight" -> "layer 12 (MoE), parameter '...'".
+std::string describe_param(const std::string& name, const model::ModelConfig& c) {
+  static const std::regex re(R"(model\.layers\.(\d+)\.([a-z_]+))");
+  std::smatch m;
+  if (!std::regex_search(name, m, re)) return "'" + name + "'";
+  const int64_t i = std::stoll(m[1].str());
+  const std::string part = m[2].str();
+  std::string what = part == "self_attn" ? (c.is_kda(i) ? "KDA mixer" : "MLA mixer")
+                     : part == "block_sparse_moe" ? "MoE"
+                     : part == "mlp" ? "dense FFN"
+                                     : part;
+  return fmt::format("layer {} ({}), parameter '{}'", i, what, name);
+}
+
+class CpuEngine final : public Engine {
+ public:
+  CpuEngine(const RunConfig& cfg, model::Model<float>& m, Optimizer& optim) : m_(m), optim_(optim), bal_(cfg, m) {}
+
+  std::string where() const override { return fmt::format("{} threads", num_threads()); }
+
+  void zero_grads() override {
+    m_.params().zero_grads();
+    bal_.clear();
+  }
+
+  LossStats forward_backward(const Batch& b, int64_t n_valid_total) override {
+    const model::Seqs seqs = model::Seqs::packed(b.cu_seqlens);
+    const auto st = m_.forward_backward(b.ids.data(), b.targets.data(), seqs, n_valid_total);
+    if (!std::isfinite(st.loss_sum)) throw NonFinite(diagnose_loss(b, seqs, st.loss_sum));
+    bal_.accumulate(b.tokens());
+    return {st.loss_sum, st.n_valid};
+  }
+
+  LossStats loss(const Batch& b) override {
+    const auto st = m_.loss(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens));
+    return {st.loss_sum, st.n_valid};
+  }
+
+  StepInfo step(double lr_factor) override {
+    try {
+      return optim_.step(lr_factor);
+    } catch (const Error&) {  // name the parameter; any other failure stays as it was
+      if (const auto bad = nonfinite_grad(m_.params()))
+        throw NonFinite(fmt::format("a gradient became NaN/Inf in {}", describe_param(*bad, m_.config())));
+      throw;
+    }
+  }
+
+  void balance() override { bal_.update(); }
+  const std::vector<std::vector<int64_t>>& expert_loads() const override { return bal_.loads(); }
+  double aux_loss() const override { return bal_.aux_loss(); }
+  void sync_to_host() override {}  // the host model and optimiser are the engine's own
+
+ private:
+  // The first layer whose output is no longer finite (a forward of the same batch, keeping every layer's output).
+  std::string diagnose_loss(const Batch& b, const model::Seqs& seqs, double loss_sum) {
+    const model::ModelConfig& c = m_.config();
+    model::ForwardResult<float> fr;
+    m_.forward(b.ids.data(), seqs, model::ForwardOptions{true, false, false}, &fr);
+    for (size_t i = 0; i < fr.hidden.size(); ++i)
+      for (float x : fr.hidden[i])
+        if (!std::isfinite(x))
+          return fmt::format("the loss became {}; the first non-finite activation is the output of layer {} ({} "
+                             "mixer, {})",
+                             loss_sum, i, c.is_kda(static_cast<int64_t>(i)) ? "KDA" : "MLA",
+                             c.is_moe(static_cast<int64_t>(i)) ? "MoE" : "dense FFN");
+    return fmt::format("the loss became {} (every layer's output is finite: the LM head overflowed)", loss_sum);
+  }
+
+  model::Model<float>& m_;
+  Optimizer& optim_;
+  Balancer bal_;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> make_cpu_engine(const RunConfig& cfg, model::Model<float>& host, Optimizer& optim) {
+  return std::make_unique<CpuEngine>(cfg, host, optim);
+}
+
+}  // namespace lm::train

@@ -1,0 +1,104 @@
+#include "train/run_data.hpp"
+
+#include <chrono>
+#include <cmath>
+
+#include "core/error.hpp"
+#include "io/corpus.hpp"
+#include "train/synthetic.hpp"
+
+namespace lm::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A checkpoint's data_fingerprint: the training corpus, and with passkey documents the documents of
+// epoch 0 of the stage the saved position refers to (they depend on the seed, the stage's seq_len,
+// the fraction, the tokenizer and the template). Without passkey documents: the corpus' alone, as
+// before they existed.
+uint64_t data_fingerprint(const TokenizedDocs& corpus, const TokenizedDocs* passkey0) {
+  uint64_t h = corpus.fingerprint();
+  if (!passkey0) return h;
+  const uint64_t x = passkey0->fingerprint();
+  for (int i = 0; i < 8; ++i) h = (h ^ ((x >> (8 * i)) & 0xFF)) * 0x100000001B3ull;
+  return h;
+}
+
+std::unique_ptr<io::Tokenizer> make_tokenizer(const RunConfig& cfg, const fs::path& tok_path,
+                                              const std::string& resume_dir, const std::vector<std::string>& docs,
+                                              const DataSplit& idx, const RunData::Say& say) {
+  if (!resume_dir.empty())
+    return std::make_unique<io::Tokenizer>(io::Tokenizer::load((fs::path(resume_dir) / "tokenizer.model").string()));
+  if (!cfg.tokenizer.empty()) {
+    auto tok = std::make_unique<io::Tokenizer>(io::Tokenizer::load(cfg.tokenizer));
+    fs::copy_file(cfg.tokenizer, tok_path, fs::copy_options::overwrite_existing);
+    return tok;
+  }
+  std::vector<std::string> texts;
+  for (int64_t d : idx.train_docs) texts.push_back(docs[d]);
+  const auto t0 = Clock::now();
+  io::Tokenizer::TrainOptions to;
+  to.vocab_size = cfg.tokenizer_vocab;
+  to.seed = cfg.seed;
+  auto tok = std::make_unique<io::Tokenizer>(io::Tokenizer::train(texts, tok_path.string(), to));
+  say(fmt::format("tokenizer: BPE, {} tokens, trained on {} documents in {:.1f}s", tok->vocab_size(), texts.size(),
+                  std::chrono::duration<double>(Clock::now() - t0).count()));
+  return tok;
+}
+
+}  // namespace
+
+RunData::RunData(const RunConfig& c, const fs::path& out, const std::string& resume_dir, const Say& say)
+    : cfg(c), tok_path(out / "tokenizer.model") {
+  const auto docs = io::read_corpus(cfg.data, io::parse_corpus_format(cfg.data_format));
+  LM_CHECK(docs.size() >= 2, "'{}': need at least 2 documents (one is held out), found {}", cfg.data, docs.size());
+  // The held-out documents are chosen before the tokenizer exists (one placeholder token per document),
+  // so the tokenizer never sees them.
+  TokenizedDocs index_only;
+  for (size_t i = 0; i < docs.size(); ++i) index_only.ids.push_back(0), index_only.offsets.push_back(i + 1);
+  const DataSplit idx = split_documents(index_only, cfg.heldout_fraction, cfg.seed);
+  tok = make_tokenizer(cfg, tok_path, resume_dir, docs, idx, say);
+  const TokenizedDocs all = tokenize_documents(*tok, docs);
+  train = std::make_shared<TokenizedDocs>(select_documents(all, idx.train_docs));
+  heldout = select_documents(all, idx.heldout_docs);
+  const Unigram unigram = Unigram::fit(*train, tok->vocab_size());
+  unigram_ce = unigram.cross_entropy(heldout);
+  say(fmt::format("data: {} documents ({} train, {} held out), {} train tokens, {} held-out tokens; unigram "
+                  "held-out ppl {:.1f}",
+                  docs.size(), idx.train_docs.size(), idx.heldout_docs.size(), train->tokens(), heldout.tokens(),
+                  std::exp(unigram_ce)));
+
+  passkey = cfg.passkey_fraction > 0;
+  passkey_target = passkey ? passkey_target_tokens(train->tokens(), cfg.passkey_fraction) : 0;
+  if (passkey)
+    for (size_t i = 0; i < cfg.stages.size(); ++i) {
+      try {
+        passkey_min_doc_tokens(*tok, cfg.stages[i].seq_len);
+      } catch (const Error& e) {
+        fail("stages[{}]: {}", i, e.what());
+      }
+    }
+}
+
+std::string RunData::tokenizer_file() const { return fs::exists(tok_path) ? tok_path.string() : tok->model_path(); }
+
+Loader::ExtraDocs RunData::passkey_docs(int64_t si) const {
+  if (!passkey) return {};
+  return [tk = tok.get(), T = cfg.stages[static_cast<size_t>(si)].seq_len, target = passkey_target,
+          rng = passkey_rng(cfg.seed, si)](uint64_t epoch) {
+    return passkey_documents(*tk, T, target, rng.fork(epoch));
+  };
+}
+
+uint64_t RunData::stage_fingerprint(int64_t si) {
+  if (!passkey) return data_fingerprint(*train, nullptr);
+  const auto t0 = Clock::now();
+  stage_pk = passkey_docs(si)(0);
+  stage_pk_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return data_fingerprint(*train, &stage_pk);
+}
+
+}  // namespace lm::train

@@ -1,0 +1,139 @@
+#include "train/run_dir.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <vector>
+
+#include "core/error.hpp"
+#include "core/parallel.hpp"
+#include "io/checkpoint.hpp"
+#include "io/safetensors.hpp"
+
+namespace lm::train {
+
+namespace fs = std::filesystem;
+using io::json;
+
+TrainerState read_trainer_state(const json& j, const std::string& ctx, size_t n_stages,
+                                const std::function<uint64_t(int64_t)>& fingerprint) {
+  TrainerState s;
+  s.stage = io::get_required<int64_t>(j, "stage", ctx);
+  s.step_in_stage = io::get_required<int64_t>(j, "step_in_stage", ctx);
+  s.global_step = io::get_required<int64_t>(j, "global_step", ctx);
+  s.tokens = io::get_required<int64_t>(j, "tokens", ctx);
+  s.data_stage = io::get_or<int64_t>(j, "data_stage", s.stage, ctx);
+  from_json(j.at("position"), s.position);
+  LM_CHECK(s.stage < static_cast<int64_t>(n_stages), "{}: this run already finished all {} stages; nothing to resume",
+           ctx, n_stages);
+  LM_CHECK(s.data_stage >= 0 && s.data_stage <= s.stage, "{}: data_stage {} outside [0, stage {}]", ctx,
+           s.data_stage, s.stage);
+  s.data_fingerprint = fingerprint(s.data_stage);
+  LM_CHECK(io::get_required<uint64_t>(j, "data_fingerprint", ctx) == s.data_fingerprint,
+           "{}: the training data differ from the run being resumed (different corpus, split, tokenizer or "
+           "passkey documents)",
+           ctx);
+  return s;
+}
+
+namespace {
+
+json state_json(const TrainerState& s) {
+  json j;
+  j["stage"] = s.stage;
+  j["step_in_stage"] = s.step_in_stage;
+  j["global_step"] = s.global_step;
+  j["tokens"] = s.tokens;
+  j["position"] = s.position;
+  j["data_fingerprint"] = s.data_fingerprint;
+  j["data_stage"] = s.data_stage;
+  j["threads"] = num_threads();
+  return j;
+}
+
+// Removes all but the newest `keep` step folders of ckpt/ (their names sort by step).
+void prune_checkpoints(const fs::path& ck, int64_t keep) {
+  std::vector<fs::path> steps;
+  for (const auto& e : fs::directory_iterator(ck))
+    if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0) steps.push_back(e.path());
+  std::sort(steps.begin(), steps.end());
+  for (size_t i = 0; i + static_cast<size_t>(keep) < steps.size(); ++i) fs::remove_all(steps[i]);
+}
+
+}  // namespace
+
+std::string save_checkpoint(const fs::path& out, const CheckpointContent& c, const TrainerState& st, int64_t keep,
+                            const std::string& also_as) {
+  const fs::path ck = out / "ckpt";
+  fs::create_directories(ck);
+  const std::string name = fmt::format("step-{:08}", st.global_step);
+  const fs::path tmp = ck / (".tmp-" + name), dst = ck / name;
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  c.config.save((tmp / "config.json").string());
+  fs::copy_file(c.tokenizer, tmp / "tokenizer.model", fs::copy_options::overwrite_existing);
+  io::save_checkpoint(tmp.string(), c.params.named(DType::F32), uint64_t{2} << 30,
+                      {{"longmoe_step", std::to_string(st.global_step)}});
+  io::save_safetensors((tmp / "optimizer.safetensors").string(), c.optim.state());
+  // Test hook: die in the middle of a save (after the weights, before the rename), as a kill would.
+  if (const char* s = std::getenv("LONGMOE_CRASH_IN_SAVE_AT_STEP"); s && std::atoll(s) == st.global_step) std::abort();
+  io::write_file_atomic((tmp / "trainer_state.json").string(), state_json(st).dump(2) + "\n");
+  fs::remove_all(dst);
+  fs::rename(tmp, dst);
+  io::write_file_atomic((out / "latest").string(), "ckpt/" + name + "\n");
+  if (!also_as.empty()) {  // stage-end checkpoints stay; hard links cost no space
+    const fs::path sd = out / also_as;
+    fs::remove_all(sd);
+    fs::create_directories(sd);
+    for (const auto& e : fs::directory_iterator(dst)) fs::create_hard_link(e.path(), sd / e.path().filename());
+  }
+  prune_checkpoints(ck, keep);
+  return dst.string();
+}
+
+MetricsLog::MetricsLog(const fs::path& path, bool resume, int64_t global_step) {
+  if (resume && fs::exists(path)) {
+    std::ifstream in(path);
+    std::string line, kept;
+    while (std::getline(in, line)) {
+      try {
+        if (json::parse(line).value("step", int64_t{0}) <= global_step) kept += line + "\n";
+      } catch (const json::exception&) {
+        // a torn last line from the killed run: drop it
+      }
+    }
+    io::write_file_atomic(path.string(), kept);
+  } else if (!resume) {
+    io::write_file_atomic(path.string(), "");
+  }
+  f_.open(path, std::ios::app);
+}
+
+void MetricsLog::write(const json& row) { f_ << row.dump() << "\n" << std::flush; }
+
+void write_summary(const fs::path& out, const RunConfig& cfg, const TrainResult& r) {
+  json sj = {{"steps", r.steps},
+             {"tokens", r.tokens},
+             {"tokens_per_s", r.tokens_per_s},
+             {"threads", num_threads()},
+             {"final_train_loss", r.final_train_loss},
+             {"heldout_loss", r.heldout_loss},
+             {"heldout_ppl", r.heldout_ppl},
+             {"stage_heldout_ppl", r.stage_heldout_ppl},
+             {"unigram_ppl", r.unigram_ppl},
+             {"balance", cfg.to_json()["balance"]},
+             {"passkey_fraction", cfg.passkey_fraction},
+             {"checkpoint", r.checkpoint}};
+  if (cfg.passkey_fraction > 0) {
+    sj["stage_passkey_token_fraction"] = r.stage_passkey_token_fraction;
+    sj["stage_passkey_doc_fraction"] = r.stage_passkey_doc_fraction;
+  }
+  if (!r.maxvio_worst.empty()) {
+    const BalanceSummary bs = summarize_balance(r, 0.3, 50);
+    sj["maxvio_first_step_below_0.3"] = bs.first_step_below;
+    sj["maxvio_median_after_step_50"] = bs.median_after;
+    sj["maxvio_max_after_step_50"] = bs.max_after;
+  }
+  io::write_file_atomic((out / "summary.json").string(), sj.dump(2) + "\n");
+}
+
+}  // namespace lm::train

@@ -1,0 +1,65 @@
+#pragma once
+// The files the trainer keeps in a run folder (layout: train/trainer.hpp): checkpoints with their
+// trainer_state.json, metrics.jsonl and summary.json.
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+
+#include "io/json.hpp"
+#include "model/config.hpp"
+#include "model/params.hpp"
+#include "train/data.hpp"
+#include "train/optim.hpp"
+#include "train/trainer.hpp"
+
+namespace lm::train {
+
+// trainer_state.json: where a checkpoint stands in the curriculum and in the training stream.
+struct TrainerState {
+  int64_t stage = 0, step_in_stage = 0;  // the next step to run
+  int64_t global_step = 0, tokens = 0;   // done so far
+  // The stage whose passkey documents the loader's stream holds (the position is in that stream): a stage
+  // switch moves the stream on, so a stage-end checkpoint still names the previous stage.
+  int64_t data_stage = 0;
+  Position position;
+  uint64_t data_fingerprint = 0;
+};
+
+// A resumed run's trainer_state.json (`j`; ctx names the file) for a run of n_stages stages. The data
+// fingerprint it holds must be fingerprint(data_stage), computed once the stages are known to be in range.
+TrainerState read_trainer_state(const io::json& j, const std::string& ctx, size_t n_stages,
+                                const std::function<uint64_t(int64_t data_stage)>& fingerprint);
+
+// What a checkpoint holds besides its trainer state.
+struct CheckpointContent {
+  const model::ModelConfig& config;
+  std::string tokenizer;  // the tokenizer.model file to copy
+  const model::ParamStore<float>& params;
+  const Optimizer& optim;
+};
+
+// Writes out/ckpt/step-<global_step> (config.json, tokenizer.model, model.safetensors, optimizer.safetensors,
+// trainer_state.json) into a temporary folder renamed into place, then points out/latest at it; also_as
+// (non-empty) hard-links it as out/<also_as>. Keeps the newest `keep` step folders. Returns its path.
+std::string save_checkpoint(const std::filesystem::path& out, const CheckpointContent& c, const TrainerState& st,
+                            int64_t keep, const std::string& also_as);
+
+// metrics.jsonl, a JSON object a line, flushed line by line (a killed run keeps what it logged). A new
+// run starts it empty; a resumed one first drops the lines of steps after its checkpoint's global_step
+// (and a torn last line).
+class MetricsLog {
+ public:
+  MetricsLog(const std::filesystem::path& path, bool resume, int64_t global_step);
+  void write(const io::json& row);
+
+ private:
+  std::ofstream f_;
+};
+
+// out/summary.json: the headline figures of a finished (not interrupted) run, for people and scripts
+// (docs/experiments.md).
+void write_summary(const std::filesystem::path& out, const RunConfig& cfg, const TrainResult& r);
+
+}  // namespace lm::train

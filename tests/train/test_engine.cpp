@@ -1,0 +1,180 @@
+// The CPU training engine against the model and optimiser it wraps: the same losses, steps and weights bit
+// for bit, the step's expert loads, which balancing kinds move the selection bias, NaN/Inf reports that name the
+// layer, and the device checks.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <numeric>
+
+#include "core/error.hpp"
+#include "model/cuda/gpu_model.hpp"
+#include "model/model.hpp"
+#include "train/engine.hpp"
+
+namespace lm::train {
+namespace {
+
+// Two layers: 0 KDA with a dense FFN, 1 gated MLA with a LatentMoE of 6 experts (top 2); AttnRes.
+model::ModelConfig two_layers() {
+  return model::ModelConfig::from_json(io::json::parse(R"({"model_type": "kimi_linear", "vocab_size": 48,
+    "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 8,
+    "kv_lora_rank": 6, "qk_nope_head_dim": 4, "qk_rope_head_dim": 2, "v_head_dim": 4, "mla_use_nope": true,
+    "mla_use_output_gate": true, "linear_attn_config": {"num_heads": 2, "head_dim": 4, "short_conv_kernel_size": 4,
+    "use_full_rank_gate": true, "gate_lower_bound": -5.0, "kda_layers": [1], "full_attn_layers": [2]},
+    "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0, "intermediate_size": 12,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "num_experts": 6, "num_experts_per_token": 2,
+    "num_shared_experts": 1, "moe_intermediate_size": 6, "routed_expert_hidden_size": 8, "latent_moe_use_norm": true,
+    "moe_router_activation_func": "sigmoid", "moe_renormalize": true, "routed_scaling_factor": 1.0,
+    "num_expert_group": 1, "topk_group": 1, "attn_res_block_size": 2, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": false})"),
+                                       "two layers");
+}
+
+// B sequences of T tokens of a fixed pattern; each predicts its next token (the last predicts nothing).
+Batch batch(int64_t B, int64_t T, int32_t vocab) {
+  Batch b;
+  b.seqs = B, b.seq_len = T;
+  for (int64_t s = 0; s < B; ++s) {
+    for (int64_t t = 0; t < T; ++t) b.ids.push_back(static_cast<int32_t>((s * 7 + t * t * 3 + t) % vocab));
+    for (int64_t t = 0; t < T; ++t) b.targets.push_back(t + 1 < T ? b.ids[s * T + t + 1] : kIgnore);
+  }
+  for (int64_t s = 0; s <= B; ++s) b.cu_seqlens.push_back(s * T);
+  return b;
+}
+
+// A host model and optimiser, initialised and ready for gradients.
+struct Host {
+  Host(const model::ModelConfig& c, const OptimConfig& oc) : m(c) {
+    m.params().init(3);
+    m.params().enable_grads();
+    optim = std::make_unique<Optimizer>(m.params(), c, oc);
+  }
+  model::Model<float> m;
+  std::unique_ptr<Optimizer> optim;
+};
+
+std::vector<float> values(const model::Param<float>& p) { return {p.w(), p.w() + p.value.numel()}; }
+
+TEST(Engine, CpuEngineIsTheModelAndOptimizer) {
+  const model::ModelConfig c = two_layers();
+  RunConfig rc;
+  rc.balance = Balance::None;
+  Host a(c, rc.optim), b(c, rc.optim);
+  const auto engine = make_engine("cpu", rc, a.m, *a.optim);
+  const Batch whole = batch(2, 16, static_cast<int32_t>(c.vocab_size));
+  const int64_t n = whole.predicted();
+  for (int step = 0; step < 2; ++step) {
+    engine->zero_grads();
+    b.m.params().zero_grads();
+    double la = 0, lb = 0;
+    for (int64_t s = 0; s < 2; ++s) {  // two micro-batches, normalised by the step's targets
+      const Batch mb = whole.sequences(s, 1);
+      la += engine->forward_backward(mb, n).loss_sum;
+      lb += b.m.forward_backward(mb.ids.data(), mb.targets.data(), model::Seqs::packed(mb.cu_seqlens), n).loss_sum;
+    }
+    EXPECT_EQ(la, lb);
+    const StepInfo ia = engine->step(0.5), ib = b.optim->step(0.5);
+    EXPECT_EQ(ia.grad_norm, ib.grad_norm);
+    EXPECT_EQ(ia.lr_adamw, ib.lr_adamw);
+    engine->balance();  // none: nothing
+    engine->sync_to_host();
+    for (size_t i = 0; i < a.m.params().all().size(); ++i)
+      ASSERT_EQ(values(a.m.params().all()[i]), values(b.m.params().all()[i])) << a.m.params().all()[i].spec.name;
+    // The step's loads: k selections per token in the one MoE layer.
+    ASSERT_EQ(engine->expert_loads().size(), 1u);
+    const auto& l = engine->expert_loads()[0];
+    ASSERT_EQ(static_cast<int64_t>(l.size()), c.num_experts);
+    EXPECT_EQ(std::accumulate(l.begin(), l.end(), int64_t{0}), whole.tokens() * c.num_experts_per_token);
+  }
+  const auto ea = engine->loss(whole);
+  const auto eb = b.m.loss(whole.ids.data(), whole.targets.data(), model::Seqs::packed(whole.cu_seqlens));
+  EXPECT_EQ(ea.loss_sum, eb.loss_sum);
+  EXPECT_EQ(ea.n_valid, n);
+  engine->zero_grads();
+  for (int64_t x : engine->expert_loads()[0]) EXPECT_EQ(x, 0);
+  EXPECT_NE(engine->where().find("threads"), std::string::npos);
+}
+
+// qb (both estimators) and sign move the MoE layer's bias after the step; aux and none leave it, aux reports
+// its loss.
+TEST(Engine, CpuBalanceKinds) {
+  const model::ModelConfig c = two_layers();
+  const Batch whole = batch(2, 16, static_cast<int32_t>(c.vocab_size));
+  for (const auto& [kind, estimator] : std::vector<std::pair<Balance, std::string>>{
+           {Balance::QB, "exact"}, {Balance::QB, "hist"}, {Balance::Sign, "exact"}, {Balance::Aux, "exact"},
+           {Balance::None, "exact"}}) {
+    RunConfig rc;
+    rc.balance = kind, rc.qb_estimator = estimator;
+    Host h(c, rc.optim);
+    const auto engine = make_engine("cpu", rc, h.m, *h.optim);
+    const float* bias = h.m.moe(1)->bias();
+    const std::vector<float> before(bias, bias + c.num_experts);
+    engine->zero_grads();
+    engine->forward_backward(whole, whole.predicted());
+    engine->step(1.0);
+    engine->balance();
+    const bool moved = std::vector<float>(bias, bias + c.num_experts) != before;
+    const std::string what = std::string(balance_name(kind)) + " " + estimator;
+    EXPECT_EQ(moved, kind == Balance::QB || kind == Balance::Sign) << what;
+    if (kind == Balance::Aux) EXPECT_GT(engine->aux_loss(), 0) << what;
+    else EXPECT_EQ(engine->aux_loss(), 0) << what;
+  }
+}
+
+TEST(Engine, NonFiniteLossAndGradientNameTheLayer) {
+  const model::ModelConfig c = two_layers();
+  RunConfig rc;
+  Host h(c, rc.optim);
+  const auto engine = make_engine("cpu", rc, h.m, *h.optim);
+  const Batch whole = batch(1, 16, static_cast<int32_t>(c.vocab_size));
+  // NaN experts in layer 1 (after its router, which refuses NaN logits), then a NaN final norm.
+  auto expect_loss_error = [&](const std::string& needle) {
+    engine->zero_grads();
+    try {
+      engine->forward_backward(whole, 0);
+      FAIL() << "a NaN loss went through";
+    } catch (const NonFinite& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  for (int64_t e = 0; e < c.num_experts; ++e)
+    h.m.params().w("model.layers.1.block_sparse_moe.experts." + std::to_string(e) + ".w2.weight")[0] = NAN;
+  expect_loss_error("the first non-finite activation is the output of layer 1 (MLA mixer, MoE)");
+  h.m.params().init(3);
+  h.m.params().w("model.norm.weight")[0] = NAN;
+  expect_loss_error("every layer's output is finite: the LM head overflowed");
+  h.m.params().init(3);
+  engine->zero_grads();
+  engine->forward_backward(whole, 0);
+  const std::string bad = "model.layers.1.block_sparse_moe.experts.3.w2.weight";
+  h.m.params().g(bad)[0] = INFINITY;
+  const auto before = values(h.m.params().at(bad));
+  try {
+    engine->step(1.0);
+    FAIL() << "an Inf gradient went through";
+  } catch (const NonFinite& e) {
+    EXPECT_EQ(std::string(e.what()), "a gradient became NaN/Inf in layer 1 (MoE), parameter '" + bad + "'");
+  }
+  EXPECT_EQ(values(h.m.params().at(bad)), before);
+  EXPECT_EQ(h.optim->step_count(), 0);
+}
+
+TEST(Engine, DeviceChecks) {
+  RunConfig rc;  // Muon: the CPU only
+  EXPECT_THROW(check_device("tpu", rc), Error);
+  EXPECT_NO_THROW(check_device("cpu", rc));
+  EXPECT_THROW(check_device("cuda", rc), Error);
+  rc.optim.kind = "adamw";
+  rc.balance = Balance::Sign;
+  EXPECT_THROW(check_device("cuda", rc), Error);
+  rc.balance = Balance::QB;
+  if (!model::cuda::available()) {
+    const model::ModelConfig c = two_layers();
+    Host h(c, rc.optim);
+    EXPECT_THROW(make_engine("cuda", rc, h.m, *h.optim), Error);
+  }
+}
+
+}  // namespace
+}  // namespace lm::train
