@@ -314,6 +314,12 @@ void Run::load_model() {
     say(fmt::format("model: vocab_size {} -> {} (the tokenizer's)", mcfg_.vocab_size, data_->tok->vocab_size()));
     mcfg_.vocab_size = data_->tok->vocab_size();
   }
+  // The tokenizer's special ids: without them HF transformers falls back to Kimi's (163839), outside a small
+  // vocabulary, and cannot build the model.
+  const io::Tokenizer& tok = *data_->tok;
+  for (auto [field, id] : {std::pair{&mcfg_.bos_token_id, tok.bos()}, std::pair{&mcfg_.eos_token_id, tok.eos()},
+                           std::pair{&mcfg_.pad_token_id, tok.pad()}})
+    *field = id >= 0 ? io::json(id) : io::json();
   mcfg_.validate(cfg_.model);
   mcfg_.save((out_ / "config.json").string());
   io::write_file_atomic((out_ / "run.json").string(), cfg_.to_json().dump(2) + "\n");

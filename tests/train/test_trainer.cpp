@@ -147,6 +147,16 @@ TEST(Trainer, LossFallsAndResumeIsExact) {
   EXPECT_TRUE(std::isfinite(full.heldout_ppl));
   EXPECT_TRUE(fs::exists(root / "full" / "stage-0" / "model.safetensors"));
   EXPECT_TRUE(fs::exists(root / "full" / "metrics.jsonl"));
+  // HF interop: the checkpoint's config names the tokenizer's special ids (<s> 1, </s> 2, <pad> 3), inside the
+  // vocabulary, so transformers does not fall back to Kimi's ids.
+  for (const fs::path& dir : {root / "full", root / "full" / "stage-0"}) {
+    const io::json cj = io::load_json_file((dir / "config.json").string());
+    const int64_t V = cj.at("vocab_size").get<int64_t>();
+    EXPECT_EQ(cj.at("bos_token_id").get<int64_t>(), 1) << dir;
+    EXPECT_EQ(cj.at("eos_token_id").get<int64_t>(), 2) << dir;
+    EXPECT_EQ(cj.at("pad_token_id").get<int64_t>(), 3) << dir;
+    EXPECT_LT(cj.at("pad_token_id").get<int64_t>(), V);
+  }
 
   // Interrupted after 7 steps (mid stage 0; the last checkpoint is step 4), then resumed.
   RunConfig part = tiny_run(root, (root / "part").string());
