@@ -34,6 +34,7 @@
 #include "model/accounting.hpp"
 #include "model/cuda/gpu_model.hpp"
 #include "model/model.hpp"
+#include "train/cuda/adamw.hpp"
 #include "train/data.hpp"
 #include "train/synthetic.hpp"
 
@@ -370,16 +371,18 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
     optim.load_state(io::SafeTensorsFile::open((fs::path(resume_dir) / "optimizer.safetensors").string()));
   // GPU: the same weights and AdamW state, moved to the device; the host copies are refreshed at each save.
   std::unique_ptr<model::cuda::GpuModel> gm;
+  std::unique_ptr<cuda::AdamW> gadam;  // gm's AdamW moments
   int64_t gpu_t = optim.step_count();  // AdamW steps taken (bias corrections)
   if (opt.device == "cuda") {  // (checked at the top)
     gm = std::make_unique<model::cuda::GpuModel>(
         mcfg, [&](const model::ParamSpec& s) { return param_rule(s, mcfg, cfg.optim).decay; });
+    gadam = std::make_unique<cuda::AdamW>(*gm);
     gm->upload(m->params());
     std::map<std::string, Tensor> st;
     for (auto& [name, t] : optim.state()) st.emplace(name, t);
     for (const auto& pr : m->params().all()) {
       auto im = st.find("optim.adamw.m." + pr.spec.name), iv = st.find("optim.adamw.v." + pr.spec.name);
-      if (im != st.end() && iv != st.end()) gm->set_adam(pr.spec.name, im->second.data<float>(), iv->second.data<float>());
+      if (im != st.end() && iv != st.end()) gadam->set(pr.spec.name, im->second.data<float>(), iv->second.data<float>());
     }
   }
   // The GPU's weights and AdamW state into the host model and optimizer (for a checkpoint).
@@ -392,7 +395,7 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
       if (name.rfind("optim.adamw.m.", 0) != 0) continue;
       const std::string pn = name.substr(14);
       Tensor mt = Tensor::empty(t.shape(), DType::F32), vt = Tensor::empty(t.shape(), DType::F32);
-      gm->get_adam(pn, mt.data<float>(), vt.data<float>());
+      gadam->get(pn, mt.data<float>(), vt.data<float>());
       st.emplace(name, std::move(mt));
       st.emplace("optim.adamw.v." + pn, std::move(vt));
     }
@@ -657,10 +660,10 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
         if (cfg.optim.clip > 0 && info.grad_norm > cfg.optim.clip)
           info.clip_coef = cfg.optim.clip / (info.grad_norm + 1e-6);
         info.lr_adamw = info.lr_muon = cfg.optim.lr_adamw * sched.factor_at(step);
-        model::cuda::AdamWStep as;
+        cuda::AdamWStep as;
         as.lr = info.lr_adamw, as.beta1 = cfg.optim.beta1, as.beta2 = cfg.optim.beta2, as.eps = cfg.optim.eps;
         as.weight_decay = cfg.optim.weight_decay, as.step = ++gpu_t, as.grad_scale = info.clip_coef;
-        gm->adamw(as);
+        gadam->step(as);
         if (cfg.balance == Balance::QB) gm->balance();
         for (size_t li = 0; li < bal.layers.size(); ++li)
           bal.maxvio[li] = ops::max_violation(bal.loads[li].data(), bal.E);
