@@ -14,6 +14,7 @@
 #include "model/accounting.hpp"
 #include "model/cuda/gpu_model.hpp"
 #include "model/model.hpp"
+#include "train/cuda/adamw.hpp"
 #include "train/optim.hpp"
 #ifdef LONGMOE_HAVE_CUDA
 #include "ops/gemm/cuda/gemm_cuda.hpp"
@@ -86,6 +87,7 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::ParamCou
   ps.init(1);
   const train::OptimConfig oc;
   model::cuda::GpuModel m(cfg, [&](const model::ParamSpec& p) { return train::param_rule(p, cfg, oc).decay; });
+  train::cuda::AdamW opt(m);
   m.upload(ps);
   const int64_t rows = a.batch * a.seq;
   std::vector<int32_t> ids, targets;
@@ -103,9 +105,9 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::ParamCou
     m.zero_grads();
     for (int k = 0; k < a.accum; ++k) m.forward_backward(ids.data(), targets.data(), s, rows * a.accum);
     m.balance();
-    model::cuda::AdamWStep as;
+    train::cuda::AdamWStep as;
     as.lr = 1e-4, as.step = ++step;
-    m.adamw(as);
+    opt.step(as);
     kc::synchronize();
   };
   const double tf = app::time_median(
@@ -123,7 +125,7 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::ParamCou
               "%.3f GFLOP)  MFU %.1f%%\n",
               tb * 1e3, rows / tb, tflops, fl.train / 1e9, counts.activated_matmul / 1e9,
               3 * (fl.mla_attn_fwd_train + fl.kda_attn_fwd) / 1e9, 100 * tflops / ceiling);
-  std::printf("device memory held: %.2f GiB\n", m.device_bytes() / 1073741824.0);
+  std::printf("device memory held: %.2f GiB\n", (m.device_bytes() + opt.device_bytes()) / 1073741824.0);
   m.profiling = true;
   m.profile.clear();
   m.zero_grads();
@@ -139,9 +141,9 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::ParamCou
   for (const auto& [name, sec] : m.detail_profile()) std::printf("  %s %.2f", name.c_str(), sec * 1e3);
   std::printf("\n");
   const double tq = app::time_median([&] { m.balance(), kc::synchronize(); }, 3, 0);
-  model::cuda::AdamWStep as;
+  train::cuda::AdamWStep as;
   as.lr = 0;
-  const double to = app::time_median([&] { m.adamw(as), kc::synchronize(); }, 3, 0);
+  const double to = app::time_median([&] { opt.step(as), kc::synchronize(); }, 3, 0);
   std::printf("  quantile balancing %.2f ms, AdamW + bf16 copy %.2f ms\n", tq * 1e3, to * 1e3);
   return 0;
 #endif

@@ -102,7 +102,7 @@ int moe(int reps_arg) {
   }
 
   // Expert weight gradients at the k3-1b training shapes, accumulated into fp32 as the backward does
-  // (gpu_model.cpp), against the path they replace (its LONGMOE_MOE_WGRAD_CUBLAS=1 fallback): one cuBLAS product
+  // (model/cuda/moe.cpp), against the path they replace (its LONGMOE_MOE_WGRAD_CUBLAS=1 fallback): one cuBLAS product
   // per expert, concurrent on side streams (gemm_bf16_grouped). speedup = cuBLAS ms / ours; err = rel. RMS of
   // ours against cuBLAS (both written, not accumulated).
   struct WgradCase {
@@ -125,7 +125,7 @@ int moe(int reps_arg) {
     auto* x = rand_bf16(size_t(M) * K, 7, 1.f);
     float* dw = rand_f32(size_t(E) * NK, 8, 1.f);
     float* dw_ref = dalloc<float>(size_t(E) * NK);
-    auto groups_into = [&](float* out) {  // as gpu_model.cpp's cuBLAS fallback builds them
+    auto groups_into = [&](float* out) {  // as model/cuda/moe.cpp's cuBLAS fallback builds them
       std::vector<oc::GemmGroup> g;
       for (int64_t e = 0; e < E; ++e) {
         const int64_t r0 = off[size_t(e)], me = off[size_t(e + 1)] - r0;

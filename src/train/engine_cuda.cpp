@@ -39,14 +39,15 @@ class CudaEngine final : public Engine {
         t_(optim.step_count()),
         gm_(host.config(), [mc = host.config(), oc = cfg.optim](const model::ParamSpec& s) {
           return param_rule(s, mc, oc).decay;
-        }) {
+        }),
+        adam_(gm_) {
     gm_.upload(host.params());
     std::map<std::string, Tensor> st;
     for (auto& [name, t] : optim.state()) st.emplace(name, t);
     for (const auto& pr : host.params().all()) {
       auto im = st.find(kAdamM + pr.spec.name), iv = st.find(kAdamV + pr.spec.name);
       if (im != st.end() && iv != st.end())
-        gm_.set_adam(pr.spec.name, im->second.data<float>(), iv->second.data<float>());
+        adam_.set(pr.spec.name, im->second.data<float>(), iv->second.data<float>());
     }
   }
 
@@ -78,10 +79,10 @@ class CudaEngine final : public Engine {
     if (!std::isfinite(info.grad_norm)) throw NonFinite("a gradient became NaN/Inf on the GPU");
     if (oc_.clip > 0 && info.grad_norm > oc_.clip) info.clip_coef = oc_.clip / (info.grad_norm + 1e-6);
     info.lr_adamw = info.lr_muon = oc_.lr_adamw * lr_factor;
-    model::cuda::AdamWStep as;
+    cuda::AdamWStep as;
     as.lr = info.lr_adamw, as.beta1 = oc_.beta1, as.beta2 = oc_.beta2, as.eps = oc_.eps;
     as.weight_decay = oc_.weight_decay, as.step = ++t_, as.grad_scale = info.clip_coef;
-    gm_.adamw(as);
+    adam_.step(as);
     return info;
   }
 
@@ -100,7 +101,7 @@ class CudaEngine final : public Engine {
       if (name.rfind(kAdamM, 0) != 0) continue;
       const std::string pn = name.substr(std::string(kAdamM).size());
       Tensor mt = Tensor::empty(t.shape(), DType::F32), vt = Tensor::empty(t.shape(), DType::F32);
-      gm_.get_adam(pn, mt.data<float>(), vt.data<float>());
+      adam_.get(pn, mt.data<float>(), vt.data<float>());
       st.emplace(name, std::move(mt));
       st.emplace(kAdamV + pn, std::move(vt));
     }
@@ -115,6 +116,7 @@ class CudaEngine final : public Engine {
   Balancer bal_;
   int64_t t_;  // AdamW steps taken (bias corrections)
   model::cuda::GpuModel gm_;
+  cuda::AdamW adam_;  // gm_'s AdamW moments
 };
 
 }  // namespace

@@ -15,12 +15,13 @@
 #include "core/half.hpp"
 #include "core/rng.hpp"
 #include "io/json.hpp"
-#include "model/cuda/glue_cuda.hpp"
 #include "model/cuda/gpu_model.hpp"
 #include "model/model.hpp"
 #include "ops/kda/cuda/kda_cuda.hpp"
 #include "ops/moe/balance.hpp"
+#include "ops/moe/cuda/moe_cuda.hpp"
 #include "testing.hpp"
+#include "train/cuda/adamw.hpp"
 
 using namespace lm;
 using namespace lm::model;
@@ -179,6 +180,7 @@ TEST(GpuModel, AdamWMatchesTheFormula) {
   Model<float> cpu(c);
   cpu.params().init(3);
   cuda::GpuModel gpu(c);
+  train::cuda::AdamW opt(gpu);
   gpu.upload(cpu.params());
   gpu.zero_grads();
   const Batch b = batch(c, false, 9);
@@ -186,9 +188,9 @@ TEST(GpuModel, AdamWMatchesTheFormula) {
   Model<float> g0(c);
   g0.params().enable_grads();
   gpu.download_grads(g0.params());
-  cuda::AdamWStep a;
+  train::cuda::AdamWStep a;
   a.lr = 1e-2, a.weight_decay = 0.1, a.step = 1;
-  gpu.adamw(a);
+  opt.step(a);
   Model<float> w1(c);
   gpu.download(w1.params());
   // Step 1: m̂ = g, v̂ = g², so w1 = w0 − lr (g / (|g| + eps) + wd·w0) where decay applies (ndim >= 2).
@@ -224,7 +226,7 @@ TEST(GpuModel, QuantileBalancingMatchesTheCpuEstimator) {
           *db = static_cast<float*>(kc::device_alloc(n * 4));
     kc::copy_to_device(ds, s.data(), s.size() * 4);
     kc::copy_to_device(da, alpha.data(), m * 4);
-    model::cuda::qb_update(ds, da, db, m, n, k);
+    ops::cuda::qb_update(ds, da, db, m, n, k);
     kc::copy_to_host(got.data(), db, n * 4);
     kc::device_free(ds), kc::device_free(da), kc::device_free(db);
     EXPECT_LT(lm::testing::rel_rms_vec(ref, got), 1e-5) << m << "x" << n << " k " << k;
@@ -237,6 +239,7 @@ TEST(GpuModel, LossFallsOverAFewSteps) {
   Model<float> cpu(c);
   cpu.params().init(21);
   cuda::GpuModel gpu(c);
+  train::cuda::AdamW opt(gpu);
   gpu.upload(cpu.params());
   const Batch b = batch(c, false, 4);
   double first = 0, last = 0;
@@ -244,9 +247,9 @@ TEST(GpuModel, LossFallsOverAFewSteps) {
     gpu.zero_grads();
     const auto l = gpu.forward_backward(b.ids.data(), b.targets.data(), b.s);
     gpu.balance();
-    cuda::AdamWStep a;
+    train::cuda::AdamWStep a;
     a.lr = 3e-3, a.step = step;
-    gpu.adamw(a);
+    opt.step(a);
     const double mean = l.loss_sum / l.n_valid;
     ASSERT_TRUE(std::isfinite(mean));
     if (step == 1) first = mean;

@@ -1,8 +1,8 @@
 // Elementwise glue kernels of the GPU model (glue_cuda.hpp): casts, adds, MLA k/v assembly, the sigmoid
-// output gate, the fused AdamW update, and Quantile Balancing's per-expert quantile.
+// output gate, the expert weights' transpose and the gradient norm's sum of squares.
 //
 // Legend: n elements, rows tokens, H heads, Dn/Dr/Dv head dims, Dq = Dn + Dr, Dkv = Dn + Dv, R kv_lora_rank,
-//         m tokens and E experts (QB), nv 16-byte vectors (then a scalar tail), kRows rows per thread (MLA).
+//         nv 16-byte vectors (then a scalar tail), kRows rows per thread (MLA).
 //
 // Every kernel moves 16-byte vectors where the pointers and sizes allow it (checked on the host) and otherwise runs
 // the former scalar code; the arithmetic per element is the same expression on both paths, so the bits are too.
@@ -10,7 +10,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cub/device/device_segmented_radix_sort.cuh>
 #include <string>
 
 #include "model/cuda/glue_cuda.hpp"
@@ -261,67 +260,6 @@ __global__ void transpose_scalar_kernel(const bf16* src, bf16* dst, int rows, in
   }
 }
 
-__device__ __forceinline__ void adamw1(float& w, float g, float& m, float& v, bf16& wb, const AdamW& a) {
-  const float gi = g * a.gscale;
-  const float mi = a.b1 * m + (1.f - a.b1) * gi;
-  const float vi = a.b2 * v + (1.f - a.b2) * gi * gi;
-  m = mi, v = vi;
-  float wi = w;
-  wi -= a.lr * ((mi / a.bc1) / (sqrtf(vi / a.bc2) + a.eps) + a.wd * wi);
-  w = wi;
-  wb = __float2bfloat16(wi);
-}
-__global__ void adamw_kernel(float* w, const float* g, float* m, float* v, bf16* wb, int64_t n, int64_t nv, AdamW a) {
-  const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = t; i < nv; i += step) {
-    float4 w4 = ld4(w + 4 * i), m4 = ld4(m + 4 * i), v4 = ld4(v + 4 * i);
-    const float4 g4 = ld4(g + 4 * i);
-    bf16 b[4];
-    adamw1(w4.x, g4.x, m4.x, v4.x, b[0], a);
-    adamw1(w4.y, g4.y, m4.y, v4.y, b[1], a);
-    adamw1(w4.z, g4.z, m4.z, v4.z, b[2], a);
-    adamw1(w4.w, g4.w, m4.w, v4.w, b[3], a);
-    st4(m + 4 * i, m4), st4(v + 4 * i, v4), st4(w + 4 * i, w4);
-    *reinterpret_cast<uint2*>(wb + 4 * i) =
-        make_uint2(uint32_t(__bfloat16_as_ushort(b[0])) | uint32_t(__bfloat16_as_ushort(b[1])) << 16,
-                   uint32_t(__bfloat16_as_ushort(b[2])) | uint32_t(__bfloat16_as_ushort(b[3])) << 16);
-  }
-  for (int64_t i = 4 * nv + t; i < n; i += step) adamw1(w[i], g[i], m[i], v[i], wb[i], a);
-}
-
-// QB: r [E, m] = s[i, j] − alpha[i] laid out by expert (segments for the sort).
-__global__ void qb_residual_kernel(const float* s, const float* alpha, float* r, int64_t m, int64_t n) {
-  const int64_t total = m * n;
-  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
-       idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t i = idx / n, j = idx % n;  // read s row-major (coalesced), write transposed
-    r[j * m + i] = s[idx] - alpha[i];
-  }
-}
-// One block: β_j from the descending-sorted segments, b_new = −β + mean(β).
-__global__ void qb_beta_kernel(const float* sorted, float* b_new, int64_t m, int n, int64_t Q, double f) {
-  extern __shared__ float beta[];
-  __shared__ double total;
-  for (int j = threadIdx.x; j < n; j += blockDim.x) {
-    const float* col = sorted + int64_t(j) * m;
-    const int64_t i1 = Q < m ? Q : m - 1, i2 = Q + 1 < m ? Q + 1 : m - 1;  // 0-based ranks Q+1, Q+2
-    const double r1 = col[i1], r2 = col[i2];
-    beta[j] = f == 0.0 ? static_cast<float>(r1) : static_cast<float>((1.0 - f) * r1 + f * r2);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double sum = 0;
-    for (int j = 0; j < n; ++j) sum += beta[j];
-    total = sum / n;
-  }
-  __syncthreads();
-  for (int j = threadIdx.x; j < n; j += blockDim.x) b_new[j] = static_cast<float>(-beta[j] + total);
-}
-
-__global__ void seg_offsets_kernel(int* off, int n, int m) {
-  for (int j = threadIdx.x; j <= n; j += blockDim.x) off[j] = j * m;
-}
-
 // 1024 blocks of partial sums in double, then one block adds them in order.
 __global__ void sumsq_kernel(const float* x, int64_t n, double* part) {
   __shared__ double sh[256];
@@ -431,13 +369,6 @@ void transpose_bf16(const void* src, void* dst, int64_t batch, int64_t rows, int
   }
   launched("transpose_bf16");
 }
-void adamw_update(float* w, const float* g, float* m, float* v, void* wb, int64_t n, const AdamW& a, void* s) {
-  if (n <= 0) return;
-  const int64_t nv = aligned(w, 16) && aligned(g, 16) && aligned(m, 16) && aligned(v, 16) && aligned(wb, 8) ? n / 4 : 0;
-  adamw_kernel<<<blocks_for(nv ? nv : n), 256, 0, st(s)>>>(w, g, m, v, static_cast<bf16*>(wb), n, nv, a);
-  launched("adamw_update");
-}
-
 double sum_squares(const float* x, int64_t n, void* stream) {
   if (n <= 0) return 0;
   cudaStream_t t = st(stream);
@@ -452,34 +383,6 @@ double sum_squares(const float* x, int64_t n, void* stream) {
   check(cudaStreamSynchronize(t), "sum_squares");
   cudaFreeAsync(part, t);
   return r;
-}
-
-void qb_update(const float* s, const float* alpha, float* b_new, int64_t m, int64_t n, int64_t k, void* stream) {
-  if (m <= 0 || n <= 0 || k <= 0 || k >= n) fail("qb_update: needs m > 0 and 0 < k < n");
-  if (m * n > (int64_t(1) << 31)) fail("qb_update: m·n too large");
-  cudaStream_t t = st(stream);
-  float *r = nullptr, *sorted = nullptr;
-  int* off = nullptr;
-  void* tmp = nullptr;
-  size_t tmp_bytes = 0;
-  check(cudaMallocAsync(&r, sizeof(float) * m * n, t), "qb alloc");
-  check(cudaMallocAsync(&sorted, sizeof(float) * m * n, t), "qb alloc");
-  check(cudaMallocAsync(&off, sizeof(int) * (n + 1), t), "qb alloc");
-  qb_residual_kernel<<<blocks_for(m * n), 256, 0, t>>>(s, alpha, r, m, n);
-  seg_offsets_kernel<<<1, 256, 0, t>>>(off, int(n), int(m));
-  launched("qb_update");
-  cub::DeviceSegmentedRadixSort::SortKeysDescending(nullptr, tmp_bytes, r, sorted, int(m * n), int(n), off, off + 1, 0,
-                                                    32, t);
-  check(cudaMallocAsync(&tmp, tmp_bytes, t), "qb alloc");
-  check(cub::DeviceSegmentedRadixSort::SortKeysDescending(tmp, tmp_bytes, r, sorted, int(m * n), int(n), off, off + 1,
-                                                          0, 32, t),
-        "qb sort");
-  // q = Q + f with Q = floor(m·k/n), f = ((m·k) mod n)/n, exactly as the CPU estimator.
-  const int64_t Q = (m * k) / n;
-  const double f = static_cast<double>((m * k) % n) / static_cast<double>(n);
-  qb_beta_kernel<<<1, 256, sizeof(float) * n, t>>>(sorted, b_new, m, int(n), Q, f);
-  launched("qb_update");
-  cudaFreeAsync(tmp, t), cudaFreeAsync(r, t), cudaFreeAsync(sorted, t), cudaFreeAsync(off, t);
 }
 
 }  // namespace lm::model::cuda

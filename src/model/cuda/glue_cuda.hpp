@@ -1,7 +1,8 @@
 #pragma once
-// Elementwise glue of the GPU model (model/cuda/gpu_model.cpp): casts, residual adds, the MLA k/v assembly,
-// the sigmoid output gate and the fused AdamW update. Plain C++ (no CUDA types); device pointers; stream is a
-// cudaStream_t as void*.
+// Elementwise glue of the GPU model (model/cuda/*.cpp): casts, residual adds, the MLA k/v assembly, the sigmoid
+// output gate, the expert weights' transpose and the gradient norm's sum of squares. Plain C++ (no CUDA types);
+// device pointers; stream is a cudaStream_t as void*. (The fused AdamW update: train/cuda/adamw.hpp; Quantile
+// Balancing: ops/moe/cuda/moe_cuda.hpp.)
 //
 // Legend: n elements, rows tokens, H MLA heads, Dn/Dr/Dv nope/rope/value head dims, R kv_lora_rank,
 //         Dq = Dn + Dr, Dkv = Dn + Dv.
@@ -32,23 +33,7 @@ void sigmoid_gate_backward(const void* o, const void* g, const float* d_og, void
 // layout of the backward's grouped products.
 void transpose_bf16(const void* src, void* dst, int64_t batch, int64_t rows, int64_t cols, void* stream = nullptr);
 
-// AdamW on n fp32 master weights w with moments m, v and gradient g, then the bf16 copy wb = bf16(w):
-//   m = b1 m + (1−b1) g;  v = b2 v + (1−b2) g²;  w −= lr (m/bc1 / (sqrt(v/bc2) + eps) + wd w)
-// bc1 = 1 − b1^t, bc2 = 1 − b2^t.
-// The gradient is multiplied by gscale first (the global-norm clip).
-struct AdamW {
-  float lr = 1e-3f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.f, bc1 = 1.f, bc2 = 1.f, gscale = 1.f;
-};
-void adamw_update(float* w, const float* g, float* m, float* v, void* wb, int64_t n, const AdamW& a,
-                  void* stream = nullptr);
-
 // Σ x² over n fp32 values, in double, deterministic (fixed blocks, fixed-order final sum). Synchronises.
 double sum_squares(const float* x, int64_t n, void* stream = nullptr);
-
-// Quantile Balancing on the GPU (ops/moe/balance.hpp, exact estimator): from the step's unbiased scores
-// s [m, n] fp32 and the cutoff alpha [m] (router_forward's, from the bias the step routed with), writes
-// b_new [n] = −β + mean(β) with β_j the (q+1)-th largest of s_ij − α_i (q = m·k/n, interpolated).
-void qb_update(const float* s, const float* alpha, float* b_new, int64_t m, int64_t n, int64_t k,
-               void* stream = nullptr);
 
 }  // namespace lm::model::cuda

@@ -1,15 +1,17 @@
 #pragma once
 // The whole K3 / Kimi Linear decoder on one NVIDIA GPU (SPEC §1–§6): the same wiring as model::Model
 // (model.cpp), with bf16 GEMM operands and activations, fp32 accumulation, an fp32 residual stream and AttnRes
-// block sums, fp32 master weights, gradients and AdamW state. Plain C++ (no CUDA types), so the CLI includes it
-// on machines without CUDA; every entry point then throws lm::Error ("built without CUDA").
+// block sums, fp32 master weights and gradients. Plain C++ (no CUDA types), so the CLI includes it on machines
+// without CUDA; every entry point then throws lm::Error ("built without CUDA"). The optimiser runs over flat()
+// and owns its state (train/cuda/adamw.hpp: AdamW's moments).
 //
 // Legend: rows tokens of the batch (the layout of `Seqs`), d hidden, V vocabulary, P parameters.
-// Device memory: flat fp32 arrays [P] (master, grad, AdamW m, v) and their bf16 copy [P]; the expert weights
+// Device memory: flat fp32 arrays [P] (master, grad) and their bf16 copy [P]; the expert weights
 // of each MoE layer lie as W13 [E, 2I, l] = per expert [w1; w3] and W2 [E, l, I] (the grouped-GEMM layouts),
 // a dense FFN's gate_proj/up_proj as one [2I, d]. Activations kept for the backward are reused between steps.
 // Kernels: cuBLAS for dense GEMMs (ops/gemm/cuda), the KDA, attention and MoE kernels of ops/*/cuda, and the
 // elementwise ops (RMSNorm, AttnRes, embedding, cross-entropy, GLU, short conv) of ops/*/cuda.
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -30,10 +32,10 @@ bool available();
 // True when longmoe was built with CUDA (nvcc found at build time).
 bool built_with_cuda();
 
-struct AdamWStep {
-  double lr = 1e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
-  int64_t step = 1;         // 1-based, for the bias corrections
-  double grad_scale = 1.0;  // gradients are multiplied by this first (the global-norm clip)
+// Where a parameter lies in the flat arrays.
+struct ParamSlot {
+  size_t off = 0;  // elements into the flat arrays
+  int64_t numel = 0;
 };
 
 class GpuModel {
@@ -46,7 +48,7 @@ class GpuModel {
 
   const ModelConfig& config() const;
   int64_t num_params() const;
-  size_t device_bytes() const;  // parameters, optimiser state and kept activations now allocated
+  size_t device_bytes() const;  // parameters and kept activations now allocated (not the optimiser's state)
 
   void upload(const ParamStore<float>& ps);           // master weights (and their bf16 copy) from the host
   void download(ParamStore<float>& ps) const;         // master weights to the host
@@ -64,15 +66,25 @@ class GpuModel {
   // Loss only.
   LossStats loss(const int32_t* ids, const int32_t* targets, const Seqs& s);
 
-  // AdamW over every trainable parameter (fp32 master, then the bf16 copy).
-  void adamw(const AdamWStep& a);
+  // The flat device arrays of every parameter, for an optimiser that updates them in place: the tensors that
+  // decay [0, decay_end), the other trainable ones [decay_end, train_end), then the untrained QB biases (P in all,
+  // with alignment gaps).
+  struct Flat {
+    float* master = nullptr;  // fp32 [P]
+    float* grad = nullptr;    // fp32 [P]
+    void* bf16 = nullptr;     // bf16 [P], the copy the GEMMs read
+    size_t P = 0, decay_end = 0, train_end = 0;
+  };
+  Flat flat() const;
+  // Where parameter `name` lies in flat(); lm::Error for an unknown name.
+  ParamSlot slot(const std::string& name) const;
+  // After an optimiser wrote master and the bf16 copy: refreshes what derives from the bf16 copy (the transposed
+  // expert weights of the MoE backward).
+  void weights_updated();
   // Quantile Balancing: each MoE layer's e_score_correction_bias from the last forward's routing.
   void balance();
   // Global L2 norm of the trainable parameters' gradients (double, deterministic).
   double grad_norm() const;
-  // AdamW moments of one parameter (host arrays of its numel), for checkpoints in train::Optimizer's format.
-  void get_adam(const std::string& name, float* m, float* v) const;
-  void set_adam(const std::string& name, const float* m, const float* v);
   // Tokens routed to each expert of MoE layer `layer` in the last forward [E].
   std::vector<int64_t> expert_loads(int64_t layer) const;
   // Final hidden after the norm [rows, d] (bf16 rounded) of the last forward, for tests.

@@ -81,4 +81,11 @@ void router_backward(const float* logits, const int32_t* topk_idx, const float* 
                      bool out_bf16, int64_t m, int64_t n, int64_t k, bool renormalize, float scaling,
                      void* stream = nullptr, int64_t ld = 0);
 
+// ---- Quantile Balancing (balance.cu), the exact estimator of ops/moe/balance.hpp ---------------------------
+// From the step's unbiased scores s [m, n] fp32 and the cutoff alpha [m] (router_forward's, from the bias the step
+// routed with), writes b_new [n] = −β + mean(β) with β_j the (q+1)-th largest of s_ij − α_i (q = m·k/n,
+// interpolated). Needs m > 0, 0 < k < n and m·n <= 2^31 (lm::Error otherwise).
+void qb_update(const float* s, const float* alpha, float* b_new, int64_t m, int64_t n, int64_t k,
+               void* stream = nullptr);
+
 }  // namespace lm::ops::cuda

@@ -1,0 +1,122 @@
+// Gated NoPE MLA on the GPU (GpuModel::Impl, gpu_model_impl.hpp; the CPU layer is model/mla.cpp): q (LoRA or
+// plain), the kv compression with its RMSNorm, the per-head k/v assembly, causal attention (ops/attention/cuda),
+// the optional sigmoid output gate and the output projection; and their backward.
+//
+// Legend: n = rows tokens, d hidden, Hm heads (H), Dn nope / Dr rope / Dv value head dims, Dq = Dn + Dr,
+//         Dkv = Dn + Dv, R kv_lora_rank, Q q_lora_rank (0: plain q), RD = R + Dr, HV = Hm·Dv.
+//   q   = RMSNorm_q(qa = xn W_qaᵀ) W_qbᵀ  or  xn W_qᵀ     [n, Hm, Dq]   (qan, qa_rstd: the norm's output, rstd)
+//   ckr = xn W_kvaᵀ = [c | k_r]  fp32                      [n, RD]
+//   cn  = RMSNorm_kv(c) (c_rstd; eps 1e-6)                 [n, R]
+//   kv  = cn W_kvbᵀ = per head [k_nope | v]                 [n, Hm, Dkv]
+//   k   = per head [k_nope | k_r], v                        [n, Hm, Dq], [n, Hm, Dv]
+//   o   = attention(q, k, v) (lse [n, Hm]);  og = o ⊙ σ(graw = xn W_gᵀ)   [n, Hm, Dv]
+//   y   = base + (og or o) W_oᵀ  fp32 [n, d]
+#ifdef LONGMOE_HAVE_CUDA
+
+#include "model/cuda/gpu_model_impl.hpp"
+
+#include "model/cuda/glue_cuda.hpp"
+#include "ops/gemm/cuda/gemm_cuda.hpp"
+#include "ops/rmsnorm/cuda/rmsnorm_cuda.hpp"
+
+namespace lm::model::cuda {
+
+oc::AttnShape GpuModel::Impl::attn_shape() const {
+  oc::AttnShape a;
+  a.B = seqs.B, a.T = seqs.T, a.H = c.num_attention_heads, a.Hkv = a.H;
+  a.Dk = c.qk_nope_head_dim + c.qk_rope_head_dim, a.Dv = c.v_head_dim;
+  if (!seqs.cu.empty()) a.cu_seqlens = seqs.cu.data(), a.N = seqs.num_seqs();
+  return a;
+}
+
+void GpuModel::Impl::mla_forward(int64_t i, const void* xn, float* y, const float* base) {
+  const int64_t H = c.num_attention_heads, Dn = c.qk_nope_head_dim, Dr = c.qk_rope_head_dim, Dv = c.v_head_dim,
+                R = c.kv_lora_rank, Q = c.q_lora_rank.value_or(0), Dq = Dn + Dr, Dkv = Dn + Dv, RD = R + Dr,
+                n = rows;
+  const std::string A = P_(i) + ".self_attn.";
+  MlaActs& a = acts[i].mla;
+  void* q = grow(a.q, size_t(n) * H * Dq * 2);
+  if (Q) {
+    float* qa = grow<float>(a.qa, size_t(n) * Q * 4);
+    void* qan = grow(a.qan, size_t(n) * Q * 2);
+    float* qrs = grow<float>(a.qa_rstd, size_t(n) * 4);
+    oc::linear_fwd(xn, W(A + "q_a_proj.weight"), qa, DType::F32, n, d, Q);
+    oc::rmsnorm_forward(qa, DType::F32, M(A + "q_a_layernorm.weight"), qan, qrs, n, Q, float(kLoraEps));
+    oc::linear_fwd(qan, W(A + "q_b_proj.weight"), q, DType::BF16, n, Q, H * Dq);
+  } else {
+    oc::linear_fwd(xn, W(A + "q_proj.weight"), q, DType::BF16, n, d, H * Dq);
+  }
+  float* ckr = grow<float>(a.ckr, size_t(n) * RD * 4);
+  void* cn = grow(a.cn, size_t(n) * R * 2);
+  float* crs = grow<float>(a.c_rstd, size_t(n) * 4);
+  oc::linear_fwd(xn, W(A + "kv_a_proj_with_mqa.weight"), ckr, DType::F32, n, d, RD);
+  oc::rmsnorm_forward(ckr, DType::F32, M(A + "kv_a_layernorm.weight"), cn, crs, n, R, float(kLoraEps), RD, R);
+  void* kv = grow(a.kv, size_t(n) * H * Dkv * 2);
+  oc::linear_fwd(cn, W(A + "kv_b_proj.weight"), kv, DType::BF16, n, R, H * Dkv);
+  void *k = grow(a.k, size_t(n) * H * Dq * 2), *v = grow(a.v, size_t(n) * H * Dv * 2);
+  mla_split_kv(kv, ckr, k, v, n, H, Dn, Dr, Dv, R);
+  void* o = grow(a.o, size_t(n) * H * Dv * 2);
+  float* lse = grow<float>(a.lse, size_t(n) * H * 4);
+  oc::attention_forward(attn_shape(), q, k, v, o, lse);
+  const void* o_in = o;
+  if (c.mla_use_output_gate) {
+    void *graw = grow(a.graw, size_t(n) * H * Dv * 2), *og = grow(a.og, size_t(n) * H * Dv * 2);
+    oc::linear_fwd(xn, W(A + "g_proj.weight"), graw, DType::BF16, n, d, H * Dv);
+    sigmoid_gate_forward(o, graw, og, n * H * Dv);
+    o_in = og;
+  }
+  oc::linear_fwd(o_in, W(A + "o_proj.weight"), y, DType::F32, n, H * Dv, d, false, nullptr, 0, 0, base);
+}
+
+void GpuModel::Impl::mla_backward(int64_t i, const void* dy, float* dxn) {
+  const int64_t H = c.num_attention_heads, Dn = c.qk_nope_head_dim, Dr = c.qk_rope_head_dim, Dv = c.v_head_dim,
+                R = c.kv_lora_rank, Q = c.q_lora_rank.value_or(0), Dq = Dn + Dr, Dkv = Dn + Dv, RD = R + Dr,
+                HV = H * Dv, n = rows;
+  const std::string A = P_(i) + ".self_attn.";
+  const MlaActs& a = acts[i].mla;
+  const void* xn = got(acts[i].xn, i, "xn");
+  void *o = got(a.o, i, "o"), *q = got(a.q, i, "q"), *k = got(a.k, i, "k"), *v = got(a.v, i, "v");
+  float* d_og = grow<float>(scratch.d_og, size_t(n) * HV * 4);
+  const bool gated = c.mla_use_output_gate;
+  oc::linear_bwd(gated ? got(a.og, i, "og") : o, W(A + "o_proj.weight"), dy, d_og, DType::F32, G(A + "o_proj.weight"),
+                 n, HV, d);
+  void* d_o = grow(scratch.d_o, size_t(n) * HV * 2);
+  bool dx_written = false;
+  if (gated) {
+    void* d_g = grow(scratch.d_g, size_t(n) * HV * 2);
+    sigmoid_gate_backward(o, got(a.graw, i, "graw"), d_og, d_o, d_g, n * HV);
+    oc::linear_bwd(xn, W(A + "g_proj.weight"), d_g, dxn, DType::F32, G(A + "g_proj.weight"), n, d, HV, false);
+    dx_written = true;
+  } else {
+    cast_f32_bf16(d_og, d_o, n * HV);
+  }
+  void *dq = grow(scratch.dq, size_t(n) * H * Dq * 2), *dk = grow(scratch.dk, size_t(n) * H * Dq * 2),
+       *dv = grow(scratch.dv, size_t(n) * HV * 2);
+  oc::attention_backward(attn_shape(), q, k, v, o, got<float>(a.lse, i, "lse"), d_o, dq, dk, dv);
+  void *dkv = grow(scratch.dkv, size_t(n) * H * Dkv * 2), *dckr = grow(scratch.dckr, size_t(n) * RD * 2);
+  mla_merge_dkv(dk, dv, dkv, dckr, n, H, Dn, Dr, Dv, R);
+  float* dcn = grow<float>(scratch.dcn, size_t(n) * R * 4);
+  oc::linear_bwd(got(a.cn, i, "cn"), W(A + "kv_b_proj.weight"), dkv, dcn, DType::F32, G(A + "kv_b_proj.weight"), n, R,
+                 H * Dkv);
+  oc::rmsnorm_backward(got(a.ckr, i, "ckr"), DType::F32, M(A + "kv_a_layernorm.weight"),
+                       got<float>(a.c_rstd, i, "c_rstd"), dcn, DType::F32, dckr, DType::BF16,
+                       G(A + "kv_a_layernorm.weight"), n, R, float(kLoraEps), RD, R, false, RD);
+  oc::linear_bwd(xn, W(A + "kv_a_proj_with_mqa.weight"), dckr, dxn, DType::F32, G(A + "kv_a_proj_with_mqa.weight"), n,
+                 d, RD, dx_written);
+  if (Q) {
+    float* dqan = grow<float>(scratch.dqan, size_t(n) * Q * 4);
+    void* dqa = grow(scratch.dqa, size_t(n) * Q * 2);
+    oc::linear_bwd(got(a.qan, i, "qan"), W(A + "q_b_proj.weight"), dq, dqan, DType::F32, G(A + "q_b_proj.weight"), n, Q,
+                   H * Dq);
+    oc::rmsnorm_backward(got(a.qa, i, "qa"), DType::F32, M(A + "q_a_layernorm.weight"),
+                         got<float>(a.qa_rstd, i, "qa_rstd"), dqan, DType::F32, dqa, DType::BF16,
+                         G(A + "q_a_layernorm.weight"), n, Q, float(kLoraEps));
+    oc::linear_bwd(xn, W(A + "q_a_proj.weight"), dqa, dxn, DType::F32, G(A + "q_a_proj.weight"), n, d, Q, true);
+  } else {
+    oc::linear_bwd(xn, W(A + "q_proj.weight"), dq, dxn, DType::F32, G(A + "q_proj.weight"), n, d, H * Dq, true);
+  }
+}
+
+}  // namespace lm::model::cuda
+
+#endif
