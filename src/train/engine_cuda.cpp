@@ -6,6 +6,7 @@
 #include <map>
 
 #include "model/cuda/gpu_model.hpp"
+#include "train/cuda/adamw.hpp"
 #include "train/balancer.hpp"
 #include "train/engine.hpp"
 
