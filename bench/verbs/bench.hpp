@@ -1,5 +1,6 @@
 #pragma once
-// `longmoe bench <what>`: each benchmark registers itself as a nested verb of `bench`.
+// `longmoe bench <what>`: each benchmark (a file of bench/verbs/) registers itself as a nested verb of `bench`,
+// a CLI verb like the others (apps/longmoe/commands.hpp); the CLI links these files as one object library.
 #include <algorithm>
 #include <chrono>
 #include <functional>

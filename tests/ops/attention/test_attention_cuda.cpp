@@ -14,17 +14,12 @@
 #include <string>
 #include <vector>
 
-#include "core/half.hpp"
+#include "cuda_testing.hpp"
 #include "ops/attention/attention.hpp"
 #include "ops/attention/cuda/attention_cuda.hpp"
-#include "ops/kda/cuda/kda_cuda.hpp"  // device helpers (alloc, copies)
-#include "cuda_testing.hpp"
-#include "testing.hpp"
 
 using namespace lm;
-namespace kc = lm::kda::cuda;
-namespace oc = lm::ops::cuda;
-using namespace lm::cuda_testing;  // Dev, Vec, copies, err
+using namespace lm::cuda_testing;  // Dev, copies, REQUIRE_GPU, kc / oc, tolerances
 
 namespace {
 

@@ -8,7 +8,8 @@
 #include <string>
 #include <unistd.h>
 
-#include "apps/longmoe/bench.hpp"
+#include "bench/verbs/bench.hpp"
+#include "core/env.hpp"
 #include "core/error.hpp"
 #ifdef LONGMOE_HAVE_CUDA_BENCH
 #include "bench/cuda/benches.hpp"
@@ -19,10 +20,7 @@ namespace lm::app {
 namespace {
 
 #ifdef LONGMOE_HAVE_CUDA_BENCH
-std::string peer_script() {
-  if (const char* e = std::getenv("LONGMOE_PEER_SCRIPT")) return e;
-  return LONGMOE_PEER_SCRIPT;
-}
+std::string peer_script() { return env::peer_script(LONGMOE_PEER_SCRIPT); }
 #endif
 
 }  // namespace

@@ -8,14 +8,11 @@
 #include <cstdio>
 #include <vector>
 
-#include "core/dtype.hpp"
-#include "ops/gemm/cuda/gemm_cuda.hpp"
 #include "cuda_testing.hpp"
-#include "testing.hpp"
+#include "ops/gemm/cuda/gemm_cuda.hpp"
 
 using namespace lm;
-namespace oc = lm::ops::cuda;
-using namespace lm::cuda_testing;  // Dev, Vec, copies, err
+using namespace lm::cuda_testing;  // Dev, copies, REQUIRE_GPU, kc / oc, tolerances
 
 namespace {
 

@@ -8,14 +8,16 @@
 #include <sstream>
 
 #include "core/error.hpp"
-#include "io/safetensors.hpp"
-#include "train/plot.hpp"
+#include "plot/canvas.hpp"
+#include "plot/chart.hpp"
+#include "plot/font.hpp"
+#include "plot/panels.hpp"
 
 #define STB_IMAGE_IMPLEMENTATION
 #define STBI_ONLY_PNG
 #include <stb/stb_image.h>
 
-namespace lm::train {
+namespace lm::plot {
 namespace {
 
 // A synthetic run: 300 steps, loss decaying with noise, 4 MoE layers' MaxVio falling below 0.2,
@@ -211,4 +213,4 @@ TEST(Plot, RendererDrawsLinesTextAndHandlesDegenerateData) {
 }
 
 }  // namespace
-}  // namespace lm::train
+}  // namespace lm::plot

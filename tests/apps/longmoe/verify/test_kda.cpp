@@ -5,11 +5,12 @@
 #include <filesystem>
 
 #include "io/safetensors.hpp"
-#include "ops/kda/verify.hpp"
+#include "apps/longmoe/verify/kda.hpp"
 #include "testing.hpp"
 
 using namespace lm;
 using namespace lm::kda;
+using namespace lm::app;
 
 namespace {
 std::vector<std::string> golden_files(const std::string& dir) {

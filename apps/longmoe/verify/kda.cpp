@@ -1,7 +1,7 @@
 // Golden op-file verification for KDA (the `longmoe verify` back end for op files).
 //
 // Legend: B batch, T tokens, H heads, K key dim, V value dim.
-#include "ops/kda/verify.hpp"
+#include "apps/longmoe/verify/kda.hpp"
 
 #include <cmath>
 #include <cstdlib>
@@ -9,7 +9,9 @@
 #include "core/error.hpp"
 #include "io/safetensors.hpp"
 
-namespace lm::kda {
+namespace lm::app {
+
+using namespace lm::kda;
 
 bool is_kda_golden(const io::SafeTensorsFile& f) {
   for (const char* n : {"q", "k", "v", "g", "beta", "A_log", "dt_bias"})
@@ -122,4 +124,4 @@ std::vector<VerifyRow> verify_golden(const io::SafeTensorsFile& f, const VerifyO
   return opt.f64 ? run<double>(f, opt, summary) : run<float>(f, opt, summary);
 }
 
-}  // namespace lm::kda
+}  // namespace lm::app

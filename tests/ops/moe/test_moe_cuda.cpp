@@ -14,19 +14,15 @@
 #include <string>
 #include <vector>
 
-#include "core/half.hpp"
+#include "core/env.hpp"
+#include "cuda_testing.hpp"
 #include "ops/glu/glu.hpp"
-#include "ops/kda/cuda/kda_cuda.hpp"  // device helpers (alloc, copies)
 #include "ops/moe/cuda/moe_cuda.hpp"
 #include "ops/moe/permute.hpp"
 #include "ops/moe/router.hpp"
-#include "cuda_testing.hpp"
-#include "testing.hpp"
 
 using namespace lm;
-namespace kc = lm::kda::cuda;
-namespace oc = lm::ops::cuda;
-using namespace lm::cuda_testing;  // Dev, Vec, copies, err
+using namespace lm::cuda_testing;  // Dev, copies, REQUIRE_GPU, kc / oc, tolerances
 
 namespace {
 
@@ -89,20 +85,20 @@ TEST(MoeCuda, GroupedGemm) {
       Dev gy(ref.size() * 2);  // poisoned
       const std::string order(1, variant[0]), epi(1, variant[2]);
       const bool bn256 = variant[4] == '1';
-      setenv("LONGMOE_GG_ORDER", order.c_str(), 1);
-      setenv("LONGMOE_GG_EPI", epi.c_str(), 1);
-      if (bn256) setenv("LONGMOE_GG_BN", "256", 1);
+      setenv(env::kGgOrder, order.c_str(), 1);
+      setenv(env::kGgEpi, epi.c_str(), 1);
+      if (bn256) setenv(env::kGgBn, "256", 1);
       oc::grouped_gemm(gx.p, gw.p, gy.p, go.i(), M, gc.N, gc.K, E);
       kc::synchronize();
-      unsetenv("LONGMOE_GG_BN");
+      unsetenv(env::kGgBn);
       const double e = err(ref, down_bf16(gy, ref.size()));
       std::printf("grouped gemm M%lld N%lld K%lld E%lld order %s epilogue %s%s: %.2e\n", (long long)M,
                   (long long)gc.N, (long long)gc.K, (long long)E, order.c_str(), epi.c_str(),
                   bn256 ? " (256-row tiles)" : "", e);
       EXPECT_LE(e, 5e-3) << "order " << order << " epilogue " << epi << (bn256 ? " 256-row tiles" : "");
     }
-    unsetenv("LONGMOE_GG_ORDER");
-    unsetenv("LONGMOE_GG_EPI");
+    unsetenv(env::kGgOrder);
+    unsetenv(env::kGgEpi);
   }
 }
 
@@ -186,7 +182,7 @@ TEST(MoeCuda, GroupedGemmGluFused) {
   const Vec ab = ref_grouped(x, w, off, 2 * I, K);
   for (const bool swiglu : {false, true})
     for (const char* epi : {"1", "0"}) {
-    setenv("LONGMOE_GG_EPI", epi, 1);
+    setenv(env::kGgEpi, epi, 1);
     const ops::GluParams gp = swiglu ? ops::GluParams::swiglu() : ops::GluParams::situ(4.0, 25.0);
     Vec h_ref(size_t(M * I));
     ops::glu_forward(ab.data(), h_ref.data(), M, I, gp);
@@ -201,7 +197,7 @@ TEST(MoeCuda, GroupedGemmGluFused) {
     EXPECT_LE(eh, 8e-3);
     EXPECT_LE(eab, 5e-3);
   }
-  unsetenv("LONGMOE_GG_EPI");
+  unsetenv(env::kGgEpi);
 }
 
 TEST(MoeCuda, ExpertFfn) {

@@ -1,6 +1,7 @@
 #pragma once
-// Checks the KDA operator against a golden op file (format: ../shared/golden/README.md): runs the
-// fused operator on the stored inputs and compares every stored output and gradient.
+// `longmoe verify FILE`: checks the KDA operator against a golden op file (format:
+// ../shared/golden/README.md): runs the fused operator on the stored inputs and compares every stored
+// output and gradient. The file reading lives here, beside the verb, not in the operator (ops/ does no I/O).
 #include <string>
 #include <vector>
 
@@ -10,7 +11,7 @@ namespace lm::io {
 class SafeTensorsFile;
 }
 
-namespace lm::kda {
+namespace lm::app {
 
 struct VerifyRow {
   std::string name;
@@ -21,8 +22,8 @@ struct VerifyRow {
 };
 
 struct VerifyOptions {
-  DiagPath diag = DiagPath::Auto;
-  CorePath core = CorePath::Chunked;
+  kda::DiagPath diag = kda::DiagPath::Auto;
+  kda::CorePath core = kda::CorePath::Chunked;
   bool f64 = false;   // run in float64 instead of fp32
   double tol = 1e-4;  // golden README: fp32 op outputs and gradients
 };
@@ -33,4 +34,4 @@ bool is_kda_golden(const io::SafeTensorsFile& f);
 // Throws lm::Error on malformed content (missing tensors, inconsistent shapes, bad metadata).
 std::vector<VerifyRow> verify_golden(const io::SafeTensorsFile& f, const VerifyOptions& opt, std::string* summary);
 
-}  // namespace lm::kda
+}  // namespace lm::app

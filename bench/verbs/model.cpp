@@ -7,7 +7,7 @@
 #include <memory>
 #include <vector>
 
-#include "apps/longmoe/bench.hpp"
+#include "bench/verbs/bench.hpp"
 #include "core/error.hpp"
 #include "core/parallel.hpp"
 #include "core/rng.hpp"

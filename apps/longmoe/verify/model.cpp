@@ -1,7 +1,7 @@
 // `longmoe verify DIR`: a golden model directory (config.json, model.safetensors, inputs.safetensors,
 // expected.safetensors; format in ../shared/golden/README.md). Runs the whole model on the stored ids
 // and compares logits, every layer's hidden state, the final hidden state and the MoE selections.
-#include "apps/longmoe/verify_model.hpp"
+#include "apps/longmoe/verify/model.hpp"
 
 #include <cstdio>
 #include <filesystem>

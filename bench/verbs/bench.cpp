@@ -1,5 +1,5 @@
 // `longmoe bench <what> [flags]`: nested verbs registered by each benchmark file.
-#include "apps/longmoe/bench.hpp"
+#include "bench/verbs/bench.hpp"
 
 #include <map>
 #include <memory>
