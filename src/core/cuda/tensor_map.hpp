@@ -1,16 +1,16 @@
 #pragma once
-// Host helpers: TMA tensor maps (bf16 tiles, fp32 reduction targets) (cuTensorMapEncodeTiled, fetched through the runtime so that
-// nothing links libcuda), 128-byte swizzle, zero fill out of bounds. Used by the .cu files of ops/moe/cuda and
-// ops/attention/cuda.
+// Host side of TMA (hopper.cuh): tensor maps of bf16 tiles and fp32 reduction targets (cuTensorMapEncodeTiled,
+// fetched through the runtime so that nothing links libcuda), 128-byte swizzle, zero fill out of bounds. Used by
+// the .cu files of ops/moe/cuda and ops/attention/cuda.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <string>
 
-#include "ops/kda/cuda/cuda_error.hpp"
+#include "core/error_type.hpp"
 
-namespace lm::ops::cuda::detail {
+namespace lm::cu {
 
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                    const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
@@ -55,15 +55,4 @@ inline CUtensorMap bf16_row_map(const void* base, int64_t rows, int64_t cols, in
   return bf16_tensor_map(base, 2, dims, strides, box);
 }
 
-// Streaming multiprocessors of the current device (the persistent kernels' grid).
-inline int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
-    return v > 0 ? v : 132;
-  }();
-  return n;
-}
-
-}  // namespace lm::ops::cuda::detail
+}  // namespace lm::cu
