@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/env.hpp"
 #include "core/rng.hpp"
 #include "core/tensor.hpp"
 
@@ -15,7 +16,7 @@ namespace lm::testing {
 
 // ../shared/golden, or $LONGMOE_GOLDEN_DIR. Empty string when absent (tests then GTEST_SKIP).
 inline std::string golden_dir() {
-  if (const char* e = std::getenv("LONGMOE_GOLDEN_DIR"); e && *e) return e;
+  if (std::string e = env::golden_dir(""); !e.empty()) return e;
   return std::filesystem::exists(LONGMOE_GOLDEN_DIR) ? std::string(LONGMOE_GOLDEN_DIR) : std::string();
 }
 

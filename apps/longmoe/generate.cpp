@@ -7,7 +7,7 @@
 #include "apps/longmoe/commands.hpp"
 #include "apps/longmoe/infer_common.hpp"
 #include "core/error.hpp"
-#include "io/corpus.hpp"
+#include "io/file.hpp"
 
 namespace {
 

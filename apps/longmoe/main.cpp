@@ -7,6 +7,7 @@
 #include <map>
 
 #include "apps/longmoe/commands.hpp"
+#include "core/env.hpp"
 #include "core/error.hpp"
 #include "core/parallel.hpp"
 
@@ -28,7 +29,7 @@ namespace {
 //    on 2 cores went from 79 to 241 tokens/s, for ~1% of training throughput.
 // A variable the user has set is left alone; LONGMOE_NO_REEXEC=1 turns this off.
 void reexec_with_runtime_env(char** argv) {
-  if (std::getenv("LONGMOE_NO_REEXEC")) return;
+  if (lm::env::no_reexec()) return;
   bool changed = false;
   if (!std::getenv("OMP_WAIT_POLICY")) {
     setenv("OMP_WAIT_POLICY", "passive", 1);

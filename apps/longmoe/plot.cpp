@@ -4,14 +4,14 @@
 #include <memory>
 
 #include "apps/longmoe/commands.hpp"
-#include "train/plot.hpp"
+#include "plot/panels.hpp"
 
 namespace {
 
 struct Options {
   std::vector<std::string> files;
   std::string out;
-  lm::train::PlotOptions plot;
+  lm::plot::PlotOptions plot;
   double y_min = 0, y_max = 0;
 };
 
@@ -41,7 +41,7 @@ lm::app::Register reg({"plot", "Render training metrics (JSONL) to a PNG chart",
   return [o, ymin, ymax] {
     if (*ymin) o->plot.y_min = o->y_min;
     if (*ymax) o->plot.y_max = o->y_max;
-    lm::train::plot_metrics(o->files, o->out, o->plot);
+    lm::plot::plot_metrics(o->files, o->out, o->plot);
     std::printf("wrote %s\n", o->out.c_str());
     return 0;
   };

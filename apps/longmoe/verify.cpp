@@ -7,10 +7,10 @@
 #include <vector>
 
 #include "apps/longmoe/commands.hpp"
-#include "apps/longmoe/verify_model.hpp"
+#include "apps/longmoe/verify/kda.hpp"
+#include "apps/longmoe/verify/model.hpp"
 #include "core/error.hpp"
 #include "io/safetensors.hpp"
-#include "ops/kda/verify.hpp"
 
 namespace {
 
@@ -22,7 +22,7 @@ struct VerifyArgs {
   double tol = 0;  // 0: the golden README's tolerance per file kind
 };
 
-void print_rows(const std::string& title, const std::vector<lm::kda::VerifyRow>& rows, int& failures) {
+void print_rows(const std::string& title, const std::vector<lm::app::VerifyRow>& rows, int& failures) {
   std::printf("%s\n", title.c_str());
   std::printf("  %-10s %-22s %12s %10s  %s\n", "tensor", "shape", "rel_rms", "tol", "result");
   for (const auto& r : rows) {
@@ -33,7 +33,7 @@ void print_rows(const std::string& title, const std::vector<lm::kda::VerifyRow>&
 }
 
 int run(const VerifyArgs& a) {
-  lm::kda::VerifyOptions opt;
+  lm::app::VerifyOptions opt;
   if (a.path == "bounded") opt.diag = lm::kda::DiagPath::Bounded;
   else if (a.path == "exact") opt.diag = lm::kda::DiagPath::Exact;
   opt.core = a.core == "reference" ? lm::kda::CorePath::Reference : lm::kda::CorePath::Chunked;
@@ -48,9 +48,9 @@ int run(const VerifyArgs& a) {
         continue;
       }
       const auto f = lm::io::SafeTensorsFile::open(p);
-      LM_CHECK(lm::kda::is_kda_golden(f), "'{}' is not a KDA op golden (needs q, k, v, g, beta, A_log, dt_bias)", p);
+      LM_CHECK(lm::app::is_kda_golden(f), "'{}' is not a KDA op golden (needs q, k, v, g, beta, A_log, dt_bias)", p);
       std::string summary;
-      const auto rows = lm::kda::verify_golden(f, opt, &summary);
+      const auto rows = lm::app::verify_golden(f, opt, &summary);
       print_rows(p + ": " + summary, rows, failures);
       ++checked;
     } catch (const lm::Error& e) {

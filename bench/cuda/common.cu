@@ -1,6 +1,7 @@
 // Shared pieces of the CUDA benchmarks (common.cuh).
 #include "bench/cuda/benches.hpp"
 #include "bench/cuda/common.cuh"
+#include "core/cuda/device.hpp"
 
 namespace lm::bench_cuda {
 
@@ -11,8 +12,7 @@ FILE* results_file = nullptr;
 void set_results_file(FILE* f) { results_file = f; }
 
 bool print_device() {
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+  if (cu::device_count() == 0) {
     std::printf("no CUDA device\n");
     return false;
   }

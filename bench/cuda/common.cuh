@@ -12,16 +12,13 @@
 #include <cstdlib>
 #include <vector>
 
+#include "core/cuda/check.hpp"
+
 namespace lm::bench_cuda {
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    const cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
+// CK(call): a failed CUDA call throws lm::Error("bench cuda: <call>: <CUDA's error string>") (core/cuda/check.hpp).
+inline constexpr cu::Checker kCheck{"bench cuda"};
+#define CK(x) ::lm::bench_cuda::kCheck((x), #x)
 
 __device__ inline uint32_t hash32(uint32_t x) {
   x ^= x >> 16, x *= 0x7feb352du, x ^= x >> 15, x *= 0x846ca68bu, x ^= x >> 16;

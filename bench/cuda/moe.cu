@@ -22,6 +22,7 @@
 
 #include "bench/cuda/benches.hpp"
 #include "bench/cuda/common.cuh"
+#include "core/env.hpp"
 #include "ops/gemm/cuda/gemm_cuda.hpp"
 #include "ops/moe/cuda/moe_cuda.hpp"
 
@@ -90,13 +91,13 @@ int moe(int reps_arg) {
                 2.0 * M * c.N * c.K / t / 1e9);
     // Tile order (0: m outer, 1: per expert n outer) and epilogue (0: direct, 1: staged) variants.
     for (int v = 0; v < 4; ++v) {
-      setenv("LONGMOE_GG_ORDER", v & 1 ? "1" : "0", 1);
-      setenv("LONGMOE_GG_EPI", v & 2 ? "1" : "0", 1);
+      setenv(env::kGgOrder, v & 1 ? "1" : "0", 1);
+      setenv(env::kGgEpi, v & 2 ? "1" : "0", 1);
       const double tv = median_ms(run, 2, reps);
       result("RESULT gemm_%s_o%de%d_tflops %.1f\n", c.name.c_str(), v & 1, v >> 1, 2.0 * M * c.N * c.K / tv / 1e9);
     }
-    unsetenv("LONGMOE_GG_ORDER");
-    unsetenv("LONGMOE_GG_EPI");
+    unsetenv(env::kGgOrder);
+    unsetenv(env::kGgEpi);
     std::fflush(stdout);
     for (void* p : std::vector<void*>{x, w, y, doff}) CK(cudaFree(p));
   }

@@ -2,15 +2,12 @@
 // Errors are messages, never crashes: every failure the user can cause (bad file, bad shape,
 // bad flag) throws lm::Error with a sentence that names the file, tensor or field involved.
 #include <fmt/format.h>
-#include <stdexcept>
+
 #include <string>
 
-namespace lm {
+#include "core/error_type.hpp"
 
-class Error : public std::runtime_error {
- public:
-  explicit Error(const std::string& msg) : std::runtime_error(msg) {}
-};
+namespace lm {
 
 template <class... Args>
 [[noreturn]] void fail(fmt::format_string<Args...> f, Args&&... args) {

@@ -1,12 +1,10 @@
 #include "io/checkpoint.hpp"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <filesystem>
 #include <fstream>
 #include <set>
 
+#include "io/file.hpp"
 #include "io/json.hpp"
 
 namespace lm::io {
@@ -17,14 +15,6 @@ namespace {
 
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-void fsync_dir(const fs::path& dir) {
-  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
 }
 
 }  // namespace
@@ -184,7 +174,7 @@ std::vector<std::string> save_checkpoint(const std::string& dir, const NamedTens
     fs::remove(d / f, ec);
     LM_CHECK(!ec, "saving checkpoint: cannot remove the previous '{}': {}", (d / f).string(), ec.message());
   }
-  fsync_dir(d);
+  fsync_dir(d.string());
 
   std::map<std::string, std::string> md = metadata;
   md.emplace("format", "pt");

@@ -2,13 +2,11 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "core/error.hpp"
+#include "io/file.hpp"
 #include "io/json.hpp"
 
 namespace lm::io {
@@ -87,18 +85,6 @@ CorpusFormat detect_corpus_format(const std::string& path) {
     return brown_files(brown_root(path)).empty() ? CorpusFormat::Folder : CorpusFormat::Brown;
   const std::string ext = fs::path(path).extension().string();
   return ext == ".jsonl" || ext == ".json" ? CorpusFormat::Jsonl : CorpusFormat::Text;
-}
-
-std::string read_file(const std::string& path) {
-  std::error_code ec;
-  LM_CHECK(fs::exists(path, ec), "file '{}' does not exist", path);
-  LM_CHECK(!fs::is_directory(path, ec), "'{}' is a directory, not a file", path);
-  std::ifstream in(path, std::ios::binary);
-  LM_CHECK(in.good(), "cannot open '{}': {}", path, std::strerror(errno));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  LM_CHECK(!in.bad(), "reading '{}' failed", path);
-  return std::move(ss).str();
 }
 
 std::vector<std::string> split_paragraphs(std::string_view text) {

@@ -14,6 +14,8 @@
 #include <string_view>
 #include <vector>
 
+#include "io/file.hpp"  // read_file (transitional: callers should include io/file.hpp)
+
 namespace lm::io {
 
 enum class CorpusFormat { Auto, Text, Folder, Jsonl, Brown };
@@ -23,8 +25,6 @@ std::string_view corpus_format_name(CorpusFormat f);
 // Auto: a directory holding Brown files (ca01...) is brown, another directory is folder, a *.jsonl /
 // *.json file is jsonl, any other file is text.
 CorpusFormat detect_corpus_format(const std::string& path);
-
-std::string read_file(const std::string& path);  // whole file as bytes; names the file on failure
 
 std::vector<std::string> read_text_file(const std::string& path, bool paragraphs = false);
 std::vector<std::string> read_text_folder(const std::string& dir, bool paragraphs = false);

@@ -8,9 +8,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
+
+#include "io/file.hpp"
 
 namespace lm::io {
 
@@ -176,57 +177,6 @@ Tensor SafeTensorsFile::get_as(const std::string& name, DType dt, const Shape& e
            dtype_name(ti.dtype), dtype_is_float(dt) ? "floating-point" : "integer");
   Tensor t = get(name);
   return t.dtype() == dt ? t : t.to(dt);
-}
-
-namespace {
-
-void fsync_dir(const std::filesystem::path& dir) {
-  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
-}  // namespace
-
-void write_file_atomic(const std::string& path, const std::string& bytes) {
-  namespace fs = std::filesystem;
-  const fs::path target(path);
-  const fs::path dir = target.parent_path();
-  std::string tmpl = (dir.empty() ? fs::path(".") : dir).string() + "/." + target.filename().string() + ".tmp.XXXXXX";
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  const int fd = ::mkstemp(buf.data());
-  LM_CHECK(fd >= 0, "cannot create a temporary file next to '{}': {}", path, std::strerror(errno));
-  const std::string tmp(buf.data());
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      const int e = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      fail("writing '{}' failed: {}", path, std::strerror(e));
-    }
-    done += static_cast<size_t>(w);
-  }
-  ::fchmod(fd, 0644);
-  const int sync_rc = ::fsync(fd);
-  const int sync_errno = errno;
-  const int close_rc = ::close(fd);  // always closed, even when fsync failed
-  const int close_errno = errno;
-  if (sync_rc != 0 || close_rc != 0) {
-    ::unlink(tmp.c_str());
-    fail("flushing '{}' failed: {}", path, std::strerror(sync_rc != 0 ? sync_errno : close_errno));
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int e = errno;
-    ::unlink(tmp.c_str());
-    fail("cannot move the finished file into place at '{}': {}", path, std::strerror(e));
-  }
-  fsync_dir(dir);
 }
 
 void save_safetensors(const std::string& path, const NamedTensors& tensors,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "io/file.hpp"  // write_file_atomic (transitional: callers should include io/file.hpp)
 
 namespace lm::io {
 
@@ -55,8 +56,5 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 // Writes tensors (any dtype, CPU, any strides) atomically. Names must be unique and non-empty.
 void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata = {});
-
-// Writes `bytes` to `path` atomically (temp + fsync + rename + fsync dir).
-void write_file_atomic(const std::string& path, const std::string& bytes);
 
 }  // namespace lm::io

@@ -11,8 +11,7 @@
 
 #include "core/error.hpp"
 #include "core/rng.hpp"
-#include "io/corpus.hpp"
-#include "io/safetensors.hpp"
+#include "io/file.hpp"
 
 // Defined in libsentencepiece but not declared by its public header; without it every training run
 // prints a page of INFO lines to stderr.

@@ -6,7 +6,7 @@
 #include <limits>
 #include <set>
 
-#include "io/safetensors.hpp"
+#include "io/file.hpp"
 
 namespace lm::model {
 

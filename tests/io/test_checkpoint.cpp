@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "io/checkpoint.hpp"
+#include "io/file.hpp"
 #include "io/json.hpp"
 #include "testing.hpp"
 

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "core/env.hpp"
 #include "io/corpus.hpp"
 #include "testing.hpp"
 
@@ -132,7 +133,7 @@ TEST(Corpus, BrownErrors) {
 
 TEST(Corpus, RealBrown) {
   std::string dir;
-  if (const char* e = std::getenv("LONGMOE_BROWN_DIR"); e && *e) dir = e;
+  if (const std::string e = lm::env::brown_dir(""); !e.empty()) dir = e;
   else if (fs::exists(kRepo / "data/brown")) dir = (kRepo / "data/brown").string();
   if (dir.empty()) GTEST_SKIP() << "Brown corpus not found (set LONGMOE_BROWN_DIR or run scripts/fetch_brown.sh data/brown)";
   const auto docs = read_brown(dir);

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "io/file.hpp"
 #include "io/safetensors.hpp"
 #include "testing.hpp"
 

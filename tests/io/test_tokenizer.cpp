@@ -6,7 +6,9 @@
 #include <filesystem>
 #include <fstream>
 
+#include "core/env.hpp"
 #include "io/corpus.hpp"
+#include "io/file.hpp"
 #include "io/tokenizer.hpp"
 #include "testing.hpp"
 
@@ -241,7 +243,7 @@ TEST(Tokenizer, TrainingErrorsWriteNothing) {
 // The real corpus when present: every Brown document round-trips.
 TEST(Tokenizer, BrownRoundTrip) {
   std::string dir;
-  if (const char* e = std::getenv("LONGMOE_BROWN_DIR"); e && *e) dir = e;
+  if (const std::string e = lm::env::brown_dir(""); !e.empty()) dir = e;
   else if (const fs::path d = fs::path(__FILE__).parent_path().parent_path().parent_path() / "data/brown"; fs::exists(d))
     dir = d.string();
   if (dir.empty()) GTEST_SKIP() << "Brown corpus not found (set LONGMOE_BROWN_DIR or run scripts/fetch_brown.sh data/brown)";

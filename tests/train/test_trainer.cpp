@@ -9,6 +9,7 @@
 
 #include "core/rng.hpp"
 #include "core/error.hpp"
+#include "io/file.hpp"
 #include "io/json.hpp"
 #include "model/cuda/gpu_model.hpp"
 #include "train/trainer.hpp"

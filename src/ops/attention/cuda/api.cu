@@ -15,44 +15,25 @@
 #include <string>
 #include <vector>
 
+#include "core/cuda/check.hpp"
+#include "core/cuda/device.hpp"
+#include "core/env.hpp"
 #include "ops/attention/cuda/attention_cuda.hpp"
 #include "ops/attention/cuda/kernels.hpp"
-#include "ops/kda/cuda/cuda_error.hpp"
 
 namespace lm::ops::cuda {
 
 namespace {
 
-[[noreturn]] void fail(const std::string& m) { throw Error("attention cuda: " + m); }
+constexpr cu::Checker check{"attention cuda"};
 
 // Heads per scheduling group (kernels.hpp, head_and_tile); LONGMOE_ATTN_HEAD_GROUP overrides both for tuning.
 // Measured on an H200 (bench attention, 4 MLA/128 shapes): head-fastest order (group = H) gave forward 427-511
 // and forward+backward 276-384 TFLOP/s; groups of 4 heads forward 447-518, one head at a time backward
 // (the backward's blocks then share Q, dO, lse and D of one head) forward+backward 367-392.
 int head_group(bool backward) {
-  static const int env = [] {
-    const char* e = std::getenv("LONGMOE_ATTN_HEAD_GROUP");
-    return e ? std::atoi(e) : 0;
-  }();
-  return env > 0 ? env : backward ? 1 : 4;
-}
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-int sm_count() {
-  static int n = [] {
-    int dev = 0, v = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
-    cudaMemPool_t pool;  // keep freed scratch in the pool between calls
-    if (cudaDeviceGetDefaultMemPool(&pool, dev) == cudaSuccess) {
-      uint64_t thr = UINT64_MAX;
-      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &thr);
-    }
-    return v > 0 ? v : 132;
-  }();
-  return n;
+  static const int group = env::attn_head_group();
+  return group > 0 ? group : backward ? 1 : 4;
 }
 
 // Sequence starts and (sequence, tile) lists on the device, cached for the last few shapes (the tables only
@@ -106,16 +87,16 @@ const Tables& tables(const AttnShape& s, int tile, bool keys_first_heavy) {
 
 void check_shape(const AttnShape& s) {
   const int64_t Hkv = s.Hkv > 0 ? s.Hkv : s.H;
-  if (s.B < 1 || s.T < 0 || s.H < 1 || Hkv < 1 || s.H % Hkv) fail("bad shape");
+  if (s.B < 1 || s.T < 0 || s.H < 1 || Hkv < 1 || s.H % Hkv) check.fail("bad shape");
   if (!((s.Dk == 192 && s.Dv == 128) || (s.Dk == 128 && s.Dv == 128)))
-    fail("head dims (Dk, Dv) must be (192, 128) or (128, 128), got (" + std::to_string(s.Dk) + ", " +
+    check.fail("head dims (Dk, Dv) must be (192, 128) or (128, 128), got (" + std::to_string(s.Dk) + ", " +
          std::to_string(s.Dv) + ")");
   if (s.cu_seqlens) {
-    if (s.B != 1 || s.N < 1 || s.cu_seqlens[0] != 0 || s.cu_seqlens[s.N] != s.T) fail("bad cu_seqlens");
+    if (s.B != 1 || s.N < 1 || s.cu_seqlens[0] != 0 || s.cu_seqlens[s.N] != s.T) check.fail("bad cu_seqlens");
     for (int64_t n = 0; n < s.N; ++n)
-      if (s.cu_seqlens[n + 1] < s.cu_seqlens[n]) fail("cu_seqlens decreases");
+      if (s.cu_seqlens[n + 1] < s.cu_seqlens[n]) check.fail("cu_seqlens decreases");
   }
-  if (s.B * s.T * std::max(s.H, Hkv) * s.Dk >= (int64_t(1) << 31)) fail("problem too large for 32-bit row indices");
+  if (s.B * s.T * std::max(s.H, Hkv) * s.Dk >= (int64_t(1) << 31)) check.fail("problem too large for 32-bit row indices");
 }
 
 constexpr BwdKernel kDefaultBwd = BwdKernel::Wgmma;
@@ -128,7 +109,7 @@ void attention_forward(const AttnShape& s, const void* q, const void* k, const v
                        void* stream) {
   check_shape(s);
   if (s.B * s.T == 0) return;
-  sm_count();
+  cu::keep_freed_memory_in_pool();  // scratch freed below stays in the pool for the next call
   const int64_t Hkv = s.Hkv > 0 ? s.Hkv : s.H;
   const Tables& tb = tables(s, 128, false);
   detail::FwdParams p{};
@@ -153,7 +134,7 @@ void attention_backward(const AttnShape& s_in, const void* q, const void* k, con
   check_shape(s);
   const int64_t rows = s.B * s.T;
   if (rows == 0) return;
-  sm_count();
+  cu::keep_freed_memory_in_pool();  // scratch freed below stays in the pool for the next call
   const int64_t Hkv = s.Hkv > 0 ? s.Hkv : s.H;
   auto st = static_cast<cudaStream_t>(stream);
   const bool wide = s.bwd_kernel == BwdKernel::Wgmma;  // 128-key blocks (the mma.sync kernel takes 64)
@@ -186,10 +167,11 @@ void attention_backward(const AttnShape& s_in, const void* q, const void* k, con
 
 void mla_decode(const DecodeShape& s, const void* q_lat, const void* q_rope, const void* cache, void* o_lat,
                 float* lse, void* stream) {
-  if (s.R != 512 || s.Dr != 64) fail("decode supports R = 512, Dr = 64 only");
+  if (s.R != 512 || s.Dr != 64) check.fail("decode supports R = 512, Dr = 64 only");
   const int64_t ldc = s.ldc > 0 ? s.ldc : s.R + s.Dr;
-  if (s.H < 1 || s.Tc < 1 || ldc < s.R + s.Dr || ldc % 8) fail("bad decode shape");
-  const int sms = sm_count();
+  if (s.H < 1 || s.Tc < 1 || ldc < s.R + s.Dr || ldc % 8) check.fail("bad decode shape");
+  cu::keep_freed_memory_in_pool();
+  const int sms = cu::sm_count();
   auto st = static_cast<cudaStream_t>(stream);
   const int MH = s.H >= 32 ? 32 : 16, HG = int((s.H + MH - 1) / MH);
   const int ntiles = int((s.Tc + 63) / 64);

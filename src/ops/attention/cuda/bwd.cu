@@ -12,9 +12,10 @@
 // Q, dO and the row statistics of the next step are prefetched (cp.async, double buffered).
 #include <algorithm>
 
+#include "core/cuda/hopper.cuh"  // bulk reductions
+#include "core/cuda/reduce.cuh"
 #include "ops/attention/cuda/kernels.hpp"
 #include "ops/attention/cuda/tc.cuh"
-#include "ops/moe/cuda/hopper.cuh"  // bulk reductions
 
 namespace lm::ops::cuda::detail {
 
@@ -112,10 +113,10 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_kernel(const BwdParams p
       ldsm4(a, cQ + (w4 * 16) * LDK + kk * 16 + a_off(lane, LDK));
       ldsm4(b0, sK + (w2 * 32) * LDK + kk * 16 + bn_off(lane, LDK));
       ldsm4(b1, sK + (w2 * 32 + 16) * LDK + kk * 16 + bn_off(lane, LDK));
-      mma(s[0], a, b0[0], b0[1]);
-      mma(s[1], a, b0[2], b0[3]);
-      mma(s[2], a, b1[0], b1[1]);
-      mma(s[3], a, b1[2], b1[3]);
+      mma_bf16(s[0], a, b0[0], b0[1]);
+      mma_bf16(s[1], a, b0[2], b0[3]);
+      mma_bf16(s[2], a, b1[0], b1[1]);
+      mma_bf16(s[3], a, b1[2], b1[3]);
     }
 #pragma unroll
     for (int kk = 0; kk < DV / 16; ++kk) {
@@ -123,10 +124,10 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_kernel(const BwdParams p
       ldsm4(a, cDO + (w4 * 16) * LDV + kk * 16 + a_off(lane, LDV));
       ldsm4(b0, sV + (w2 * 32) * LDV + kk * 16 + bn_off(lane, LDV));
       ldsm4(b1, sV + (w2 * 32 + 16) * LDV + kk * 16 + bn_off(lane, LDV));
-      mma(dp[0], a, b0[0], b0[1]);
-      mma(dp[1], a, b0[2], b0[3]);
-      mma(dp[2], a, b1[0], b1[1]);
-      mma(dp[3], a, b1[2], b1[3]);
+      mma_bf16(dp[0], a, b0[0], b0[1]);
+      mma_bf16(dp[1], a, b0[2], b0[3]);
+      mma_bf16(dp[2], a, b1[0], b1[1]);
+      mma_bf16(dp[3], a, b1[2], b1[3]);
     }
     const bool need_mask = (q0 == k0) || (q0 + kB > len);
 #pragma unroll
@@ -160,16 +161,16 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_kernel(const BwdParams p
       for (int np = 0; np < NDV / 2; ++np) {
         uint32_t b[4];
         ldsm4t(b, cDO + (kk * 16) * LDV + w2 * (DV / 2) + np * 16 + bt_off(lane, LDV));
-        mma(dv[2 * np], a, b[0], b[1]);
-        mma(dv[2 * np + 1], a, b[2], b[3]);
+        mma_bf16(dv[2 * np], a, b[0], b[1]);
+        mma_bf16(dv[2 * np + 1], a, b[2], b[3]);
       }
       ldsm4t(a, sDS + (kk * 16) * kLDP + w4 * 16 + at_off(lane, kLDP));
 #pragma unroll
       for (int np = 0; np < NDK / 2; ++np) {
         uint32_t b[4];
         ldsm4t(b, cQ + (kk * 16) * LDK + w2 * (DK / 2) + np * 16 + bt_off(lane, LDK));
-        mma(dk[2 * np], a, b[0], b[1]);
-        mma(dk[2 * np + 1], a, b[2], b[3]);
+        mma_bf16(dk[2 * np], a, b[0], b[1]);
+        mma_bf16(dk[2 * np + 1], a, b[2], b[3]);
       }
     }
     {
@@ -184,8 +185,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_bwd_kernel(const BwdParams p
         for (int np = 0; np < NDK / 2; ++np) {
           uint32_t b[4];
           ldsm4t(b, sK + (kk * 16) * LDK + w2 * (DK / 2) + np * 16 + bt_off(lane, LDK));
-          mma(dq[2 * np], a, b[0], b[1]);
-          mma(dq[2 * np + 1], a, b[2], b[3]);
+          mma_bf16(dq[2 * np], a, b[0], b[1]);
+          mma_bf16(dq[2 * np + 1], a, b[2], b[3]);
         }
       }
       // Each warp reduces its own 16 × Dk/2 block of dQ: 16 row segments of Dk/2 floats, one bulk reduction
@@ -244,8 +245,7 @@ __global__ void bwd_pre_kernel(const bf16* o, const bf16* dout, const float* lse
     const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dp + c));
     acc += a.x * b.x + a.y * b.y;
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  acc = warp_sum(acc);
   if (lane == 0) {
     D[int64_t(h) * rows + row] = acc;
     lse2[int64_t(h) * rows + row] = lse[w] * 1.4426950408889634f;

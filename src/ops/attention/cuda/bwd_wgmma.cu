@@ -25,10 +25,11 @@
 
 #include <cstdlib>
 
+#include "core/cuda/tensor_map.hpp"
+#include "core/cuda/wgmma.cuh"
+#include "core/env.hpp"
 #include "ops/attention/cuda/kernels.hpp"
 #include "ops/attention/cuda/tc.cuh"
-#include "ops/moe/cuda/hopper.cuh"
-#include "ops/moe/cuda/tensor_map.hpp"
 
 namespace lm::ops::cuda::detail {
 
@@ -53,7 +54,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                            const __grid_constant__ CUtensorMap tmDQ, const BwdParams p) {
   using L = Bw2Smem<DK>;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   unsigned char *sK = smem + L::oK, *sV = smem + L::oV;
   float* sST = reinterpret_cast<float*>(smem + L::oST);  // [2][lse2 64 | D 64]
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + L::oBar);
@@ -167,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         asm volatile(
             "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
                 &tmDQ),
-            "r"(64 * a + 32 * j), "r"(y), "r"(smem_addr(stg + j * kBq * 128))
+            "r"(64 * a + 32 * j), "r"(y), "r"(smem_u32(stg + j * kBq * 128))
             : "memory");
       bulk_commit();
     }
@@ -252,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // SCHED 3 (Dk = 192) gives each product its own turn (Sᵀ | dPᵀ | dV + dK | dQ); SCHED 2 (Dk = 128) has two
   // turns, Sᵀ + dPᵀ (the exponentials under dPᵀ) and dV + dK + the previous step's dQ (its reduction then runs
   // under the other warpgroup's turn). Both halves of dSᵀ_{i-1} are written before either warpgroup's dV/dK turn
-  // of step i (each writes its half before its own dV/dK turn of step i-1). Turns: pingpong_* in hopper.cuh.
+  // of step i (each writes its half before its own dV/dK turn of step i-1). Turns: pingpong_* in core/cuda/hopper.cuh.
   constexpr bool kTurns = SCHED != 0;
   auto turn_begin = [&] {
     if constexpr (kTurns) pingpong_wait_turn(c);
@@ -429,10 +430,7 @@ void launch_t(const BwdParams& p, int ntiles, cudaStream_t s) {
 template <int DK, int SCHED>
 void launch_s(const BwdParams& p, int ntiles, cudaStream_t s) {
   // LONGMOE_ATTN_BWD_DQ_ATOMIC=1 (A/B runs): dQ by 16-byte vector atomics from the registers.
-  static const bool atomic = [] {
-    const char* e = std::getenv("LONGMOE_ATTN_BWD_DQ_ATOMIC");
-    return e && *e == '1';
-  }();
+  static const bool atomic = env::attn_bwd_dq_atomic();
   if (atomic) return launch_t<DK, SCHED, false>(p, ntiles, s);
   launch_t<DK, SCHED, true>(p, ntiles, s);
 }
@@ -443,10 +441,7 @@ void launch_bwd_wgmma(const BwdParams& p, int Dk, int ntiles, cudaStream_t s) {
   // Dk = 128: the two-turn ping-pong (SCHED 2); Dk = 192: the serial order (SCHED 0), which with the bulk dQ
   // reductions ran 3-5% ahead of the four-turn ping-pong (SCHED 3) on the H200; with vector atomics SCHED 3 led
   // by ~3%. LONGMOE_ATTN_BWD_MODE (A/B runs): 0 serial for both, 3 the four turns for Dk = 192.
-  static const int mode = [] {
-    const char* e = std::getenv("LONGMOE_ATTN_BWD_MODE");
-    return e ? std::atoi(e) : -1;
-  }();
+  static const int mode = env::attn_bwd_mode();
   if (Dk == 192) return mode == 3 ? launch_s<192, 3>(p, ntiles, s) : launch_s<192, 0>(p, ntiles, s);
   mode == 0 ? launch_s<128, 0>(p, ntiles, s) : launch_s<128, 2>(p, ntiles, s);
 }

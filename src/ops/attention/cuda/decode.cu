@@ -91,8 +91,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const DecParams
       for (int mt = 0; mt < MT; ++mt) {
         uint32_t a[4];
         ldsm4(a, sQ + (mt * 16) * kLDC + kk * 16 + a_off(lane, kLDC));
-        mma(s[mt][0], a, b[0], b[1]);
-        mma(s[mt][1], a, b[2], b[3]);
+        mma_bf16(s[mt][0], a, b[0], b[1]);
+        mma_bf16(s[mt][1], a, b[2], b[3]);
       }
     }
 #pragma unroll
@@ -151,8 +151,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const DecParams
         ldsm4t(b, cC + (kk * 16) * kLDC + warp * 128 + np * 16 + bt_off(lane, kLDC));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          mma(acc[mt][2 * np], a[mt], b[0], b[1]);
-          mma(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+          mma_bf16(acc[mt][2 * np], a[mt], b[0], b[1]);
+          mma_bf16(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
         }
       }
     }

@@ -79,10 +79,10 @@ __global__ void __launch_bounds__(kThreads, 2) attn_fwd_kernel(const FwdParams p
         for (int np = 0; np < 4; ++np) {
           uint32_t b[4];
           ldsm4(b, sK + (np * 16) * LDQ + kk * 16 + bn_off(lane, LDQ));
-          mma(s[0][2 * np], a0, b[0], b[1]);
-          mma(s[0][2 * np + 1], a0, b[2], b[3]);
-          mma(s[1][2 * np], a1, b[0], b[1]);
-          mma(s[1][2 * np + 1], a1, b[2], b[3]);
+          mma_bf16(s[0][2 * np], a0, b[0], b[1]);
+          mma_bf16(s[0][2 * np + 1], a0, b[2], b[3]);
+          mma_bf16(s[1][2 * np], a1, b[0], b[1]);
+          mma_bf16(s[1][2 * np + 1], a1, b[2], b[3]);
         }
       }
       // Mask keys above the diagonal and beyond the sequence; only tiles that reach them pay for it.
@@ -142,10 +142,10 @@ __global__ void __launch_bounds__(kThreads, 2) attn_fwd_kernel(const FwdParams p
         for (int np = 0; np < DV / 16; ++np) {
           uint32_t b[4];
           ldsm4t(b, sV + (kk * 16) * LDV + np * 16 + bt_off(lane, LDV));
-          mma(acc[0][2 * np], a0, b[0], b[1]);
-          mma(acc[0][2 * np + 1], a0, b[2], b[3]);
-          mma(acc[1][2 * np], a1, b[0], b[1]);
-          mma(acc[1][2 * np + 1], a1, b[2], b[3]);
+          mma_bf16(acc[0][2 * np], a0, b[0], b[1]);
+          mma_bf16(acc[0][2 * np + 1], a0, b[2], b[3]);
+          mma_bf16(acc[1][2 * np], a1, b[0], b[1]);
+          mma_bf16(acc[1][2 * np + 1], a1, b[2], b[3]);
         }
       }
     }

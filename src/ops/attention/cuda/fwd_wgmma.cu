@@ -21,10 +21,11 @@
 
 #include <cstdlib>
 
+#include "core/cuda/tensor_map.hpp"
+#include "core/cuda/wgmma.cuh"  // mbarrier, TMA and wgmma helpers (shared with the grouped GEMM)
+#include "core/env.hpp"
 #include "ops/attention/cuda/kernels.hpp"
 #include "ops/attention/cuda/tc.cuh"
-#include "ops/moe/cuda/hopper.cuh"  // mbarrier, TMA and wgmma helpers (shared with the grouped GEMM)
-#include "ops/moe/cuda/tensor_map.hpp"
 
 namespace lm::ops::cuda::detail {
 
@@ -44,7 +45,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                           const __grid_constant__ CUtensorMap tmV, const FwdParams p) {
   using L = WgSmem<DK>;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   unsigned char* sQ = smem + L::oQ;
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + L::oBar);
   uint64_t *fullQ = bar, *fullK = bar + 1, *fullV = bar + 3, *emptyK = bar + 5, *emptyV = bar + 7;
@@ -267,10 +268,7 @@ void launch_t(const FwdParams& p, int64_t rows, int Hkv, int ntiles, cudaStream_
 
 // LONGMOE_ATTN_FWD_MODE (A/B runs): bit 0 intra-warpgroup overlap, bit 1 ping-pong.
 int fwd_mode() {
-  static const int v = [] {
-    const char* e = std::getenv("LONGMOE_ATTN_FWD_MODE");
-    return e ? std::atoi(e) & 3 : 3;
-  }();
+  static const int v = env::attn_fwd_mode();
   return v;
 }
 template <int DK>

@@ -29,13 +29,19 @@
 #include <string>
 #include <type_traits>
 
+#include "core/cuda/check.hpp"
+#include "core/cuda/device.hpp"
+#include "core/cuda/reduce.cuh"
 #include "ops/attnres/cuda/attnres_cuda.hpp"
-#include "ops/kda/cuda/cuda_error.hpp"
 #include "ops/rmsnorm/cuda/rmsnorm_cuda.hpp"
 
 namespace lm::ops::cuda {
 
 namespace {
+
+using cu::column_sum;  // core/cuda/reduce.cuh: deterministic warp and column reductions
+using cu::warp_max;
+using cu::warp_sum;
 
 constexpr int kMaxSources = 32;  // one warp lane per source in the softmax
 constexpr int kMaxWarps = 8;     // loop path: NT <= 256
@@ -64,10 +70,7 @@ constexpr int fwd_max_elems_for(int n, bool norm) { return norm ? fwd_norm_max_e
 constexpr int bwd_max_vpt(int v) { return v == 1 ? 2 : 4; }
 constexpr int fwd_max_vpt(int) { return 4; }
 
-[[noreturn]] void fail(const std::string& m) { throw Error("attnres cuda: " + m); }
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
-}
+constexpr cu::Checker check{"attnres cuda"};
 
 // Source pointers travel by value in the kernel arguments (the host holds the array).
 struct Srcs {
@@ -143,18 +146,6 @@ template <int V>
 __device__ __forceinline__ void zero(float (&v)[V]) {
 #pragma unroll
   for (int e = 0; e < V; ++e) v[e] = 0.f;
-}
-
-// Butterfly reductions: every lane ends with the same bits (a + b == b + a), in a fixed order.
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
 }
 
 // h = Σ_j a_j x_j over this thread's columns (a_j in lane j of a), in source order.
@@ -675,27 +666,15 @@ __global__ void __launch_bounds__(256) bwd_loop_kernel(Srcs v, DSrcs dv, int N, 
   for (int c = threadIdx.x; c < d; c += blockDim.x) part[b * d + c] = dq[c];
 }
 
-// dq[c] = Σ_b part[b, c]; dw += dq ⊙ gamma, dgamma += dq ⊙ w (or, with dsum, dsum += dq: the fused norm's
-// gain). Slice s sums b = s, s + 64, ... in order (double), then the 64 slices meet in a fixed tree: a fixed
-// order, with 64x the parallelism of one thread per column (a serial 1024-long chain per column was
-// latency-bound: tens of µs).
+// dq[c] = Σ_b part[b, c] (core/cuda/reduce.cuh's column_sum, in a fixed order); dw += dq ⊙ gamma,
+// dgamma += dq ⊙ w (or, with dsum, dsum += dq: the fused norm's gain).
 __global__ void __launch_bounds__(kRedCols* kRedSlices) dq_reduce_kernel(const float* part, int64_t nb, int d,
                                                                          const float* w, const float* gamma,
                                                                          float* dw, float* dgamma, float* dsum) {
   __shared__ double acc[kRedSlices][kRedCols];
   const int cx = threadIdx.x % kRedCols, s = threadIdx.x / kRedCols;
   const int c = blockIdx.x * kRedCols + cx;
-  double sum = 0;
-  if (c < d) {
-#pragma unroll 8
-    for (int64_t b = s; b < nb; b += kRedSlices) sum += part[b * d + c];
-  }
-  acc[s][cx] = sum;
-#pragma unroll
-  for (int half = kRedSlices / 2; half > 0; half >>= 1) {
-    __syncthreads();
-    if (s < half) acc[s][cx] += acc[s + half][cx];
-  }
+  column_sum(acc, part, nb, d, c, c < d, s, cx);
   if (s != 0 || c >= d) return;
   const float dq = float(acc[0][cx]);
   if (dsum) dsum[c] += dq;
@@ -763,14 +742,14 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 void check_args(const char* who, const float* const* v, int64_t N, int64_t T, int64_t d, const float* w,
                 const float* gamma, float eps) {
-  if (N < 1 || N > kMaxSources) fail(std::string(who) + ": need 1 <= N <= 32 sources, got " + std::to_string(N));
+  if (N < 1 || N > kMaxSources) check.fail(std::string(who) + ": need 1 <= N <= 32 sources, got " + std::to_string(N));
   if (T < 0 || d <= 0 || d > (int64_t(1) << 30))
-    fail(std::string(who) + ": need T >= 0 and 0 < d < 2^30, got T=" + std::to_string(T) + " d=" + std::to_string(d));
-  if (!(eps >= 0.f) || !std::isfinite(eps)) fail(std::string(who) + ": eps must be finite and >= 0");
-  if (!v) fail(std::string(who) + ": source array is null");
+    check.fail(std::string(who) + ": need T >= 0 and 0 < d < 2^30, got T=" + std::to_string(T) + " d=" + std::to_string(d));
+  if (!(eps >= 0.f) || !std::isfinite(eps)) check.fail(std::string(who) + ": eps must be finite and >= 0");
+  if (!v) check.fail(std::string(who) + ": source array is null");
   for (int64_t j = 0; j < N; ++j)
-    if (!v[j]) fail(std::string(who) + ": source " + std::to_string(j) + " is null");
-  if (!w || !gamma) fail(std::string(who) + ": w and gamma are required");
+    if (!v[j]) check.fail(std::string(who) + ": source " + std::to_string(j) + " is null");
+  if (!w || !gamma) check.fail(std::string(who) + ": w and gamma are required");
 }
 
 // Opts the kernel in to more than the default dynamic shared memory when d needs it.
@@ -783,11 +762,9 @@ cudaError_t smem_opt_in(K* kern, size_t bytes) {
 // Blocks of `kern` resident on the whole device at once (at least 1): the forward's grid.
 template <class K>
 int64_t resident_blocks(K* kern, int threads, size_t smem) {
-  int dev = 0, sms = 0, per_sm = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, threads, smem) != cudaSuccess)
-    return kMaxGrid;
-  return std::max<int64_t>(1, int64_t(sms) * per_sm);
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, threads, smem) != cudaSuccess) return kMaxGrid;
+  return std::max<int64_t>(1, int64_t(cu::sm_count()) * per_sm);
 }
 
 
@@ -876,7 +853,7 @@ bool backward_impl(const float* const* v, int64_t N, int64_t T, int64_t d, const
   const RegPlan plan = reg_plan(N, d, vec ? 4 : 1, bwd_max_elems_for(Nc, nb != nullptr), bwd_max_vpt(vec ? 4 : 1),
                                 nb ? kNormMaxThreads : kRegMaxThreads);
   if (nb && !plan.vpt) {
-    if (closed) fail("attnres_norm_backward: deferral needs the register path (see attnres_can_defer)");
+    if (closed) check.fail("attnres_norm_backward: deferral needs the register path (see attnres_can_defer)");
     return false;
   }
   float* part = nullptr;  // dq partials [nblk, d], then (nb) the norm gain's [nblk, d]
@@ -915,7 +892,7 @@ bool backward_impl(const float* const* v, int64_t N, int64_t T, int64_t d, const
         });
       });
     });
-    if (!launched) fail("backward: no register-path kernel for this plan (internal)");
+    if (!launched) check.fail("backward: no register-path kernel for this plan (internal)");
   } else {
     const int nt = pick_threads(d);
     const size_t smem = size_t(want_dq ? 2 : 1) * size_t(d) * sizeof(float);
@@ -947,8 +924,8 @@ bool backward_impl(const float* const* v, int64_t N, int64_t T, int64_t d, const
 }
 
 void check_norm_args(const char* who, const float* gn, float eps_n) {
-  if (!gn) fail(std::string(who) + ": the norm gain gn is required");
-  if (!(eps_n >= 0.f) || !std::isfinite(eps_n)) fail(std::string(who) + ": eps_n must be finite and >= 0");
+  if (!gn) check.fail(std::string(who) + ": the norm gain gn is required");
+  if (!(eps_n >= 0.f) || !std::isfinite(eps_n)) check.fail(std::string(who) + ": eps_n must be finite and >= 0");
 }
 
 }  // namespace
@@ -957,7 +934,7 @@ void attnres_forward(const float* const* v, int64_t N, int64_t T, int64_t d, con
                      float eps, float* h, void* stream) {
   check_args("attnres_forward", v, N, T, d, w, gamma, eps);
   if (T == 0) return;
-  if (!h) fail("attnres_forward: h is required");
+  if (!h) check.fail("attnres_forward: h is required");
   forward_impl(v, N, T, d, w, gamma, eps, h, nullptr, static_cast<cudaStream_t>(stream));
 }
 
@@ -965,7 +942,7 @@ void attnres_backward(const float* const* v, int64_t N, int64_t T, int64_t d, co
                       float eps, const float* dh, float* const* dv, float* dw, float* dgamma, void* stream) {
   check_args("attnres_backward", v, N, T, d, w, gamma, eps);
   if (T == 0) return;
-  if (!dh) fail("attnres_backward: dh is required");
+  if (!dh) check.fail("attnres_backward: dh is required");
   backward_impl(v, N, T, d, w, gamma, eps, dh, dv, dw, dgamma, nullptr, nullptr, static_cast<cudaStream_t>(stream));
 }
 
@@ -974,7 +951,7 @@ void attnres_norm_forward(const float* const* v, int64_t N, int64_t T, int64_t d
   check_args("attnres_norm_forward", v, N, T, d, w, gamma, eps);
   check_norm_args("attnres_norm_forward", gn, eps_n);
   if (T == 0) return;
-  if (!y || !rstd) fail("attnres_norm_forward: y and rstd are required");
+  if (!y || !rstd) check.fail("attnres_norm_forward: y and rstd are required");
   auto s = static_cast<cudaStream_t>(stream);
   NormFwd nf;
   nf.gn = gn, nf.eps = eps_n, nf.y = static_cast<__nv_bfloat16*>(y), nf.rstd = rstd;
@@ -994,15 +971,15 @@ void attnres_norm_backward(const float* const* v, int64_t N, int64_t T, int64_t 
   check_args("attnres_norm_backward", v, N, T, d, w, gamma, eps);
   check_norm_args("attnres_norm_backward", gn, eps_n);
   if (T == 0) return;
-  if (!rstd || !dy) fail("attnres_norm_backward: rstd and dy are required");
-  if (dlast && (!dv || !dv[N - 1])) fail("attnres_norm_backward: dlast needs the last source's gradient dv[N-1]");
+  if (!rstd || !dy) check.fail("attnres_norm_backward: rstd and dy are required");
+  if (dlast && (!dv || !dv[N - 1])) check.fail("attnres_norm_backward: dlast needs the last source's gradient dv[N-1]");
   auto s = static_cast<cudaStream_t>(stream);
   NormBwd nb;
   nb.gn = gn, nb.rstd = rstd, nb.dy = dy, nb.dlast = static_cast<__nv_bfloat16*>(dlast);
   if (defer) {
     if (defer->closed < 1 || defer->closed >= N)
-      fail("attnres_norm_backward: need 1 <= closed < N deferred sources, got " + std::to_string(defer->closed));
-    if (!defer->delta || !defer->coef || !defer->q) fail("attnres_norm_backward: deferral needs delta, coef and q");
+      check.fail("attnres_norm_backward: need 1 <= closed < N deferred sources, got " + std::to_string(defer->closed));
+    if (!defer->delta || !defer->coef || !defer->q) check.fail("attnres_norm_backward: deferral needs delta, coef and q");
     nb.delta = static_cast<__nv_bfloat16*>(defer->delta), nb.coef = reinterpret_cast<float4*>(defer->coef);
     nb.qout = defer->q, nb.closed = int(defer->closed);
   }
@@ -1031,26 +1008,26 @@ bool attnres_can_defer(int64_t N, int64_t d) {
 
 void attnres_flush(const float* const* v, int64_t C, int64_t T, int64_t d, const AttnResDeferred* reads, int64_t R,
                    float* const* dv, void* stream) {
-  if (C < 1 || C > kMaxSources) fail("attnres_flush: need 1 <= C <= 32 closed sources, got " + std::to_string(C));
+  if (C < 1 || C > kMaxSources) check.fail("attnres_flush: need 1 <= C <= 32 closed sources, got " + std::to_string(C));
   if (R < 0 || R > kMaxReads)
-    fail("attnres_flush: need 0 <= R <= " + std::to_string(kMaxReads) + " reads, got " + std::to_string(R));
-  if (T < 0 || d <= 0 || d > (int64_t(1) << 30)) fail("attnres_flush: need T >= 0 and 0 < d < 2^30");
-  if (!v || !dv || (R && !reads)) fail("attnres_flush: source, gradient and read arrays are required");
+    check.fail("attnres_flush: need 0 <= R <= " + std::to_string(kMaxReads) + " reads, got " + std::to_string(R));
+  if (T < 0 || d <= 0 || d > (int64_t(1) << 30)) check.fail("attnres_flush: need T >= 0 and 0 < d < 2^30");
+  if (!v || !dv || (R && !reads)) check.fail("attnres_flush: source, gradient and read arrays are required");
   Srcs src{};
   DSrcs dsrc{};
   FlushReads fr{};
   bool vec = d % 4 == 0;
   for (int64_t j = 0; j < C; ++j) {
-    if (!v[j]) fail("attnres_flush: source " + std::to_string(j) + " is null");
+    if (!v[j]) check.fail("attnres_flush: source " + std::to_string(j) + " is null");
     src.p[j] = v[j], dsrc.p[j] = dv[j];
     vec = vec && aligned16(v[j]) && aligned16(dv[j]);
   }
   for (int64_t r = 0; r < R; ++r) {
     const AttnResDeferred& a = reads[r];
     if (a.closed != C)
-      fail("attnres_flush: read " + std::to_string(r) + " deferred " + std::to_string(a.closed) + " sources, not " +
+      check.fail("attnres_flush: read " + std::to_string(r) + " deferred " + std::to_string(a.closed) + " sources, not " +
            std::to_string(C));
-    if (!a.delta || !a.coef || !a.q) fail("attnres_flush: read " + std::to_string(r) + " lacks delta, coef or q");
+    if (!a.delta || !a.coef || !a.q) check.fail("attnres_flush: read " + std::to_string(r) + " lacks delta, coef or q");
     fr.delta[r] = static_cast<const __nv_bfloat16*>(a.delta), fr.coef[r] = reinterpret_cast<const float4*>(a.coef);
     fr.q[r] = a.q;
     vec = vec && aligned8(a.delta) && aligned16(a.q);

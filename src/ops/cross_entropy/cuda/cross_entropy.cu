@@ -19,9 +19,9 @@
 #include <cstdint>
 #include <string>
 
+#include "core/cuda/check.hpp"
 #include "ops/cross_entropy/cuda/cross_entropy_cuda.hpp"
 #include "ops/gemm/cuda/gemm_cuda.hpp"
-#include "ops/kda/cuda/cuda_error.hpp"
 
 namespace lm::ops::cuda {
 
@@ -29,10 +29,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-[[noreturn]] void fail(const std::string& m) { throw Error("cross entropy cuda: " + m); }
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
-}
+constexpr cu::Checker check{"cross entropy cuda"};
 
 constexpr int kRowThreads = 512;
 constexpr int kSumThreads = 1024;
@@ -167,11 +164,11 @@ __global__ void __launch_bounds__(kSumThreads) ce_sum_kernel(const float* loss, 
 CeResult run(const void* h, const void* W, const int32_t* targets, int64_t T, int64_t d, int64_t V, float grad_scale,
              float* dh, float* dW, int64_t token_block, void* stream, bool grad) {
   const char* who = grad ? "forward_backward" : "forward";
-  if (T < 0 || d <= 0 || V <= 0) fail(std::string(who) + ": need T >= 0, d > 0, V > 0");
-  if (V > INT32_MAX || d > INT32_MAX) fail(std::string(who) + ": V and d must fit int32");
-  if (token_block < 0) fail(std::string(who) + ": token_block must be >= 0");
+  if (T < 0 || d <= 0 || V <= 0) check.fail(std::string(who) + ": need T >= 0, d > 0, V > 0");
+  if (V > INT32_MAX || d > INT32_MAX) check.fail(std::string(who) + ": V and d must fit int32");
+  if (token_block < 0) check.fail(std::string(who) + ": token_block must be >= 0");
   if (T == 0) return CeResult{};
-  if (!h || !W || !targets || (grad && !dh)) fail(std::string(who) + ": null argument");
+  if (!h || !W || !targets || (grad && !dh)) check.fail(std::string(who) + ": null argument");
   const auto s = static_cast<cudaStream_t>(stream);
   const int64_t ld = (V + 7) / 8 * 8;
   int64_t Bt = token_block;
@@ -180,7 +177,7 @@ CeResult run(const void* h, const void* W, const int32_t* targets, int64_t T, in
     if (Bt >= 64) Bt = Bt / 64 * 64;  // whole GEMM tiles
   }
   Bt = std::min(Bt, T);
-  if (Bt > INT32_MAX) fail(std::string(who) + ": token block too large");
+  if (Bt > INT32_MAX) check.fail(std::string(who) + ": token block too large");
 
   // One allocation: logits [Bt, ld] fp32 | G [Bt, ld] bf16 | loss [T] fp32 | Sums.
   const size_t logits_b = size_t(Bt * ld) * 4, g_b = grad ? size_t(Bt * ld) * 2 : 0;

@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "core/cuda/check.hpp"
 #include "ops/embedding/cuda/embedding_cuda.hpp"
-#include "ops/kda/cuda/cuda_error.hpp"
 
 namespace lm::ops::cuda {
 
@@ -25,10 +25,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-[[noreturn]] void fail(const std::string& m) { throw Error("embedding cuda: " + m); }
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
-}
+constexpr cu::Checker check{"embedding cuda"};
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -89,9 +86,9 @@ __global__ void bwd_kernel(const int32_t* pos, const int32_t* seg, const int32_t
 
 void embedding_forward(const int32_t* ids, int64_t T, const void* table, int64_t d, float* out, void* stream) {
   if (T < 0 || d <= 0 || d > (int64_t(1) << 30))
-    fail("forward: need T >= 0 and 0 < d < 2^30, got T=" + std::to_string(T) + " d=" + std::to_string(d));
+    check.fail("forward: need T >= 0 and 0 < d < 2^30, got T=" + std::to_string(T) + " d=" + std::to_string(d));
   if (T == 0) return;
-  if (!ids || !table || !out) fail("forward: ids, table and out are required");
+  if (!ids || !table || !out) check.fail("forward: ids, table and out are required");
   auto s = static_cast<cudaStream_t>(stream);
   const bool vec = d % 8 == 0 && aligned16(table) && aligned16(out);
   const int64_t items = T * (vec ? d / 8 : d);
@@ -106,13 +103,13 @@ void embedding_forward(const int32_t* ids, int64_t T, const void* table, int64_t
 void embedding_backward(const int32_t* host_ids, int64_t T, const float* dout, int64_t vocab, int64_t d,
                         float* dtable, void* stream) {
   if (T < 0 || vocab <= 0 || d <= 0 || d > (int64_t(1) << 30) || T >= (int64_t(1) << 31))
-    fail("backward: need 0 <= T < 2^31, vocab > 0, 0 < d < 2^30; got T=" + std::to_string(T) +
+    check.fail("backward: need 0 <= T < 2^31, vocab > 0, 0 < d < 2^30; got T=" + std::to_string(T) +
          " vocab=" + std::to_string(vocab) + " d=" + std::to_string(d));
   if (T == 0) return;
-  if (!host_ids || !dout || !dtable) fail("backward: host_ids, dout and dtable are required");
+  if (!host_ids || !dout || !dtable) check.fail("backward: host_ids, dout and dtable are required");
   for (int64_t t = 0; t < T; ++t)
     if (host_ids[t] < 0 || host_ids[t] >= vocab)
-      fail("backward: token id " + std::to_string(host_ids[t]) + " at position " + std::to_string(t) +
+      check.fail("backward: token id " + std::to_string(host_ids[t]) + " at position " + std::to_string(t) +
            " is out of range [0, " + std::to_string(vocab) + ")");
   // Host buffer [pos T | seg S+1 | seg_id S]: positions sorted by id (stable: token order within an id).
   std::vector<int32_t> buf(size_t(3 * T + 1));

@@ -19,20 +19,21 @@
 #include <tuple>
 #include <vector>
 
+#include "core/cuda/check.hpp"
+#include "core/env.hpp"
 #include "ops/gemm/cuda/gemm_cuda.hpp"
-#include "ops/kda/cuda/cuda_error.hpp"
 
 namespace lm::ops::cuda {
 
 namespace {
 
-[[noreturn]] void fail(const std::string& m) { throw Error("gemm cuda: " + m); }
+constexpr cu::Checker check{"gemm cuda"};
 
 struct Handle {
   cublasHandle_t h = nullptr;
   void* ws = nullptr;
   Handle() {
-    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) fail("cublasCreate failed (no device?)");
+    if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) check.fail("cublasCreate failed (no device?)");
     // A private workspace lets cuBLAS pick its split-K kernels on any stream.
     const size_t bytes = 32u << 20;
     if (cudaMalloc(&ws, bytes) == cudaSuccess) cublasSetWorkspace(h, ws, bytes);
@@ -57,10 +58,7 @@ cublasHandle_t side_handle(void* stream) {
 }
 
 bool use_lt() {
-  static const bool v = [] {
-    const char* e = std::getenv("LONGMOE_GEMM_CUBLAS");
-    return !(e && *e == '1');
-  }();
+  static const bool v = !env::gemm_cublas();
   return v;
 }
 
@@ -88,7 +86,7 @@ struct Lt {
   size_t ws_bytes = 32u << 20;
   std::map<LtKey, LtPlan> plans;
   Lt() {
-    if (cublasLtCreate(&h) != CUBLAS_STATUS_SUCCESS) fail("cublasLtCreate failed (no device?)");
+    if (cublasLtCreate(&h) != CUBLAS_STATUS_SUCCESS) check.fail("cublasLtCreate failed (no device?)");
     if (cudaMalloc(&ws, ws_bytes) != cudaSuccess) ws = nullptr, ws_bytes = 0;
   }
   void clear() {
@@ -185,8 +183,8 @@ void* blas_handle(void* stream) {
 void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A, int64_t lda,
                const void* B, int64_t ldb, float beta, void* C, int64_t ldc, DType c_type, void* stream,
                const void* c_src) {
-  if (M < 0 || N < 0 || K < 0) fail("negative dimension");
-  if (c_type != DType::F32 && c_type != DType::BF16) fail("C must be F32 or BF16");
+  if (M < 0 || N < 0 || K < 0) check.fail("negative dimension");
+  if (c_type != DType::F32 && c_type != DType::BF16) check.fail("C must be F32 or BF16");
   if (M == 0 || N == 0) return;
   if (!lda) lda = ta ? M : K;
   if (!ldb) ldb = tb ? K : N;
@@ -200,7 +198,7 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
     if (!c_src) return;
     if (cudaMemcpy2DAsync(C, ldc * esz, c_src, ldc * esz, N * esz, M, cudaMemcpyDeviceToDevice,
                           static_cast<cudaStream_t>(stream)) != cudaSuccess)
-      fail("cudaMemcpy2DAsync failed");
+      check.fail("cudaMemcpy2DAsync failed");
     c_src = nullptr;
   };
   if (K == 0) {
@@ -208,11 +206,11 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
     if (beta == 0.f) {
       const size_t es = c_type == DType::F32 ? 4 : 2;
       if (cudaMemset2DAsync(C, ldc * es, 0, N * es, M, static_cast<cudaStream_t>(stream)) != cudaSuccess)
-        fail("cudaMemset2DAsync failed");
+        check.fail("cudaMemset2DAsync failed");
       return;
     }
     if (beta == 1.f) return;
-    fail("K == 0 with beta other than 0 or 1");
+    check.fail("K == 0 with beta other than 0 or 1");
   }
   if (use_lt() && !side_handle(stream)) {
     thread_local Lt lt;
@@ -231,7 +229,7 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
       const cublasStatus_t s2 = cublasLtMatmul(lt.h, pl.op, &alpha, B, pl.la, A, pl.lb, &beta, c_src ? c_src : C,
                                                pl.lc, C, pl.lc, &pl.algo, lt.ws, lt.ws_bytes, cs);
       if (s2 != CUBLAS_STATUS_SUCCESS)
-        fail("cublasLtMatmul failed (status " + std::to_string(static_cast<int>(s2)) + ") for M=" +
+        check.fail("cublasLtMatmul failed (status " + std::to_string(static_cast<int>(s2)) + ") for M=" +
              std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K));
       return;
     }
@@ -243,7 +241,7 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
       C, c_type == DType::F32 ? CUDA_R_32F : CUDA_R_16BF, static_cast<int>(ldc), CUBLAS_COMPUTE_32F,
       CUBLAS_GEMM_DEFAULT);
   if (st != CUBLAS_STATUS_SUCCESS)
-    fail("cublasGemmEx failed (status " + std::to_string(static_cast<int>(st)) + ") for M=" + std::to_string(M) +
+    check.fail("cublasGemmEx failed (status " + std::to_string(static_cast<int>(st)) + ") for M=" + std::to_string(M) +
          " N=" + std::to_string(N) + " K=" + std::to_string(K));
 }
 
@@ -257,11 +255,11 @@ struct SidePool {
     for (int i = 0; i < kSide; ++i) {
       if (cudaStreamCreateWithFlags(&s[i], cudaStreamNonBlocking) != cudaSuccess ||
           cudaEventCreateWithFlags(&done[i], cudaEventDisableTiming) != cudaSuccess)
-        fail("cannot create the side streams");
+        check.fail("cannot create the side streams");
       cublasSetStream(h[i].h, s[i]);
       side_handles[i] = h[i].h, side_streams[i] = s[i];
     }
-    if (cudaEventCreateWithFlags(&fork, cudaEventDisableTiming) != cudaSuccess) fail("cannot create an event");
+    if (cudaEventCreateWithFlags(&fork, cudaEventDisableTiming) != cudaSuccess) check.fail("cannot create an event");
   }
 };
 
@@ -269,10 +267,10 @@ struct SidePool {
 
 void gemm_bf16_grouped(bool ta, bool tb, const std::vector<GemmGroup>& groups, float alpha, float beta, DType c_type,
                        void* stream) {
-  if (c_type != DType::F32 && c_type != DType::BF16) fail("C must be F32 or BF16");
+  if (c_type != DType::F32 && c_type != DType::BF16) check.fail("C must be F32 or BF16");
   thread_local SidePool pool;
   auto main = static_cast<cudaStream_t>(stream);
-  if (cudaEventRecord(pool.fork, main) != cudaSuccess) fail("cudaEventRecord failed");
+  if (cudaEventRecord(pool.fork, main) != cudaSuccess) check.fail("cudaEventRecord failed");
   for (int i = 0; i < kSide; ++i) cudaStreamWaitEvent(pool.s[i], pool.fork, 0);
   int next = 0;
   for (const GemmGroup& g : groups) {

@@ -13,8 +13,8 @@
 #include <cstdint>
 #include <string>
 
+#include "core/cuda/check.hpp"
 #include "ops/glu/cuda/glu_cuda.hpp"
-#include "ops/kda/cuda/cuda_error.hpp"
 
 namespace lm::ops::cuda {
 
@@ -22,10 +22,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-[[noreturn]] void fail(const std::string& m) { throw Error("glu cuda: " + m); }
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
-}
+constexpr cu::Checker check{"glu cuda"};
 
 // Constants in fp32; cap false: B(b) = b (beta2 <= 0 or infinite).
 struct Consts {
@@ -162,10 +159,10 @@ int mode_of(const GluParams& p) {
 }
 
 void check_args(const char* who, const void* ab, const void* out, int64_t rows, int64_t I, const GluParams& p) {
-  if (rows < 0 || I <= 0) fail(std::string(who) + ": need rows >= 0 and I > 0");
+  if (rows < 0 || I <= 0) check.fail(std::string(who) + ": need rows >= 0 and I > 0");
   if (p.kind == GluKind::SiTU && !(p.beta1 > 0 && std::isfinite(p.beta1)))
-    fail(std::string(who) + ": SiTU beta1 must be finite and > 0");
-  if (rows > 0 && (!ab || !out)) fail(std::string(who) + ": null argument");
+    check.fail(std::string(who) + ": SiTU beta1 must be finite and > 0");
+  if (rows > 0 && (!ab || !out)) check.fail(std::string(who) + ": null argument");
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -192,7 +189,7 @@ void launch_bwd(const bf16* ab, const G* dh, bf16* dab, int64_t rows, int64_t I,
 void glu_forward(const void* ab, void* h, int64_t rows, int64_t I, const GluParams& p, void* stream, int64_t ldab) {
   check_args("glu_forward", ab, h, rows, I, p);
   if (!ldab) ldab = 2 * I;
-  if (ldab < 2 * I) fail("glu_forward: ldab must be at least 2I");
+  if (ldab < 2 * I) check.fail("glu_forward: ldab must be at least 2I");
   if (rows == 0) return;
   const auto* a = static_cast<const bf16*>(ab);
   auto* o = static_cast<bf16*>(h);
@@ -211,10 +208,10 @@ void glu_backward(const void* ab, const void* dh, DType dh_type, void* dab, int6
   check_args("glu_backward", ab, dab, rows, I, p);
   if (!ldab) ldab = 2 * I;
   if (!lddab) lddab = 2 * I;
-  if (ldab < 2 * I || lddab < 2 * I) fail("glu_backward: ldab and lddab must be at least 2I");
-  if (dh_type != DType::F32 && dh_type != DType::BF16) fail("glu_backward: dh must be F32 or BF16");
+  if (ldab < 2 * I || lddab < 2 * I) check.fail("glu_backward: ldab and lddab must be at least 2I");
+  if (dh_type != DType::F32 && dh_type != DType::BF16) check.fail("glu_backward: dh must be F32 or BF16");
   if (rows == 0) return;
-  if (!dh) fail("glu_backward: null dh");
+  if (!dh) check.fail("glu_backward: null dh");
   const auto* a = static_cast<const bf16*>(ab);
   auto* o = static_cast<bf16*>(dab);
   const Consts c = consts_of(p);

@@ -15,8 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "core/cuda/check.hpp"
+#include "core/cuda/device.hpp"
 #include "core/half.hpp"
-#include "ops/kda/cuda/cuda_error.hpp"
 #include "ops/kda/cuda/kda_cuda.hpp"
 #include "ops/kda/cuda/launch.hpp"
 
@@ -27,27 +28,7 @@ using detail::OpParams;
 
 namespace {
 
-[[noreturn]] void fail(const std::string& m) { throw Error("kda cuda: " + m); }
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-int sm_count() {
-  static int n = [] {
-    int dev = 0, v = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
-    // Keep freed workspace in the pool between calls (the default threshold returns it at every sync).
-    cudaMemPool_t pool;
-    if (cudaDeviceGetDefaultMemPool(&pool, dev) == cudaSuccess) {
-      uint64_t thr = UINT64_MAX;
-      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &thr);
-    }
-    return v > 0 ? v : 132;
-  }();
-  return n;
-}
+constexpr cu::Checker check{"kda cuda"};
 
 struct Plan {
   int KP = 128, NW = 1, N = 0, NC = 0;
@@ -62,13 +43,13 @@ bool bounded_ok(const GateParams& g) {
 }
 
 Plan make_plan(const Problem& p) {
-  if (p.T < 0 || p.B < 1 || p.H < 1) fail("bad shape B=" + std::to_string(p.B) + " T=" + std::to_string(p.T));
-  if (p.beta_ld != 0 && p.beta_ld < p.H) fail("beta_ld must be 0 or at least H");
+  if (p.T < 0 || p.B < 1 || p.H < 1) check.fail("bad shape B=" + std::to_string(p.B) + " T=" + std::to_string(p.T));
+  if (p.beta_ld != 0 && p.beta_ld < p.H) check.fail("beta_ld must be 0 or at least H");
   if (p.K < 8 || p.K > 128 || p.K % 8 || p.V < 8 || p.V > 128 || p.V % 8)
-    fail("K and V must be multiples of 8 in [8, 128], got K=" + std::to_string(p.K) + " V=" + std::to_string(p.V));
-  if (p.gate.form == GateForm::LowerBound && !(p.gate.lower_bound < 0)) fail("lower_bound must be < 0");
+    check.fail("K and V must be multiples of 8 in [8, 128], got K=" + std::to_string(p.K) + " V=" + std::to_string(p.V));
+  if (p.gate.form == GateForm::LowerBound && !(p.gate.lower_bound < 0)) check.fail("lower_bound must be < 0");
   if (int64_t(p.B) * p.T * p.H * std::max(p.K, p.V) >= (int64_t(1) << 31) * 64)
-    fail("problem too large for 32-bit chunk indices");
+    check.fail("problem too large for 32-bit chunk indices");
   Plan pl;
   pl.KP = std::max(p.K, p.V) <= 64 ? 64 : 128;
   pl.gate_f32 = p.gate_dtype == GateDType::F32;
@@ -78,18 +59,18 @@ Plan make_plan(const Problem& p) {
     case DiagPath::Auto: pl.bounded = bok; break;
     case DiagPath::Exact: pl.bounded = false; break;
     case DiagPath::Bounded:
-      if (!bok) fail("the bounded diagonal path needs a lower-bounded gate with -10 <= lower_bound < 0");
+      if (!bok) check.fail("the bounded diagonal path needs a lower-bounded gate with -10 <= lower_bound < 0");
       pl.bounded = true;
       break;
   }
   std::vector<int64_t> cu;
   if (p.cu_seqlens) {
-    if (p.B != 1) fail("varlen needs B == 1");
-    if (p.N < 1) fail("varlen needs N >= 1");
+    if (p.B != 1) check.fail("varlen needs B == 1");
+    if (p.N < 1) check.fail("varlen needs N >= 1");
     cu.assign(p.cu_seqlens, p.cu_seqlens + p.N + 1);
-    if (cu.front() != 0 || cu.back() != p.T) fail("cu_seqlens must start at 0 and end at T");
+    if (cu.front() != 0 || cu.back() != p.T) check.fail("cu_seqlens must start at 0 and end at T");
     for (size_t i = 1; i < cu.size(); ++i)
-      if (cu[i] < cu[i - 1]) fail("cu_seqlens must be non-decreasing");
+      if (cu[i] < cu[i - 1]) check.fail("cu_seqlens must be non-decreasing");
   } else {
     for (int64_t b = 0; b <= p.B; ++b) cu.push_back(b * p.T);
   }
@@ -104,7 +85,7 @@ Plan make_plan(const Problem& p) {
   // Warps per block of the recurrences: fewest waves (one block per SM: their shared memory), where two
   // warps per scheduler (NW = 8) cost about half again per chunk; ties go to more, smaller blocks. With
   // K = V = 128 the warpgroup kernels take 4 or 8 warps, and only those are considered.
-  const int TW = int((p.V + 15) / 16), sms = sm_count();
+  const int TW = int((p.V + 15) / 16), sms = cu::sm_count();
   const bool wg = detail::wgmma_recurrences(int(p.K), int(p.V));
   double best = 1e300;
   for (int nw : {1, 2, 4, 8}) {
@@ -202,7 +183,7 @@ char* alloc_async(size_t bytes, cudaStream_t s) {
 
 void check_inputs(const Inputs& in) {
   if (!in.q || !in.k || !in.v || !in.g_raw || !in.beta_raw || !in.A_log || !in.dt_bias)
-    fail("q, k, v, g_raw, beta_raw, A_log and dt_bias are required");
+    check.fail("q, k, v, g_raw, beta_raw, A_log and dt_bias are required");
 }
 
 struct BenchWs {
@@ -216,10 +197,10 @@ size_t saved_bytes(const Problem& p) { return layout(make_plan(p), p, Part::Kept
 
 void forward(const Problem& p, const Inputs& in, void* o, float* ht, void* stream, void* saved, void* started) {
   check_inputs(in);
-  if (!o) fail("o is required");
+  if (!o) check.fail("o is required");
   const Plan pl = make_plan(p);
   auto s = static_cast<cudaStream_t>(stream);
-  sm_count();
+  cu::keep_freed_memory_in_pool();  // the workspace freed below stays in the pool for the next call
   const Part part = saved ? Part::Kept : Part::Forward;
   char* base = saved ? static_cast<char*>(saved) : alloc_async(layout(pl, p, part, nullptr, nullptr), s);
   OpParams op = base_params(p, pl, in);
@@ -239,10 +220,10 @@ void backward(const Problem& p, const Inputs& in, const void* do_, const float* 
               const void* saved, void* started) {
   check_inputs(in);
   if (!do_ || !gr.dq || !gr.dk || !gr.dv || !gr.dg_raw || !gr.dbeta_raw || !gr.dA_log || !gr.ddt_bias)
-    fail("do and every gradient except dh0 are required");
+    check.fail("do and every gradient except dh0 are required");
   const Plan pl = make_plan(p);
   auto s = static_cast<cudaStream_t>(stream);
-  sm_count();
+  cu::keep_freed_memory_in_pool();  // the workspace freed below stays in the pool for the next call
   // One allocation: the kept part (unless the forward left it in `saved`), then the backward's own.
   const size_t kept = saved ? 0 : layout(pl, p, Part::Kept, nullptr, nullptr);
   char* base = alloc_async(kept + layout(pl, p, Part::BackwardOnly, nullptr, nullptr), s);
@@ -279,10 +260,10 @@ void backward(const Problem& p, const Inputs& in, const void* do_, const float* 
 void decode_step(float* state, const Inputs& in, void* o, int64_t S, int64_t H, int64_t K, int64_t V, GateParams gate,
                  float scale, GateDType gate_dtype, void* stream) {
   check_inputs(in);
-  if (!state || !o) fail("state and o are required");
-  if (K < 8 || K > 128 || K % 8 || V < 8 || V % 8) fail("decode: K must be a multiple of 8 in [8, 128], V of 8");
+  if (!state || !o) check.fail("state and o are required");
+  if (K < 8 || K > 128 || K % 8 || V < 8 || V % 8) check.fail("decode: K must be a multiple of 8 in [8, 128], V of 8");
   if (S < 1 || H < 1) return;
-  if (gate.form == GateForm::LowerBound && !(gate.lower_bound < 0)) fail("lower_bound must be < 0");
+  if (gate.form == GateForm::LowerBound && !(gate.lower_bound < 0)) check.fail("lower_bound must be < 0");
   OpParams op{};
   op.q = static_cast<const detail::bf16*>(in.q);
   op.k = static_cast<const detail::bf16*>(in.k);
@@ -376,14 +357,7 @@ void release_bench_workspace() {
   g_bench = {};
 }
 
-int device_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky "no device" error
-    return 0;
-  }
-  return n;
-}
+int device_count() { return cu::device_count(); }
 void* device_alloc(size_t bytes) {
   void* p = nullptr;
   check(cudaMalloc(&p, std::max<size_t>(bytes, 1)), "cudaMalloc");

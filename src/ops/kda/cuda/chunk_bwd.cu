@@ -12,6 +12,7 @@
 //   both sides use the same bf16-rounded factors and the two cancel in dg's cumulative sum as they do
 //   exactly; the exact path does the diagonal tiles pair by pair in fp32.
 //   Then dG's reverse cumulative sum, the gate, the L2 norms and the β sigmoid.
+#include "core/cuda/reduce.cuh"
 #include "ops/kda/cuda/launch.hpp"
 
 namespace lm::kda::cuda::detail {
@@ -604,8 +605,7 @@ __global__ void __launch_bounds__(NWB * 32, 1) chunk_bwd_kernel(const OpParams p
     }
     __syncthreads();  // every thread has read its cumsum offset from sTot (= sTot2)
     sTot2[part * KP + dch] = ddt;
-#pragma unroll
-    for (int o = 16; o; o >>= 1) dAl += __shfl_xor_sync(0xffffffffu, dAl, o);
+    dAl = warp_sum(dAl);
     if (lane == 0) sRed[warp] = dAl;
   }
   // L2-norm backward: dx = (dy - y (y·dy)) / |x|
@@ -620,11 +620,8 @@ __global__ void __launch_bounds__(NWB * 32, 1) chunk_bwd_kernel(const OpParams p
       dotq += x.x * rq * gq.x + x.y * rq * gq.y;
       dotk += y.x * rk * gk.x + y.y * rk * gk.y;
     }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      dotq += __shfl_xor_sync(0xffffffffu, dotq, o);
-      dotk += __shfl_xor_sync(0xffffffffu, dotk, o);
-    }
+    const float2 dots = warp_sum(make_float2(dotq, dotk));
+    dotq = dots.x, dotk = dots.y;
     if (i < len) {
 #pragma unroll
       for (int d0 = lane * 2; d0 < KP; d0 += 64) {

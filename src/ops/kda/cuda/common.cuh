@@ -1,6 +1,7 @@
 #pragma once
-// Device helpers shared by the KDA kernels: warp MMAs (mma.sync bf16 m16n8k16, tf32 m16n8k8), ldmatrix,
-// cp.async tile loads, the gate, and the parameter blocks the host fills.
+// Device helpers shared by the KDA kernels: conversions, cp.async tile loads, the gate, the row norms on tensor
+// cores, and the parameter blocks the host fills; the warp MMAs (mma.sync bf16 / fp16 m16n8k16, tf32 m16n8k8),
+// ldmatrix and cp.async themselves are core/cuda/mma.cuh's.
 //
 // Legend: B batch, T tokens, H heads, K key dim, V value dim, C chunk 64, KP = K and V padded to 64|128,
 //         NC chunks over all sequences. Fragment names follow the PTX ISA: g = lane / 4, t = lane % 4.
@@ -11,8 +12,11 @@
 
 #include <cstdint>
 
+#include "core/cuda/mma.cuh"
+
 namespace lm::kda::cuda::detail {
 
+using namespace lm::cu;  // core/cuda/mma.cuh: packing, ldmatrix, mma.sync, cp.async
 using bf16 = __nv_bfloat16;
 constexpr int kC = 64;
 
@@ -31,33 +35,11 @@ __device__ __forceinline__ float from_f<float>(float x) { return x; }
 template <>
 __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16_rn(x); }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low half
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-__device__ __forceinline__ float2 unpack_bf16(uint32_t u) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
-}
 __device__ __forceinline__ float2 ld_bf16x2(const bf16* p) {
   return unpack_bf16(*reinterpret_cast<const uint32_t*>(p));
 }
 __device__ __forceinline__ void st_bf16x2(bf16* p, float a, float b) {
   *reinterpret_cast<uint32_t*>(p) = pack_bf16(a, b);
-}
-// fp16 carries 3 more mantissa bits than bf16: used in the forward for values of bounded range (A_qk, U,
-// E, Kd); every gradient stays bf16 (fp16 would underflow small gradients).
-__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-__device__ __forceinline__ float2 unpack_f16(uint32_t u) { return __half22float2(*reinterpret_cast<const __half2*>(&u)); }
-template <bool F16>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  return F16 ? pack_f16(lo, hi) : pack_bf16(lo, hi);
-}
-template <bool F16>
-__device__ __forceinline__ float2 unpack2(uint32_t u) {
-  return F16 ? unpack_f16(u) : unpack_bf16(u);
 }
 template <bool F16>
 __device__ __forceinline__ uint16_t bits16(float x) {
@@ -70,81 +52,7 @@ __device__ __forceinline__ void split_bf16(float x, float y, uint32_t& hi, uint3
   const float2 h = unpack_bf16(hi);
   lo = pack_bf16(x - h.x, y - h.y);
 }
-__device__ __forceinline__ uint32_t tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
-}
 
-// ---- shared memory, ldmatrix, mma ------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// x4 non-transposed: A fragment of a row-major [m][k] tile (lane address: row lane & 15, col (lane >> 4) * 8),
-// or two n8 B fragments of an [n][k] tile (row (lane & 7) + (lane >> 4) * 8, col ((lane >> 3) & 1) * 8).
-__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
-}
-// x4 transposed: A fragment of a [k][m] tile (row (lane & 7) + (lane >> 4) * 8, col ((lane >> 3) & 1) * 8),
-// or two n8 B fragments of a [k][n] tile (row (lane & 7) + ((lane >> 3) & 1) * 8, col (lane >> 4) * 8).
-__device__ __forceinline__ void ldsm4t(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p)));
-}
-// Lane offsets (in elements, for a row stride ld) of the four addressing patterns above.
-__device__ __forceinline__ int a_off(int lane, int ld) { return (lane & 15) * ld + (lane >> 4) * 8; }
-__device__ __forceinline__ int bn_off(int lane, int ld) { return ((lane & 7) + (lane >> 4) * 8) * ld + ((lane >> 3) & 1) * 8; }
-__device__ __forceinline__ int at_off(int lane, int ld) { return ((lane & 7) + (lane >> 4) * 8) * ld + ((lane >> 3) & 1) * 8; }
-__device__ __forceinline__ int bt_off(int lane, int ld) { return ((lane & 7) + ((lane >> 3) & 1) * 8) * ld + (lane >> 4) * 8; }
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <bool F16>
-__device__ __forceinline__ void mma16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if (F16) mma_f16(c, a, b0, b1);
-  else mma_bf16(c, a, b0, b1);
-}
-// Two adjacent n8 accumulator tiles (16 x 16) as the A fragment (bf16 or fp16) of the next product.
-template <bool F16 = false>
-__device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4], float s = 1.f) {
-  a[0] = pack2<F16>(s * c0[0], s * c0[1]);
-  a[1] = pack2<F16>(s * c0[2], s * c0[3]);
-  a[2] = pack2<F16>(s * c1[0], s * c1[1]);
-  a[3] = pack2<F16>(s * c1[2], s * c1[3]);
-}
-
-// ---- cp.async --------------------------------------------------------------------------------
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
-               "r"(pred ? 16 : 0));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 // R x COLS bf16 tile (row stride gstride elements) into shared memory (row stride LD), zero-filling rows
 // >= nr and columns >= nc (nc a multiple of 8).
 template <int R, int COLS, int LD, int NT>

@@ -12,66 +12,20 @@
 // r at chunk c ^ (r % 8)), written by cp.async and handed to the async proxy by a proxy fence.
 #include <cstdlib>
 
+#include "core/cuda/wgmma.cuh"
+#include "core/env.hpp"
 #include "ops/kda/cuda/launch.hpp"
 #include "ops/kda/cuda/recur_common.cuh"
-#include "ops/moe/cuda/hopper.cuh"
 
 namespace lm::kda::cuda::detail {
 namespace {
 
-namespace hp = lm::ops::cuda::detail;
-
-// D[64 x 64] (+)= A[64 x 16] (registers, bf16) · B[64 x 16]ᵀ (K-major in shared memory).
-__device__ __forceinline__ void wg_m64n64k16_rs_bf16(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db,
-                                                     int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-}
-// The same with fp16 operands.
-__device__ __forceinline__ void wg_m64n64k16_rs_f16(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db,
-                                                    int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-}
-// D[64 x 128] (+)= A[64 x 16] (registers, fp16) · B[16 x 128] (N-major in shared memory).
-__device__ __forceinline__ void wg_m64n128k16_rs_tb_f16(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db,
-                                                        int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-}
-
-// D[64 x 64] (+)= A[64 x 16] (registers, bf16) · B[16 x 64] (N-major in shared memory).
-__device__ __forceinline__ void wg_m64n64k16_rs_tb_bf16(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db,
-                                                        int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
-}
-// D[64 x 128] += A (registers) · B (N-major): fp16 (the forward's E · Kd) or bf16 (hopper.cuh's, shared with the
-// attention kernels; the accumulator tiles are the same 64 floats).
+// D[64 x 128] += A (registers) · B (N-major): fp16 (the forward's E · Kd) or bf16 (the flat-accumulator form the
+// attention kernels use; the accumulator tiles are the same 64 floats).
 template <bool F16>
 __device__ __forceinline__ void wg_n128_tb(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db) {
   if constexpr (F16) wg_m64n128k16_rs_tb_f16(d, a, db, 1);
-  else hp::wgmma_m64n128k16_rs_tb(reinterpret_cast<float(&)[64]>(d), a, db);
-}
-
-template <int N>
-__device__ __forceinline__ void fence_acc(float (&d)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int x = 0; x < 4; ++x) asm volatile("" : "+f"(d[i][x])::"memory");
+  else wgmma_m64n128k16_rs_tb(reinterpret_cast<float(&)[64]>(d), a, db);
 }
 
 template <int NW, int MODE>
@@ -137,7 +91,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
     if (c + 1 < ce) issue(c + 1, s ^ 1);
     cp_commit();
     cp_wait<1>();
-    hp::fence_proxy_async();  // cp.async data -> wgmma's async proxy
+    fence_proxy_async();  // cp.async data -> wgmma's async proxy
     __syncthreads();
     const unsigned char* b = smem + s * SM::stage;
     const bf16* sU = reinterpret_cast<const bf16*>(b + 3 * TILE + ATILE);
@@ -156,15 +110,15 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int x = 0; x < 4; ++x) ae[nt][x] = ao[nt][x] = 0.f;
-    hp::wg_fence();
+    wg_fence();
 #pragma unroll
     for (int kk = 0; kk < KP / 16; ++kk) {
       const size_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
-      wg_m64n64k16_rs_bf16(ae, sa[kk], hp::wg_desc(b + off), 1);
-      if (OUT) wg_m64n64k16_rs_bf16(ao, sa[kk], hp::wg_desc(b + TILE + off), 1);
+      wg_m64n64k16_rs_bf16(ae, sa[kk], wg_desc(b + off), 1);
+      if (OUT) wg_m64n64k16_rs_bf16(ao, sa[kk], wg_desc(b + TILE + off), 1);
     }
-    hp::wg_commit();
-    hp::wg_wait<0>();
+    wg_commit();
+    wg_wait<0>();
     fence_acc(ae);
     fence_acc(ao);
     uint32_t ea[4][4];  // Eᵀ = Uᵀ - Sᵀ Wᵀ as A fragments over the chunk rows
@@ -172,14 +126,14 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
     if (KEEP) store_tile_t<64, LDS>(p.ws.E + ch * 64 * KP + ew, KP, stg, ae, lane);
     if (OUT) {
       // Oᵀ += Eᵀ A_qkᵀ (A_qk K-major, fp16 in mode 0)
-      hp::wg_fence();
+      wg_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        if constexpr (F16) wg_m64n64k16_rs_f16(ao, ea[kk], hp::wg_desc(b + 3 * TILE + kk * 32), 1);
-        else wg_m64n64k16_rs_bf16(ao, ea[kk], hp::wg_desc(b + 3 * TILE + kk * 32), 1);
+        if constexpr (F16) wg_m64n64k16_rs_f16(ao, ea[kk], wg_desc(b + 3 * TILE + kk * 32), 1);
+        else wg_m64n64k16_rs_bf16(ao, ea[kk], wg_desc(b + 3 * TILE + kk * 32), 1);
       }
-      hp::wg_commit();
-      hp::wg_wait<0>();
+      wg_commit();
+      wg_wait<0>();
       fence_acc(ao);
     }
     // Sᵀ <- Sᵀ Diag(Γ_last) + Eᵀ Kd (Kd N-major), running while O goes out
@@ -188,11 +142,11 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
       const float2 gl = *reinterpret_cast<const float2*>(sGl + 8 * nt + 2 * t);
       st[nt][0] *= gl.x, st[nt][1] *= gl.y, st[nt][2] *= gl.x, st[nt][3] *= gl.y;
     }
-    hp::wg_fence();
+    wg_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      wg_n128_tb<F16>(st, ea[kk], hp::wg_desc_mn(b + 2 * TILE + kk * 16 * 128, 8192));
-    hp::wg_commit();
+      wg_n128_tb<F16>(st, ea[kk], wg_desc_mn(b + 2 * TILE + kk * 16 * 128, 8192));
+    wg_commit();
     if (OUT) {
       stage_t<8, LDS>(stg, ao, lane);
       __syncwarp();
@@ -206,7 +160,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_fwd_wgmma_kernel(const OpPar
       }
       __syncwarp();
     }
-    hp::wg_wait<0>();
+    wg_wait<0>();
     fence_acc(st);
     __syncthreads();  // stage s is free for chunk c + 2
   }
@@ -272,7 +226,7 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_bwd_wgmma_kernel(const OpPar
     if (c - 1 >= cs) issue(c - 1, s ^ 1);
     cp_commit();
     cp_wait<1>();
-    hp::fence_proxy_async();
+    fence_proxy_async();
     __syncthreads();
     const unsigned char* b = smem + s * SM::stage;
     const bf16* sO = reinterpret_cast<const bf16*>(b + 3 * TILE + ATILE);
@@ -287,15 +241,15 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_bwd_wgmma_kernel(const OpPar
     float acc[8][4];
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    hp::wg_fence();
+    wg_fence();
 #pragma unroll
     for (int kk = 0; kk < KP / 16; ++kk)  // dSᵀ Kdᵀ
-      wg_m64n64k16_rs_bf16(acc, sa[kk], hp::wg_desc(b + 2 * TILE + (kk >> 2) * 8192 + (kk & 3) * 32), 1);
+      wg_m64n64k16_rs_bf16(acc, sa[kk], wg_desc(b + 2 * TILE + (kk >> 2) * 8192 + (kk & 3) * 32), 1);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)  // + dOᵀ A_qk
-      wg_m64n64k16_rs_tb_bf16(acc, oa[kk], hp::wg_desc_mn(b + 3 * TILE + kk * 16 * 128, 8192), 1);
-    hp::wg_commit();
-    hp::wg_wait<0>();
+      wg_m64n64k16_rs_tb_bf16(acc, oa[kk], wg_desc_mn(b + 3 * TILE + kk * 16 * 128, 8192), 1);
+    wg_commit();
+    wg_wait<0>();
     fence_acc(acc);
     uint32_t na[4][4];  // -dEᵀ
 #pragma unroll
@@ -305,15 +259,15 @@ __global__ void __launch_bounds__(NW * 32, 1) recur_bwd_wgmma_kernel(const OpPar
       const float2 gl = *reinterpret_cast<const float2*>(sGl + 8 * nt + 2 * t);
       st[nt][0] *= gl.x, st[nt][1] *= gl.y, st[nt][2] *= gl.x, st[nt][3] *= gl.y;
     }
-    hp::wg_fence();
+    wg_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-      wg_n128_tb<false>(st, oa[kk], hp::wg_desc_mn(b + TILE + kk * 16 * 128, 8192));
-      wg_n128_tb<false>(st, na[kk], hp::wg_desc_mn(b + kk * 16 * 128, 8192));
+      wg_n128_tb<false>(st, oa[kk], wg_desc_mn(b + TILE + kk * 16 * 128, 8192));
+      wg_n128_tb<false>(st, na[kk], wg_desc_mn(b + kk * 16 * 128, 8192));
     }
-    hp::wg_commit();
+    wg_commit();
     store_tile_t<64, LDS>(p.ws.dE + ch * 64 * KP + ew, KP, stg, acc, lane);  // dE goes out while the state update runs
-    hp::wg_wait<0>();
+    wg_wait<0>();
     fence_acc(st);
     __syncthreads();  // stage s is free for chunk c - 2
   }
@@ -338,10 +292,7 @@ bool use_wgmma(const OpParams& p, int NW) {
 }  // namespace
 
 bool wgmma_recurrences(int K, int V) {
-  static const bool off = [] {
-    const char* e = std::getenv("LONGMOE_KDA_RECUR_MMA");  // 1: keep the mma.sync recurrences (comparisons)
-    return e && e[0] == '1';
-  }();
+  static const bool off = env::kda_recur_mma();  // keep the mma.sync recurrences (comparisons)
   return !off && K == 128 && V == 128;
 }
 

@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <string>
 
-#include "ops/kda/cuda/cuda_error.hpp"
+#include "core/cuda/check.hpp"
 #include "ops/kda/cuda/short_conv_cuda.hpp"
 
 namespace lm::kda::cuda {
@@ -30,10 +30,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-[[noreturn]] void fail(const std::string& m) { throw Error("short conv cuda: " + m); }
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
-}
+constexpr cu::Checker check{"short conv cuda"};
 
 constexpr int kTT = 32;     // tokens per thread
 constexpr int kBX = 32;     // threads along channels
@@ -286,18 +283,18 @@ __global__ void dw_reduce_kernel(const float* partial, float* dw, int P, int64_t
 
 int64_t check_shape(const ConvShape& s, const char* who) {
   const std::string w(who);
-  if (s.W < 1 || s.W > kMaxW) fail(w + ": W must be in [1, 8], got " + std::to_string(s.W));
-  if (s.B < 1 || s.T < 0 || s.C < 1) fail(w + ": need B >= 1, T >= 0, C >= 1");
-  if (s.C > (int64_t(1) << 30)) fail(w + ": C too large");
-  if (s.ldx != 0 && s.ldx < s.C) fail(w + ": ldx must be 0 or >= C");
+  if (s.W < 1 || s.W > kMaxW) check.fail(w + ": W must be in [1, 8], got " + std::to_string(s.W));
+  if (s.B < 1 || s.T < 0 || s.C < 1) check.fail(w + ": need B >= 1, T >= 0, C >= 1");
+  if (s.C > (int64_t(1) << 30)) check.fail(w + ": C too large");
+  if (s.ldx != 0 && s.ldx < s.C) check.fail(w + ": ldx must be 0 or >= C");
   if (s.cu_seqlens) {
     const int64_t* cu = s.cu_seqlens;
-    if (s.B != 1) fail(w + ": varlen (cu_seqlens) needs B == 1");
-    if (s.N < 1 || s.N > (int64_t(1) << 30)) fail(w + ": varlen needs N >= 1 sequences");
-    if (cu[0] != 0) fail(w + ": cu_seqlens must start at 0");
+    if (s.B != 1) check.fail(w + ": varlen (cu_seqlens) needs B == 1");
+    if (s.N < 1 || s.N > (int64_t(1) << 30)) check.fail(w + ": varlen needs N >= 1 sequences");
+    if (cu[0] != 0) check.fail(w + ": cu_seqlens must start at 0");
     for (int64_t n = 0; n < s.N; ++n)
-      if (cu[n + 1] < cu[n]) fail(w + ": cu_seqlens must be non-decreasing");
-    if (cu[s.N] != s.T) fail(w + ": cu_seqlens must end at T");
+      if (cu[n + 1] < cu[n]) check.fail(w + ": cu_seqlens must be non-decreasing");
+    if (cu[s.N] != s.T) check.fail(w + ": cu_seqlens must end at T");
   }
   return s.B * s.T;
 }
@@ -356,7 +353,7 @@ void launch_bwd(const bf16* x, const float* w, const bf16* dy, bf16* dx, float* 
       case 6 * 16 + 4: FN<6, 4>(__VA_ARGS__); break;                 \
       case 7 * 16 + 4: FN<7, 4>(__VA_ARGS__); break;                 \
       case 8 * 16 + 4: FN<8, 4>(__VA_ARGS__); break;                 \
-      default: fail("unsupported W");                                \
+      default: check.fail("unsupported W");                                \
     }                                                                \
   } while (0)
 
@@ -365,8 +362,8 @@ void launch_bwd(const bf16* x, const float* w, const bf16* dy, bf16* dx, float* 
 void short_conv_forward(const void* x, const float* w, void* y, const ConvShape& s, bool silu, void* stream) {
   const int64_t rows = check_shape(s, "short_conv_forward");
   if (rows == 0) return;
-  if (!x || !w || !y) fail("short_conv_forward: null argument");
-  if (x == y) fail("short_conv_forward: y must not alias x");
+  if (!x || !w || !y) check.fail("short_conv_forward: null argument");
+  if (x == y) check.fail("short_conv_forward: y must not alias x");
   const auto st = static_cast<cudaStream_t>(stream);
   const int vec = (s.C % 4 == 0 && ldx_of(s) % 4 == 0 && aligned8(x) && aligned8(y)) ? 4 : 1;
   int64_t* cu = upload_cu(s, st);
@@ -380,8 +377,8 @@ void short_conv_backward(const void* x, const float* w, const void* dy, void* dx
                          bool silu, void* stream) {
   const int64_t rows = check_shape(s, "short_conv_backward");
   if (rows == 0) return;
-  if (!x || !w || !dy || !dx) fail("short_conv_backward: null argument");
-  if (dx == x) fail("short_conv_backward: dx must not alias x (it is re-read)");
+  if (!x || !w || !dy || !dx) check.fail("short_conv_backward: null argument");
+  if (dx == x) check.fail("short_conv_backward: dx must not alias x (it is re-read)");
   const auto st = static_cast<cudaStream_t>(stream);
   const int vec = (s.C % 4 == 0 && ldx_of(s) % 4 == 0 && aligned8(x) && aligned8(dy) && aligned8(dx)) ? 4 : 1;
   const dim3 grid = grid_of(rows, s.C, vec);

@@ -21,15 +21,19 @@
 #include <cstdlib>
 #include <string>
 
-#include "ops/kda/cuda/cuda_error.hpp"
-#include "ops/moe/cuda/hopper.cuh"
+#include "core/cuda/check.hpp"
+#include "core/cuda/device.hpp"
+#include "core/cuda/tensor_map.hpp"
+#include "core/cuda/wgmma.cuh"
+#include "core/env.hpp"
 #include "ops/moe/cuda/moe_cuda.hpp"
-#include "ops/moe/cuda/tensor_map.hpp"
 
 namespace lm::ops::cuda {
 
 namespace detail {
 namespace {
+
+using namespace lm::cu;  // core/cuda: mbarriers, TMA, wgmma, tensor maps, sm_count
 
 using bf16 = __nv_bfloat16;
 constexpr int kBm = 128, kBn = 256, kBk = 64, kStages = 4, kThreads = 384;
@@ -63,11 +67,6 @@ __device__ __forceinline__ float glu(float a, float b, const GemmParams& p) {
   return A * B;
 }
 
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // Tile -> (expert e, m tile inside the expert, n tile), from the m-tile prefix pre[0..E] (pre[e] = m tiles
 // before expert e). order 0: m tiles outer, n tiles inner (blocks running together share A rows); order 1:
 // per expert, n tiles outer and m tiles inner (blocks running together share weight tiles).
@@ -98,7 +97,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kBBytes = BN * kBk * 2, kStageBytes = kABytes + kBBytes;
   extern __shared__ unsigned char smem_raw[];
   // 1024-byte alignment for the swizzled tiles (the launch asks for 1 KB of slack).
-  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   unsigned char* staging = smem + kStages * kStageBytes;  // 8 consumer warps × 2 KB (epilogue)
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + kStagingBytes);
   uint64_t* empty = full + kStages;
@@ -183,9 +182,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (GLU) {
           const float a0 = acc[4 * j + 2 * hr], a1 = acc[4 * j + 2 * hr + 1];
           const float b0 = acc[4 * (j + 16) + 2 * hr], b1 = acc[4 * (j + 16) + 2 * hr + 1];
-          return pack2(glu(a0, b0, p), glu(a1, b1, p));
+          return pack_bf16(glu(a0, b0, p), glu(a1, b1, p));
         }
-        return pack2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
+        return pack_bf16(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
       };
       constexpr int NB8 = BNo / 8;  // output n8 blocks per tile
       if (p.epi == 1) {
@@ -216,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         };
         store_chunks(p.y, p.N, p.N, NB8 / 8, 0, value);
         if (GLU && p.ab) {  // pre-activations for the backward: a then b columns of the [M, 2I] rows
-          auto raw = [&](int hr, int j) { return pack2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]); };
+          auto raw = [&](int hr, int j) { return pack_bf16(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]); };
           store_chunks(p.ab, 2 * int64_t(p.N), p.N, 2, 0, raw);
           store_chunks(p.ab + p.N, 2 * int64_t(p.N), p.N, 2, 16, raw);
         }
@@ -242,8 +241,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int j = 0; j < 16; ++j) {
             const int col = nt * BNo + j * 8 + 2 * t;
             if (col >= p.N) continue;
-            *reinterpret_cast<uint32_t*>(abrow + col) = pack2(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
-            *reinterpret_cast<uint32_t*>(abrow + p.N + col) = pack2(acc[4 * (j + 16) + 2 * hr], acc[4 * (j + 16) + 2 * hr + 1]);
+            *reinterpret_cast<uint32_t*>(abrow + col) = pack_bf16(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
+            *reinterpret_cast<uint32_t*>(abrow + p.N + col) = pack_bf16(acc[4 * (j + 16) + 2 * hr], acc[4 * (j + 16) + 2 * hr + 1]);
           }
         }
       }
@@ -252,10 +251,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // ---- host: tensor maps and launch ------------------------------------------------------------------
-[[noreturn]] void fail(const std::string& m) { throw Error("moe cuda: " + m); }
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
-}
+constexpr cu::Checker check{"moe cuda"};
 
 template <bool GLU, int BN = kBn>
 void launch(const void* x, const void* w, const GemmParams& p, int64_t M, cudaStream_t s) {
@@ -267,11 +263,9 @@ void launch(const void* x, const void* w, const GemmParams& p, int64_t M, cudaSt
                                    cudaSuccess;
   }();
   (void)attr;
-  const char* env = std::getenv("LONGMOE_GG_ORDER");  // tile order override (benchmarks)
   GemmParams q = p;
-  q.order = env ? std::atoi(env) : kDefaultOrder;
-  const char* env2 = std::getenv("LONGMOE_GG_EPI");  // epilogue override (benchmarks, tests)
-  q.epi = env2 ? std::atoi(env2) : kDefaultEpi;
+  q.order = env::gg_order(kDefaultOrder);  // tile order override (benchmarks)
+  q.epi = env::gg_epi(kDefaultEpi);        // epilogue override (benchmarks, tests)
   const CUtensorMap ta = bf16_row_map(x, M, p.K, kBm);
   const CUtensorMap tb = bf16_row_map(w, int64_t(p.E) * p.Nw, p.K, GLU ? BN / 2 : BN);
   const int BNo = GLU ? BN / 2 : BN;
@@ -282,10 +276,10 @@ void launch(const void* x, const void* w, const GemmParams& p, int64_t M, cudaSt
 }
 
 void check_args(int64_t M, int64_t N, int64_t K, int64_t E) {
-  if (M < 0 || N < 8 || K < 8 || E < 1) fail("bad grouped gemm shape");
-  if (N % 8 || K % 8) fail("grouped gemm needs N and K multiples of 8");
-  if (E > kMaxE) fail("at most 4096 experts per launch");
-  if (M >= (int64_t(1) << 31) || int64_t(E) * N * 2 >= (int64_t(1) << 31)) fail("grouped gemm too large");
+  if (M < 0 || N < 8 || K < 8 || E < 1) check.fail("bad grouped gemm shape");
+  if (N % 8 || K % 8) check.fail("grouped gemm needs N and K multiples of 8");
+  if (E > kMaxE) check.fail("at most 4096 experts per launch");
+  if (M >= (int64_t(1) << 31) || int64_t(E) * N * 2 >= (int64_t(1) << 31)) check.fail("grouped gemm too large");
 }
 
 }  // namespace
@@ -299,9 +293,8 @@ void grouped_gemm(const void* x, const void* w, void* y, const int32_t* offsets,
   p.offsets = offsets, p.y = static_cast<detail::bf16*>(y), p.ab = nullptr;
   p.E = int(E), p.N = int(N), p.K = int(K), p.Nw = int(N);
   // 192-row weight tiles where they pad N less than 256-row ones (LONGMOE_GG_BN=256 keeps 256, benchmarks)
-  const char* env = std::getenv("LONGMOE_GG_BN");
   const int64_t pad256 = (N + 255) / 256 * 256, pad192 = (N + 191) / 192 * 192;
-  if (pad192 < pad256 && !(env && std::atoi(env) == 256))
+  if (pad192 < pad256 && !env::gg_bn256())
     detail::launch<false, 192>(x, w, p, M, static_cast<cudaStream_t>(stream));
   else
     detail::launch<false>(x, w, p, M, static_cast<cudaStream_t>(stream));

@@ -16,7 +16,7 @@
 #include <cub/device/device_radix_sort.cuh>
 #include <string>
 
-#include "ops/kda/cuda/cuda_error.hpp"
+#include "core/cuda/check.hpp"
 #include "ops/moe/cuda/moe_cuda.hpp"
 
 namespace lm::ops::cuda {
@@ -25,10 +25,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-[[noreturn]] void fail(const std::string& m) { throw Error("moe cuda: " + m); }
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
-}
+constexpr cu::Checker check{"moe cuda"};
 
 struct Best {
   float v, s;
@@ -150,8 +147,8 @@ int grid_for(int64_t work, int threads) { return int(std::max<int64_t>(1, std::m
 
 void router_forward(const float* logits, const float* bias, int64_t m, int64_t n, int64_t k, bool renormalize,
                     float scaling, const RouterOut& out, void* stream) {
-  if (n < 1 || n > 1024 || k < 1 || k > n || k >= 32 || m < 0) fail("router: need 1 <= k < 32, k <= n <= 1024");
-  if (!out.topk_idx || !out.topk_w) fail("router: topk_idx and topk_w are required");
+  if (n < 1 || n > 1024 || k < 1 || k > n || k >= 32 || m < 0) check.fail("router: need 1 <= k < 32, k <= n <= 1024");
+  if (!out.topk_idx || !out.topk_w) check.fail("router: topk_idx and topk_w are required");
   if (m == 0) return;
   auto s = static_cast<cudaStream_t>(stream);
   const int blocks = int((m + 7) / 8);
@@ -170,7 +167,7 @@ void router_forward(const float* logits, const float* bias, int64_t m, int64_t n
 void moe_permute(const int32_t* topk_idx, int64_t m, int64_t k, int64_t n, int32_t* offsets, int32_t* rows,
                  int32_t* pos, void* stream) {
   const int64_t M = m * k;
-  if (M >= (int64_t(1) << 31) || n < 1) fail("permute: bad sizes");
+  if (M >= (int64_t(1) << 31) || n < 1) check.fail("permute: bad sizes");
   auto s = static_cast<cudaStream_t>(stream);
   int end_bit = 1;
   while ((int64_t(1) << end_bit) <= n) ++end_bit;
@@ -195,9 +192,9 @@ void moe_permute(const int32_t* topk_idx, int64_t m, int64_t k, int64_t n, int32
 
 void moe_gather(const void* x, const int32_t* rows, void* xs, int64_t m, int64_t k, int64_t d, void* stream,
                 int64_t ldx) {
-  if (d % 8) fail("gather: d must be a multiple of 8");
+  if (d % 8) check.fail("gather: d must be a multiple of 8");
   if (!ldx) ldx = d;
-  if (ldx < d || ldx % 8) fail("gather: ldx must be a multiple of 8, at least d");
+  if (ldx < d || ldx % 8) check.fail("gather: ldx must be a multiple of 8, at least d");
   const int64_t M = m * k;
   if (M == 0) return;
   gather_kernel<<<grid_for(M * d / 8, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
@@ -207,7 +204,7 @@ void moe_gather(const void* x, const int32_t* rows, void* xs, int64_t m, int64_t
 
 void moe_combine(const void* eo, const float* topk_w, const int32_t* pos, void* y, int64_t m, int64_t k, int64_t d,
                  void* stream) {
-  if (d % 8) fail("combine: d must be a multiple of 8");
+  if (d % 8) check.fail("combine: d must be a multiple of 8");
   if (m == 0) return;
   combine_kernel<<<grid_for(m * d / 8, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const bf16*>(eo), topk_w, pos, static_cast<bf16*>(y), m, int(k), int(d));

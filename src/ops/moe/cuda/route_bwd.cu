@@ -15,19 +15,18 @@
 #include <cstdint>
 #include <string>
 
-#include "ops/kda/cuda/cuda_error.hpp"
+#include "core/cuda/check.hpp"
+#include "core/cuda/reduce.cuh"
 #include "ops/moe/cuda/moe_cuda.hpp"
 
 namespace lm::ops::cuda {
 
 namespace {
 
+using cu::warp_sum;  // core/cuda/reduce.cuh
 using bf16 = __nv_bfloat16;
 
-[[noreturn]] void fail(const std::string& m) { throw Error("moe cuda: " + m); }
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
-}
+constexpr cu::Checker check{"moe cuda"};
 
 __device__ __forceinline__ void load8(const bf16* p, float* f) {
   const uint4 u = *reinterpret_cast<const uint4*>(p);
@@ -55,12 +54,6 @@ __device__ __forceinline__ void store8(float* p, const float* f) {
 }
 __device__ __forceinline__ void store1(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store1(bf16* p, float v) { *p = __float2bfloat16_rn(v); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
 
 constexpr int kThreads = 256;
 
@@ -154,11 +147,11 @@ int grid_for(int64_t work, int threads) {
 
 void moe_combine_backward(const void* eo, const float* topk_w, const int32_t* pos, const void* dy, bool dy_bf16,
                           void* d_eo, float* d_topk_w, int64_t m, int64_t k, int64_t d, void* stream) {
-  if (m < 0 || k < 1 || d < 0) fail("combine backward: bad sizes");
-  if (d % 8) fail("combine backward: d must be a multiple of 8");
+  if (m < 0 || k < 1 || d < 0) check.fail("combine backward: bad sizes");
+  if (d % 8) check.fail("combine backward: d must be a multiple of 8");
   if (m == 0) return;
-  if (!eo || !topk_w || !pos || !dy || !d_eo) fail("combine backward: null argument");
-  if (m * k >= (int64_t(1) << 31)) fail("combine backward: m·k must fit int32");
+  if (!eo || !topk_w || !pos || !dy || !d_eo) check.fail("combine backward: null argument");
+  if (m * k >= (int64_t(1) << 31)) check.fail("combine backward: m·k must fit int32");
   const int64_t M = m * k;
   const auto s = static_cast<cudaStream_t>(stream);
   const int blocks = grid_for(M * 32, kThreads);
@@ -175,13 +168,13 @@ void moe_combine_backward(const void* eo, const float* topk_w, const int32_t* po
 
 void moe_gather_backward(const void* dxs, const int32_t* pos, void* dx, bool dx_bf16, int64_t m, int64_t k, int64_t d,
                          bool accumulate, void* stream, int64_t lddx) {
-  if (m < 0 || k < 1 || d < 0) fail("gather backward: bad sizes");
+  if (m < 0 || k < 1 || d < 0) check.fail("gather backward: bad sizes");
   if (!lddx) lddx = d;
-  if (lddx < d || lddx % 8) fail("gather backward: lddx must be a multiple of 8, at least d");
-  if (d % 8) fail("gather backward: d must be a multiple of 8");
-  if (accumulate && dx_bf16) fail("gather backward: accumulate needs an F32 dx");
+  if (lddx < d || lddx % 8) check.fail("gather backward: lddx must be a multiple of 8, at least d");
+  if (d % 8) check.fail("gather backward: d must be a multiple of 8");
+  if (accumulate && dx_bf16) check.fail("gather backward: accumulate needs an F32 dx");
   if (m == 0 || d == 0) return;
-  if (!dxs || !pos || !dx) fail("gather backward: null argument");
+  if (!dxs || !pos || !dx) check.fail("gather backward: null argument");
   const auto s = static_cast<cudaStream_t>(stream);
   const int blocks = grid_for(m * d / 8, kThreads);
   if (dx_bf16)
@@ -196,11 +189,11 @@ void moe_gather_backward(const void* dxs, const int32_t* pos, void* dx, bool dx_
 void router_backward(const float* logits, const int32_t* topk_idx, const float* d_topk_w, void* d_logits,
                      bool out_bf16, int64_t m, int64_t n, int64_t k, bool renormalize, float scaling, void* stream,
                      int64_t ld) {
-  if (m < 0 || n < 1 || n >= (int64_t(1) << 31) || k < 1 || k > n) fail("router backward: need 1 <= k <= n");
+  if (m < 0 || n < 1 || n >= (int64_t(1) << 31) || k < 1 || k > n) check.fail("router backward: need 1 <= k <= n");
   if (!ld) ld = n;
-  if (ld < n) fail("router backward: ld must be at least n");
+  if (ld < n) check.fail("router backward: ld must be at least n");
   if (m == 0) return;
-  if (!logits || !topk_idx || !d_topk_w || !d_logits) fail("router backward: null argument");
+  if (!logits || !topk_idx || !d_topk_w || !d_logits) check.fail("router backward: null argument");
   const auto s = static_cast<cudaStream_t>(stream);
   const int blocks = grid_for(m * 32, kThreads);
   if (out_bf16)

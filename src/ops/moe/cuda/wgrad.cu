@@ -20,15 +20,18 @@
 #include <algorithm>
 #include <string>
 
-#include "ops/kda/cuda/cuda_error.hpp"
-#include "ops/moe/cuda/hopper.cuh"
+#include "core/cuda/check.hpp"
+#include "core/cuda/device.hpp"
+#include "core/cuda/tensor_map.hpp"
+#include "core/cuda/wgmma.cuh"
 #include "ops/moe/cuda/moe_cuda.hpp"
-#include "ops/moe/cuda/tensor_map.hpp"
 
 namespace lm::ops::cuda {
 
 namespace detail {
 namespace {
+
+using namespace lm::cu;  // core/cuda: mbarriers, TMA, wgmma, tensor maps, sm_count
 
 constexpr int kBm = 128, kBk = 64, kThreads = 384, kAtom = 64 * 128;  // bytes of a [64][64] atom
 constexpr int kMaxSortE = 256;  // more experts: tiles in expert order
@@ -61,7 +64,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                          const WgradParams p) {
   using L = WgSmem<BN>;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   constexpr int kStages = L::S;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::oBar);
   uint64_t* empty = full + kStages;
@@ -163,7 +166,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncwarp();
     const int row = n0 + 64 * c + 16 * warp + lane;
     if (lane < 16 && row < p.N) {
-      const uint32_t src = smem_addr(stg + lane * L::LDS), bytes = uint32_t(min(BN, p.K - k0)) * 4;
+      const uint32_t src = smem_u32(stg + lane * L::LDS), bytes = uint32_t(min(BN, p.K - k0)) * 4;
       float* dst = p.dw + (int64_t(e) * p.N + row) * p.K + k0;
       if (p.accumulate) bulk_reduce_add_f32(dst, src, bytes);
       else bulk_store(dst, src, bytes);
@@ -173,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (lane < 16) bulk_wait();  // every dw row written
 }
 
-[[noreturn]] void fail(const std::string& m) { throw Error("moe cuda: " + m); }
+constexpr cu::Checker check{"moe cuda"};
 
 template <int BN>
 void launch(const void* dy, const void* x, const WgradParams& p, int64_t M, cudaStream_t s) {
@@ -187,8 +190,7 @@ void launch(const void* dy, const void* x, const WgradParams& p, int64_t M, cuda
   const int64_t tiles = int64_t(p.E) * ((p.N + kBm - 1) / kBm) * ((p.K + BN - 1) / BN);
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>(sm_count(), tiles)));
   grouped_wgrad_kernel<BN><<<grid, kThreads, smem, s>>>(tdy, tx, p);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) fail(std::string("grouped wgrad launch: ") + cudaGetErrorString(err));
+  check(cudaGetLastError(), "grouped wgrad launch");
 }
 
 }  // namespace
@@ -196,13 +198,13 @@ void launch(const void* dy, const void* x, const WgradParams& p, int64_t M, cuda
 
 void grouped_gemm_wgrad(const void* dy, const void* x, float* dw, const int32_t* offsets, int64_t M, int64_t N,
                         int64_t K, int64_t E, bool accumulate, void* stream) {
-  if (M < 0 || N < 8 || K < 8 || E < 1 || N % 8 || K % 8) detail::fail("bad grouped wgrad shape");
+  if (M < 0 || N < 8 || K < 8 || E < 1 || N % 8 || K % 8) detail::check.fail("bad grouped wgrad shape");
   if (M >= (int64_t(1) << 31) || E * N * K >= (int64_t(1) << 40) || E * ((N + 127) / 128) * ((K + 127) / 128) >= (1 << 30))
-    detail::fail("grouped wgrad too large");
+    detail::check.fail("grouped wgrad too large");
   auto s = static_cast<cudaStream_t>(stream);
   if (M == 0) {  // no rows at all: dw stays, or becomes zeros
     if (!accumulate && cudaMemsetAsync(dw, 0, size_t(E * N * K) * 4, s) != cudaSuccess)
-      detail::fail("grouped wgrad memset");
+      detail::check.fail("grouped wgrad memset");
     return;
   }
   detail::WgradParams p{offsets, dw, int(E), int(N), int(K), accumulate ? 1 : 0};

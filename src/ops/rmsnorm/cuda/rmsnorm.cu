@@ -26,13 +26,16 @@
 #include <string>
 #include <type_traits>
 
-#include "ops/kda/cuda/cuda_error.hpp"
+#include "core/cuda/check.hpp"
+#include "core/cuda/reduce.cuh"
 #include "ops/rmsnorm/cuda/rmsnorm_cuda.hpp"
 
 namespace lm::ops::cuda {
 
 namespace {
 
+using cu::column_sum;  // core/cuda/reduce.cuh: deterministic warp and column reductions
+using cu::warp_sum;
 using bf16 = __nv_bfloat16;
 
 constexpr int kThreads = 256;
@@ -41,10 +44,7 @@ constexpr size_t kDefaultSmem = 48 * 1024;
 constexpr int kRegMaxThreads = 512;  // register path: TPR <= 512, so ptxas may use up to 128 registers
 constexpr int kRedCols = 8, kRedSlices = 64;  // dw reduction block: 8 columns (one 32-byte sector) x 64 slices
 
-[[noreturn]] void fail(const std::string& m) { throw Error("rmsnorm cuda: " + m); }
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
-}
+constexpr cu::Checker check{"rmsnorm cuda"};
 
 // ---- device helpers ---------------------------------------------------------------------------------
 
@@ -93,11 +93,7 @@ __device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + expf(-z)
 // call it (it may synchronise the block). Fixed butterfly and warp order: deterministic.
 template <int TPR>
 __device__ __forceinline__ float2 group_sum(float2 v, float2* red) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    v.x += __shfl_xor_sync(0xffffffffu, v.x, o);
-    v.y += __shfl_xor_sync(0xffffffffu, v.y, o);
-  }
+  v = warp_sum(v);
   if constexpr (TPR > 32) {
     constexpr int W = TPR / 32;
     const int warp = threadIdx.x >> 5, first = warp / W * W;
@@ -310,11 +306,8 @@ __global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(BwdArgs a, int 
         ss += xv[k][e] * xv[k][e], gx += wv[e] * dye * xv[k][e];
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      gx += __shfl_xor_sync(0xffffffffu, gx, o);
-    }
+    const float2 t = warp_sum(make_float2(ss, gx));
+    ss = t.x, gx = t.y;
     if (W > 1) {  // block-uniform
       if ((tid & 31) == 0) red[par][warp] = make_float2(ss, gx);
       __syncthreads();
@@ -366,25 +359,13 @@ __global__ void __launch_bounds__(kRegMaxThreads) bwd_reg_kernel(BwdArgs a, int 
   }
 }
 
-// dw[j] += Σ_b part[b, j]. Slice s sums b = s, s + 64, ... in order (double), then the 64 slices meet in a
-// fixed tree: a fixed order, with 64x the parallelism of one thread per column (a serial 1024-long chain per
-// column was latency-bound: tens of µs).
+// dw[j] += Σ_b part[b, j] (core/cuda/reduce.cuh's column_sum, in a fixed order).
 __global__ void __launch_bounds__(kRedCols* kRedSlices) dw_reduce_kernel(const float* part, int64_t nb, int D,
                                                                          float* dw) {
   __shared__ double acc[kRedSlices][kRedCols];
   const int cx = threadIdx.x % kRedCols, s = threadIdx.x / kRedCols;
   const int j = blockIdx.x * kRedCols + cx;
-  double sum = 0;
-  if (j < D) {
-#pragma unroll 8
-    for (int64_t b = s; b < nb; b += kRedSlices) sum += part[b * D + j];
-  }
-  acc[s][cx] = sum;
-#pragma unroll
-  for (int half = kRedSlices / 2; half > 0; half >>= 1) {
-    __syncthreads();
-    if (s < half) acc[s][cx] += acc[s + half][cx];
-  }
+  column_sum(acc, part, nb, D, j, j < D, s, cx);
   if (s == 0 && j < D) dw[j] += float(acc[0][cx]);
 }
 
@@ -414,7 +395,7 @@ void with_vec(bool vec, Fn&& fn) {
 }
 
 bool is_bf16(DType t, const char* what) {
-  if (t != DType::F32 && t != DType::BF16) fail(std::string(what) + " must be F32 or BF16");
+  if (t != DType::F32 && t != DType::BF16) check.fail(std::string(what) + " must be F32 or BF16");
   return t == DType::BF16;
 }
 bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -423,12 +404,12 @@ bool vec_ok(const void* p, bool bf, int64_t ld) { return !p || (aligned(p, bf ? 
 
 void check_args(const char* who, int64_t rows, int64_t D, int64_t ldx, int64_t ldy, float eps) {
   if (rows < 0 || D <= 0 || D > (int64_t(1) << 30))
-    fail(std::string(who) + ": need rows >= 0 and 0 < D < 2^30, got rows=" + std::to_string(rows) +
+    check.fail(std::string(who) + ": need rows >= 0 and 0 < D < 2^30, got rows=" + std::to_string(rows) +
          " D=" + std::to_string(D));
   if (ldx < D || ldy < D)
-    fail(std::string(who) + ": row strides ldx=" + std::to_string(ldx) + " ldy=" + std::to_string(ldy) +
+    check.fail(std::string(who) + ": row strides ldx=" + std::to_string(ldx) + " ldy=" + std::to_string(ldy) +
          " must be >= D=" + std::to_string(D));
-  if (!(eps >= 0.f) || !std::isfinite(eps)) fail(std::string(who) + ": eps must be finite and >= 0");
+  if (!(eps >= 0.f) || !std::isfinite(eps)) check.fail(std::string(who) + ": eps must be finite and >= 0");
 }
 
 template <bool GATED>
@@ -436,7 +417,7 @@ void launch_forward(const void* x, bool xbf, const bf16* gate, const float* w, b
                     int64_t D, int64_t ldx, int64_t ldy, float eps, bool vec, cudaStream_t s) {
   const int tpr = pick_tpr(D);
   const int64_t blocks = (rows + kThreads / tpr - 1) / (kThreads / tpr);
-  if (blocks >= (int64_t(1) << 31)) fail("too many rows");
+  if (blocks >= (int64_t(1) << 31)) check.fail("too many rows");
   with_vec(vec, [&](auto v) {
     with_tpr(tpr, [&](auto t) {
       fwd_kernel<decltype(t)::value, decltype(v)::value, GATED>
@@ -539,7 +520,7 @@ void rmsnorm_forward(const void* x, DType x_type, const float* w, void* y, float
   check_args("rmsnorm_forward", rows, D, ldx, ldy, eps);
   const bool xbf = is_bf16(x_type, "rmsnorm_forward: x");
   if (rows == 0) return;
-  if (!x || !w || !y) fail("rmsnorm_forward: x, w and y are required");
+  if (!x || !w || !y) check.fail("rmsnorm_forward: x, w and y are required");
   const bool vec = D % 4 == 0 && vec_ok(x, xbf, ldx) && vec_ok(y, true, ldy) && aligned(w, 16);
   launch_forward<false>(x, xbf, nullptr, w, static_cast<bf16*>(y), rstd, rows, D, ldx, ldy, eps, vec,
                         static_cast<cudaStream_t>(stream));
@@ -552,12 +533,12 @@ void rmsnorm_backward(const void* x, DType x_type, const float* w, const float* 
   if (ldy == 0) ldy = D;
   if (lddx == 0) lddx = D;  // the header's convention (0: D), not ldx
   check_args("rmsnorm_backward", rows, D, ldx, ldy, eps);
-  if (lddx < D) fail("rmsnorm_backward: row stride lddx=" + std::to_string(lddx) + " must be >= D=" + std::to_string(D));
+  if (lddx < D) check.fail("rmsnorm_backward: row stride lddx=" + std::to_string(lddx) + " must be >= D=" + std::to_string(D));
   const bool xbf = is_bf16(x_type, "rmsnorm_backward: x"), dybf = is_bf16(dy_type, "rmsnorm_backward: dy"),
              dxbf = is_bf16(dx_type, "rmsnorm_backward: dx");
-  if (accumulate_dx && dxbf) fail("rmsnorm_backward: accumulate_dx needs an F32 dx");
+  if (accumulate_dx && dxbf) check.fail("rmsnorm_backward: accumulate_dx needs an F32 dx");
   if (rows == 0) return;
-  if (!x || !w || !dy || !dx) fail("rmsnorm_backward: x, w, dy and dx are required");
+  if (!x || !w || !dy || !dx) check.fail("rmsnorm_backward: x, w, dy and dx are required");
   const bool vec = D % 4 == 0 && vec_ok(x, xbf, ldx) && vec_ok(dy, dybf, ldy) && vec_ok(dx, dxbf, lddx) &&
                    aligned(w, 16);
   BwdArgs a{x, w, rstd, dy, nullptr, dx, nullptr, nullptr, rows, ldx, ldy, lddx, int(D), eps, xbf, dybf, dxbf,
@@ -569,7 +550,7 @@ void rmsnorm_gated_forward(const void* x, const void* gate, const float* w, void
                            int64_t D, float eps, void* stream) {
   check_args("rmsnorm_gated_forward", rows, D, D, D, eps);
   if (rows == 0) return;
-  if (!x || !gate || !w || !out) fail("rmsnorm_gated_forward: x, gate, w and out are required");
+  if (!x || !gate || !w || !out) check.fail("rmsnorm_gated_forward: x, gate, w and out are required");
   const bool vec = D % 4 == 0 && aligned(x, 8) && aligned(gate, 8) && aligned(out, 8) && aligned(w, 16);
   launch_forward<true>(x, true, static_cast<const bf16*>(gate), w, static_cast<bf16*>(out), rstd, rows, D, D, D, eps,
                        vec, static_cast<cudaStream_t>(stream));
@@ -580,7 +561,7 @@ void rmsnorm_gated_backward(const void* x, const void* gate, const float* w, con
   check_args("rmsnorm_gated_backward", rows, D, D, D, eps);
   if (rows == 0) return;
   if (!x || !gate || !w || !dout || !dx || !dgate)
-    fail("rmsnorm_gated_backward: x, gate, w, dout, dx and dgate are required");
+    check.fail("rmsnorm_gated_backward: x, gate, w, dout, dx and dgate are required");
   const bool vec = D % 4 == 0 && aligned(x, 8) && aligned(gate, 8) && aligned(dx, 8) && aligned(dgate, 8) &&
                    aligned(dout, 16) && aligned(w, 16);
   BwdArgs a{x, w, rstd, dout, static_cast<const bf16*>(gate), dx, static_cast<bf16*>(dgate), nullptr, rows, D, D, D,

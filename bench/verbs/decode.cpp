@@ -1,0 +1,123 @@
+// `longmoe bench decode --config F`: prefill tokens/s and decode tokens/s as the context grows (e.g. 1K ...
+// 128K) on one sequence, with the decode time per token split by layer kind: KDA layers stay flat (a
+// fixed-size state), MLA layers grow with the latent cache. Also the measured cache bytes against
+// model::decode_memory's prediction for fp32 values. Random weights (or --model DIR).
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+
+#include "bench/verbs/bench.hpp"
+#include "core/error.hpp"
+#include "core/parallel.hpp"
+#include "core/rng.hpp"
+#include "infer/generate.hpp"
+#include "model/accounting.hpp"
+
+namespace {
+
+using namespace lm;
+
+struct Args {
+  std::string config, model;
+  std::vector<int64_t> contexts = {1024, 4096, 16384, 65536, 131072};
+  int64_t decode_tokens = 16, batch = 1, prefill_chunk = 1024;
+};
+
+double rss_mib() {
+  std::ifstream f("/proc/self/status");
+  std::string k;
+  while (f >> k)
+    if (k == "VmRSS:") {
+      double kb;
+      f >> kb;
+      return kb / 1024;
+    }
+  return 0;
+}
+
+int run(const Args& a) {
+  LM_CHECK(a.config.empty() != a.model.empty(), "bench decode: give exactly one of --config and --model");
+  LM_CHECK(a.decode_tokens >= 1 && a.batch >= 1 && !a.contexts.empty(), "bench decode: bad sizes");
+  std::unique_ptr<model::Model<float>> owned;
+  infer::LoadedModel lm;
+  model::Model<float>* m;
+  if (!a.model.empty()) {
+    lm = infer::load_model_dir(a.model, false);
+    m = lm.model.get();
+  } else {
+    owned = std::make_unique<model::Model<float>>(model::ModelConfig::load(a.config));
+    owned->params().init(1);
+    m = owned.get();
+  }
+  const auto& cfg = m->config();
+  std::vector<int64_t> ctx = a.contexts;
+  std::sort(ctx.begin(), ctx.end());
+  infer::SessionOptions so;
+  so.prefill_chunk = a.prefill_chunk;
+  so.prefix_cache_bytes = 0;
+  so.max_context = ctx.back() + a.decode_tokens + 1;
+  infer::Session s(*m, so);
+  const Rng rng{5, 0};
+  auto tok = [&](uint64_t i) { return static_cast<int32_t>(rng.bits(i).v[0] % static_cast<uint32_t>(cfg.vocab_size)); };
+  std::printf("bench decode: %s, %ld layers (%ld KDA, %ld MLA), %d threads, prefill chunk %ld, decode batch %ld\n",
+              a.model.empty() ? a.config.c_str() : a.model.c_str(), static_cast<long>(cfg.num_hidden_layers),
+              static_cast<long>(cfg.num_kda_layers()), static_cast<long>(cfg.num_mla_layers()), num_threads(),
+              static_cast<long>(a.prefill_chunk), static_cast<long>(a.batch));
+  std::printf("%9s %12s %11s | %-44s | %21s %8s\n", "context", "prefill t/s", "decode t/s",
+              "decode ms/step: kda    mla    ffn  attnres  other", "cache MiB meas/pred", "RSS MiB");
+  infer::Sequence seq = s.new_sequence();
+  for (int64_t c : ctx) {
+    std::vector<int32_t> ids;
+    for (int64_t i = seq.pos(); i < c; ++i) ids.push_back(tok(static_cast<uint64_t>(i)));
+    double prefill_tps = 0;
+    if (!ids.empty()) {
+      for (auto& l : seq.layers) l.rows.reserve(static_cast<size_t>(c * l.row_width));
+      const auto t0 = std::chrono::steady_clock::now();
+      s.prefill(seq, ids);
+      prefill_tps = static_cast<double>(ids.size()) /
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    const double meas = seq.cache_bytes() / 1048576.0;
+    const double pred = model::decode_memory(cfg, c, 4).total_bytes_per_seq / 1048576.0;
+    // Decode on copies, so the main sequence stays at the grid point for the next prefill.
+    std::vector<infer::Sequence> copies(static_cast<size_t>(a.batch), seq);
+    std::vector<infer::Sequence*> ptrs;
+    for (auto& q : copies) ptrs.push_back(&q);
+    std::vector<int32_t> step_tok(static_cast<size_t>(a.batch));
+    for (int64_t b = 0; b < a.batch; ++b) step_tok[static_cast<size_t>(b)] = tok(static_cast<uint64_t>(c + b));
+    s.decode(ptrs, step_tok);  // warm-up
+    s.profile.clear();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t k = 0; k < a.decode_tokens; ++k) {
+      for (int64_t b = 0; b < a.batch; ++b) step_tok[static_cast<size_t>(b)] = tok(static_cast<uint64_t>(c + 100 + k * a.batch + b));
+      s.decode(ptrs, step_tok);
+    }
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double per = 1e3 / static_cast<double>(a.decode_tokens);
+    const auto& p = s.profile;
+    std::printf("%9ld %12.0f %11.1f | %19.2f %6.2f %6.2f %6.2f %6.2f | %10.2f / %8.2f %8.0f\n", static_cast<long>(c),
+                prefill_tps, static_cast<double>(a.decode_tokens * a.batch) / t, p.kda * per, p.mla * per, p.ffn * per,
+                p.attnres * per, p.other * per, meas, pred, rss_mib());
+    std::fflush(stdout);
+  }
+  std::printf("(prefill t/s: the tokens from the previous context to this one; decode: %ld steps of %ld sequence(s); "
+              "cache: fp32 KDA states + conv inputs + MLA latent rows, predicted by decode_memory(cache_bytes = 4))\n",
+              static_cast<long>(a.decode_tokens), static_cast<long>(a.batch));
+  return 0;
+}
+
+app::RegisterBench reg({"decode", "Prefill and decode tokens/s as the context grows, KDA vs MLA time per step",
+                        [](CLI::App& sub) {
+                          auto a = std::make_shared<Args>();
+                          sub.add_option("--config", a->config, "config.json (random weights)");
+                          sub.add_option("--model", a->model, "checkpoint directory instead of --config");
+                          sub.add_option("--contexts", a->contexts, "context lengths, e.g. 1024,4096,131072")
+                              ->delimiter(',');
+                          sub.add_option("--decode-tokens", a->decode_tokens, "decode steps timed per context");
+                          sub.add_option("--batch", a->batch, "sequences decoded together");
+                          sub.add_option("--prefill-chunk", a->prefill_chunk, "tokens per prefill step");
+                          return [a] { return run(*a); };
+                        }});
+
+}  // namespace

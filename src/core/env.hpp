@@ -1,0 +1,134 @@
+#pragma once
+// The LONGMOE_* environment switches, all in one place: one function per switch, with its meaning, its
+// default and the code that reads it. Nothing else calls getenv for a LONGMOE_* name; code that sets one
+// (benchmarks and tests comparing variants) uses the name constants below.
+//
+// Each function reads the environment when it is called. Most readers keep the answer in a function-local
+// static (once per process: set the switch before the first call); the grouped-GEMM overrides are read on every
+// launch so a benchmark or test can change them between calls. The switches are for A/B runs, tuning and tests:
+// the defaults are the measured best and what production runs use.
+//
+// Not here: the variables the scripts read (LONGMOE_BUILD_DIR, LONGMOE_JOBS, LONGMOE_CMAKE_ARGS, ... in
+// scripts/ and .ci/), and the CMake options and compile definitions (LONGMOE_CUDA, LONGMOE_HAVE_CUDA, ...).
+//
+// Plain C++17 without fmt: the CUDA sources (nvcc) include it too.
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+namespace lm::env {
+
+// ---- names --------------------------------------------------------------------------------------------
+inline constexpr const char* kOverlap = "LONGMOE_OVERLAP";
+inline constexpr const char* kKdaSave = "LONGMOE_KDA_SAVE";
+inline constexpr const char* kMoeWgradCublas = "LONGMOE_MOE_WGRAD_CUBLAS";
+inline constexpr const char* kAttnResDefer = "LONGMOE_ATTNRES_DEFER";
+inline constexpr const char* kGemmCublas = "LONGMOE_GEMM_CUBLAS";
+inline constexpr const char* kAttnHeadGroup = "LONGMOE_ATTN_HEAD_GROUP";
+inline constexpr const char* kAttnFwdMode = "LONGMOE_ATTN_FWD_MODE";
+inline constexpr const char* kAttnBwdMode = "LONGMOE_ATTN_BWD_MODE";
+inline constexpr const char* kAttnBwdDqAtomic = "LONGMOE_ATTN_BWD_DQ_ATOMIC";
+inline constexpr const char* kKdaRecurMma = "LONGMOE_KDA_RECUR_MMA";
+inline constexpr const char* kGgOrder = "LONGMOE_GG_ORDER";
+inline constexpr const char* kGgEpi = "LONGMOE_GG_EPI";
+inline constexpr const char* kGgBn = "LONGMOE_GG_BN";
+inline constexpr const char* kCrashInSaveAtStep = "LONGMOE_CRASH_IN_SAVE_AT_STEP";
+inline constexpr const char* kNoReexec = "LONGMOE_NO_REEXEC";
+inline constexpr const char* kPeerScript = "LONGMOE_PEER_SCRIPT";
+inline constexpr const char* kGoldenDir = "LONGMOE_GOLDEN_DIR";
+inline constexpr const char* kBrownDir = "LONGMOE_BROWN_DIR";
+
+namespace detail {
+inline const char* raw(const char* name) { return std::getenv(name); }
+// The switch's first character is `c` ("1" turns an off-by-default switch on, "0" an on-by-default one off).
+inline bool first_is(const char* name, char c) {
+  const char* v = raw(name);
+  return v && v[0] == c;
+}
+// atoi of the value, or `fallback` when the switch is unset.
+inline int int_or(const char* name, int fallback) {
+  const char* v = raw(name);
+  return v ? std::atoi(v) : fallback;
+}
+// The value, or `fallback` when unset or empty.
+inline std::string str_or(const char* name, const std::string& fallback) {
+  const char* v = raw(name);
+  return v && *v ? std::string(v) : fallback;
+}
+}  // namespace detail
+
+// ---- GPU training step (model/cuda/gpu_model.cpp) ----------------------------------------------------------
+
+// LONGMOE_OVERLAP=0: run the KDA core and the MoE pieces on the main stream instead of a high-priority side
+// stream beside the projections. Default on.
+inline bool overlap() { return !detail::first_is(kOverlap, '0'); }
+// LONGMOE_KDA_SAVE=0: the training forward does not keep the KDA core's tensors for the backward (the backward
+// recomputes them). Default on (kept where they fit).
+inline bool kda_save() { return !detail::first_is(kKdaSave, '0'); }
+// LONGMOE_MOE_WGRAD_CUBLAS=1: expert weight gradients as per-expert cuBLAS products on side streams instead of
+// the grouped wgrad kernel (ops/moe/cuda/wgrad.cu). Default off.
+inline bool moe_wgrad_cublas() { return detail::first_is(kMoeWgradCublas, '1'); }
+// LONGMOE_ATTNRES_DEFER=0: every AttnRes read updates its closed blocks' gradients itself instead of one deferred
+// update per block group (ops/attnres/cuda, attnres_flush). Default on.
+inline bool attnres_defer() { return !detail::first_is(kAttnResDefer, '0'); }
+
+// ---- CUDA kernels (ops/*/cuda) ----------------------------------------------------------------------------
+
+// LONGMOE_GEMM_CUBLAS=1: dense GEMMs through cublasGemmEx instead of cuBLASLt (ops/gemm/cuda/gemm.cu). Default
+// off (cuBLASLt).
+inline bool gemm_cublas() { return detail::first_is(kGemmCublas, '1'); }
+// LONGMOE_ATTN_HEAD_GROUP=N (N > 0): heads per scheduling group of the attention kernels, forward and backward
+// (ops/attention/cuda/api.cu). 0 or unset: the defaults (4 forward, 1 backward).
+inline int attn_head_group() { return detail::int_or(kAttnHeadGroup, 0); }
+// LONGMOE_ATTN_FWD_MODE (0..3): the wgmma attention forward's variant, bit 0 intra-warpgroup overlap, bit 1
+// two-warpgroup ping-pong (ops/attention/cuda/fwd_wgmma.cu). Default 3 (both).
+inline int attn_fwd_mode() { return detail::int_or(kAttnFwdMode, 3) & 3; }
+// LONGMOE_ATTN_BWD_MODE: the wgmma attention backward's schedule (ops/attention/cuda/bwd_wgmma.cu): 0 the
+// serial order for both head dims, 3 the four-turn ping-pong for Dk = 192. Unset (-1): ping-pong for Dk = 128,
+// serial for Dk = 192.
+inline int attn_bwd_mode() { return detail::int_or(kAttnBwdMode, -1); }
+// LONGMOE_ATTN_BWD_DQ_ATOMIC=1: the wgmma attention backward adds dQ by 16-byte vector atomics from registers
+// instead of bulk reductions out of shared memory (ops/attention/cuda/bwd_wgmma.cu). Default off.
+inline bool attn_bwd_dq_atomic() { return detail::first_is(kAttnBwdDqAtomic, '1'); }
+// LONGMOE_KDA_RECUR_MMA=1: the KDA chunk recurrences stay on the mma.sync kernels (recur.cu) for K = V = 128
+// instead of the warpgroup ones (ops/kda/cuda/recur_wgmma.cu). Default off.
+inline bool kda_recur_mma() { return detail::first_is(kKdaRecurMma, '1'); }
+// LONGMOE_GG_ORDER (0: m outer, 1: per expert n outer): the grouped expert GEMM's tile order
+// (ops/moe/cuda/gemm.cu; read at every launch). Unset: `fallback`, the kernel's default.
+inline int gg_order(int fallback) { return detail::int_or(kGgOrder, fallback); }
+// LONGMOE_GG_EPI (0: direct stores, 1: staged through shared memory): the grouped expert GEMM's epilogue
+// (ops/moe/cuda/gemm.cu; read at every launch). Unset: `fallback`, the kernel's default.
+inline int gg_epi(int fallback) { return detail::int_or(kGgEpi, fallback); }
+// LONGMOE_GG_BN=256: the plain grouped GEMM keeps 256-row weight tiles where 192-row ones would pad N less
+// (ops/moe/cuda/gemm.cu; read at every launch). Default: the tile that pads less.
+inline bool gg_bn256() { return detail::int_or(kGgBn, 0) == 256; }
+
+// ---- training (train/trainer.cpp) -------------------------------------------------------------------------
+
+// LONGMOE_CRASH_IN_SAVE_AT_STEP=N: test hook, abort() in the middle of the checkpoint save of global step N
+// (after the weights, before the rename), as a kill would. Unset: -1 (never).
+inline int64_t crash_in_save_at_step() {
+  const char* v = detail::raw(kCrashInSaveAtStep);
+  return v ? std::atoll(v) : -1;
+}
+
+// ---- the CLI (apps/longmoe, bench/) ------------------------------------------------------------------------
+
+// LONGMOE_NO_REEXEC (set, any value): the CLI does not re-execute itself with OMP_WAIT_POLICY=passive and
+// OPENBLAS_CORETYPE=SkylakeX (apps/longmoe/main.cpp). Default: re-exec when one of them would change.
+inline bool no_reexec() { return detail::raw(kNoReexec) != nullptr; }
+// LONGMOE_PEER_SCRIPT=PATH: the PyTorch peer driver of `longmoe bench attention|moe --device cuda --peer`
+// (bench/verbs/cuda.cpp). Unset: `fallback`, bench/peer_attention_moe.py of the source tree.
+inline std::string peer_script(const std::string& fallback) {
+  const char* v = detail::raw(kPeerScript);
+  return v ? std::string(v) : fallback;
+}
+
+// ---- tests (tests/) ------------------------------------------------------------------------------------------
+
+// LONGMOE_GOLDEN_DIR=DIR: the golden vectors (tests/testing.hpp). Unset or empty: `fallback`, ../shared/golden.
+inline std::string golden_dir(const std::string& fallback) { return detail::str_or(kGoldenDir, fallback); }
+// LONGMOE_BROWN_DIR=DIR: the Brown corpus for the tests that read it (tests/io). Unset or empty: `fallback`.
+inline std::string brown_dir(const std::string& fallback) { return detail::str_or(kBrownDir, fallback); }
+
+}  // namespace lm::env
