@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "core/env.hpp"
 #include "core/error.hpp"
 #include "core/parallel.hpp"
 #include "io/checkpoint.hpp"
@@ -75,7 +76,7 @@ std::string save_checkpoint(const fs::path& out, const CheckpointContent& c, con
                       {{"longmoe_step", std::to_string(st.global_step)}});
   io::save_safetensors((tmp / "optimizer.safetensors").string(), c.optim.state());
   // Test hook: die in the middle of a save (after the weights, before the rename), as a kill would.
-  if (const char* s = std::getenv("LONGMOE_CRASH_IN_SAVE_AT_STEP"); s && std::atoll(s) == st.global_step) std::abort();
+  if (env::crash_in_save_at_step() == st.global_step) std::abort();
   io::write_file_atomic((tmp / "trainer_state.json").string(), state_json(st).dump(2) + "\n");
   fs::remove_all(dst);
   fs::rename(tmp, dst);

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "model/cuda/glue_cuda.hpp"
-#include "ops/kda/cuda/cuda_error.hpp"
+#include "core/cuda/check.hpp"
 
 namespace lm::model::cuda {
 
@@ -21,10 +21,8 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-[[noreturn]] void fail(const std::string& m) { throw Error("model cuda: " + m); }
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail(std::string(what) + ": " + cudaGetErrorString(e));
-}
+constexpr cu::Checker check{"model cuda"};
+[[noreturn]] void fail(const std::string& m) { check.fail(m); }
 cudaStream_t st(void* s) { return static_cast<cudaStream_t>(s); }
 unsigned blocks_for(int64_t n, int per = 256) {
   const int64_t b = (n + per - 1) / per;

@@ -29,6 +29,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/cuda/check.hpp"
 #include "core/error.hpp"
 #include "model/cuda/gpu_model.hpp"
 #include "model/layers.hpp"
@@ -42,9 +43,7 @@ namespace lm::model::cuda {
 namespace oc = lm::ops::cuda;
 namespace kc = lm::kda::cuda;
 
-inline void ck(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(fmt::format("gpu model: {}: {}", what, cudaGetErrorString(e)));
-}
+inline constexpr cu::Checker ck{"gpu model"};
 
 constexpr double kLoraEps = 1e-6;  // the MLA q_a / kv_a norms (as mla.cpp)
 

@@ -17,6 +17,7 @@
 #include <optional>
 #include <utility>
 
+#include "core/env.hpp"
 #include "model/cuda/glue_cuda.hpp"
 #include "ops/gemm/cuda/gemm_cuda.hpp"
 #include "ops/rmsnorm/cuda/rmsnorm_cuda.hpp"
@@ -76,10 +77,7 @@ void GpuModel::Impl::kda_forward(int64_t i, const void* xn, float* y, const floa
   in.q = qc, in.k = kc_, in.v = vc, in.g_raw = f, in.beta_raw = braw;
   in.A_log = M(A + "A_log"), in.dt_bias = M(A + "dt_bias");
   sec.emplace(section("kda.core.fwd"));
-  static const bool keep = [] {
-    const char* e = std::getenv("LONGMOE_KDA_SAVE");
-    return !(e && e[0] == '0');
-  }();
+  static const bool keep = env::kda_save();
   if (kda_saved.size() != size_t(L)) kda_saved.assign(size_t(L), nullptr);
   const kc::Problem kp = kda_problem();
   const size_t kb = training && keep ? kc::saved_bytes(kp) : 0;

@@ -13,6 +13,7 @@
 
 #include <cstdlib>
 
+#include "core/env.hpp"
 #include "model/cuda/glue_cuda.hpp"
 
 namespace lm::model::cuda {
@@ -22,8 +23,7 @@ GpuModel::Impl::Impl(const ModelConfig& cfg, const std::function<bool(const Para
   c.validate("model config");
   plan = StackPlan::build(c);
   LM_CHECK(available(), "no usable CUDA device");
-  const char* ov = std::getenv("LONGMOE_OVERLAP");
-  if (!(ov && ov[0] == '0')) {
+  if (env::overlap()) {
     int least = 0, greatest = 0;
     ck(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities");
     ck(cudaStreamCreateWithPriority(&core, cudaStreamNonBlocking, greatest), "cudaStreamCreate");

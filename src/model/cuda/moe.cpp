@@ -18,6 +18,7 @@
 #include <optional>
 #include <utility>
 
+#include "core/env.hpp"
 #include "ops/gemm/cuda/gemm_cuda.hpp"
 #include "ops/glu/cuda/glu_cuda.hpp"
 #include "ops/moe/cuda/moe_cuda.hpp"
@@ -142,10 +143,7 @@ void GpuModel::Impl::moe_backward(int64_t i, const void* dy, float* dyn) {
   const auto* dabp = static_cast<const uint16_t*>(dab);
   // Weight gradients (reductions over each expert's rows) by the grouped wgrad kernel; with
   // LONGMOE_MOE_WGRAD_CUBLAS=1 as per-expert cuBLAS products on side streams (the host waits for the offsets).
-  static const bool cublas_wgrad = [] {
-    const char* v = std::getenv("LONGMOE_MOE_WGRAD_CUBLAS");
-    return v && v[0] == '1';
-  }();
+  static const bool cublas_wgrad = env::moe_wgrad_cublas();
   auto wgrad = [&](const uint16_t* gy, const uint16_t* x, float* dw, int64_t N, int64_t Kd) {
     if (!cublas_wgrad) return oc::grouped_gemm_wgrad(gy, x, dw, off_d, Mr, N, Kd, E, true);
     ck(cudaEventSynchronize(offsets_h[i].done), "offsets to host");

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <utility>
 
+#include "core/env.hpp"
 #include "model/cuda/glue_cuda.hpp"
 #include "ops/embedding/cuda/embedding_cuda.hpp"
 #include "ops/rmsnorm/cuda/rmsnorm_cuda.hpp"
@@ -207,10 +208,7 @@ void GpuModel::Impl::backward(const float* d_hn) {
     // The reads of a block group share their closed blocks: each read stores its δ and coefficients
     // (deferred), and the group's closed-block gradients are updated once, before the block that opened the
     // group hands its gradient on (LONGMOE_ATTNRES_DEFER=0: every read updates them itself).
-    static const bool defer_on = [] {
-      const char* v = std::getenv("LONGMOE_ATTNRES_DEFER");
-      return !(v && v[0] == '0');
-    }();
+    static const bool defer_on = env::attnres_defer();
     const bool defer = defer_on && nblocks > 0 && oc::attnres_can_defer(nblocks + 1, d);
     std::vector<oc::AttnResDeferred> group;
     group.reserve(size_t(oc::kAttnResMaxFlushReads));  // (deferred() hands out pointers into it)

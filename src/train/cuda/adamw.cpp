@@ -25,12 +25,12 @@ size_t AdamW::device_bytes() const { no_cuda(); }
 
 #include <cmath>
 
+#include "core/cuda/check.hpp"
+
 namespace lm::train::cuda {
 
 namespace {
-void ck(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(fmt::format("gpu model: {}: {}", what, cudaGetErrorString(e)));
-}
+constexpr cu::Checker ck{"gpu model"};
 float* alloc_zeros(size_t n) {
   void* p = nullptr;
   ck(cudaMalloc(&p, n * 4), fmt::format("cudaMalloc of {:.1f} MiB", n * 4 / 1048576.0).c_str());

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <string>
 
-#include "ops/kda/cuda/cuda_error.hpp"
+#include "core/cuda/check.hpp"
 #include "train/cuda/adamw.hpp"
 
 namespace lm::train::cuda {
@@ -60,8 +60,8 @@ void adamw_update(float* w, const float* g, float* m, float* v, void* wb, int64_
   const int64_t blocks = ((nv ? nv : n) + 255) / 256;  // of 256 threads, at most 65535 · 16 (grid-stride loops)
   const unsigned grid = static_cast<unsigned>(blocks < 65535 * 16 ? blocks : 65535 * 16);
   adamw_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(s)>>>(w, g, m, v, static_cast<bf16*>(wb), n, nv, a);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) throw Error(std::string("model cuda: adamw_update: ") + cudaGetErrorString(e));
+  constexpr cu::Checker check{"model cuda"};
+  check(cudaGetLastError(), "adamw_update");
 }
 
 }  // namespace lm::train::cuda

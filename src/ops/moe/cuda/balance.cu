@@ -11,7 +11,7 @@
 #include <cub/device/device_segmented_radix_sort.cuh>
 #include <string>
 
-#include "ops/kda/cuda/cuda_error.hpp"
+#include "core/cuda/check.hpp"
 #include "ops/moe/cuda/moe_cuda.hpp"
 
 namespace lm::ops::cuda {
@@ -19,10 +19,7 @@ namespace lm::ops::cuda {
 namespace {
 
 // (The messages name the model's glue, where this estimator was first written: the same text as before.)
-[[noreturn]] void qb_fail(const std::string& m) { throw Error("model cuda: " + m); }
-void qb_check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) qb_fail(std::string(what) + ": " + cudaGetErrorString(e));
-}
+constexpr cu::Checker qb_check{"model cuda"};
 
 // QB: r [E, m] = s[i, j] − alpha[i] laid out by expert (segments for the sort).
 __global__ void qb_residual_kernel(const float* s, const float* alpha, float* r, int64_t m, int64_t n) {
@@ -60,8 +57,8 @@ __global__ void seg_offsets_kernel(int* off, int n, int m) {
 }  // namespace
 
 void qb_update(const float* s, const float* alpha, float* b_new, int64_t m, int64_t n, int64_t k, void* stream) {
-  if (m <= 0 || n <= 0 || k <= 0 || k >= n) qb_fail("qb_update: needs m > 0 and 0 < k < n");
-  if (m * n > (int64_t(1) << 31)) qb_fail("qb_update: m·n too large");
+  if (m <= 0 || n <= 0 || k <= 0 || k >= n) qb_check.fail("qb_update: needs m > 0 and 0 < k < n");
+  if (m * n > (int64_t(1) << 31)) qb_check.fail("qb_update: m·n too large");
   cudaStream_t t = static_cast<cudaStream_t>(stream);
   float *r = nullptr, *sorted = nullptr;
   int* off = nullptr;
