@@ -14,8 +14,6 @@
 #include <string_view>
 #include <vector>
 
-#include "io/file.hpp"  // read_file (transitional: callers should include io/file.hpp)
-
 namespace lm::io {
 
 enum class CorpusFormat { Auto, Text, Folder, Jsonl, Brown };
