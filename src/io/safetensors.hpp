@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "core/tensor.hpp"
-#include "io/file.hpp"  // write_file_atomic (transitional: callers should include io/file.hpp)
 
 namespace lm::io {
 

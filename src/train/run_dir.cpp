@@ -8,6 +8,7 @@
 #include "core/error.hpp"
 #include "core/parallel.hpp"
 #include "io/checkpoint.hpp"
+#include "io/file.hpp"
 #include "io/safetensors.hpp"
 
 namespace lm::train {

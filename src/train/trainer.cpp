@@ -25,6 +25,7 @@
 #include "core/error.hpp"
 #include "core/parallel.hpp"
 #include "io/checkpoint.hpp"
+#include "io/file.hpp"
 #include "io/safetensors.hpp"
 #include "model/accounting.hpp"
 #include "model/model.hpp"
