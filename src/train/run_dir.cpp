@@ -52,13 +52,26 @@ json state_json(const TrainerState& s) {
   return j;
 }
 
-// Removes all but the newest `keep` step folders of ckpt/ (their names sort by step).
-void prune_checkpoints(const fs::path& ck, int64_t keep) {
+// Removes all but the newest `keep` step folders of ckpt/ (their names sort by step), and never `current` (the
+// one just written, which `latest` names): a folder left by an older run with later step numbers sorts after it.
+void prune_checkpoints(const fs::path& ck, int64_t keep, const fs::path& current) {
   std::vector<fs::path> steps;
   for (const auto& e : fs::directory_iterator(ck))
-    if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0) steps.push_back(e.path());
+    if (e.is_directory() && e.path().filename().string().rfind("step-", 0) == 0 && e.path() != current)
+      steps.push_back(e.path());
   std::sort(steps.begin(), steps.end());
-  for (size_t i = 0; i + static_cast<size_t>(keep) < steps.size(); ++i) fs::remove_all(steps[i]);
+  const size_t others = keep > 0 ? static_cast<size_t>(keep - 1) : 0;  // `current` counts as one of `keep`
+  for (size_t i = 0; i + others < steps.size(); ++i) fs::remove_all(steps[i]);
+}
+
+// Temporary folders of saves that were killed (.tmp-*) and replaced checkpoints not yet removed (.old-*).
+void remove_leftovers(const fs::path& ck) {
+  std::vector<fs::path> stale;
+  for (const auto& e : fs::directory_iterator(ck)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(".tmp-", 0) == 0 || n.rfind(".old-", 0) == 0) stale.push_back(e.path());
+  }
+  for (const auto& p : stale) fs::remove_all(p);
 }
 
 }  // namespace
@@ -68,8 +81,8 @@ std::string save_checkpoint(const fs::path& out, const CheckpointContent& c, con
   const fs::path ck = out / "ckpt";
   fs::create_directories(ck);
   const std::string name = fmt::format("step-{:08}", st.global_step);
-  const fs::path tmp = ck / (".tmp-" + name), dst = ck / name;
-  fs::remove_all(tmp);
+  const fs::path tmp = ck / (".tmp-" + name), dst = ck / name, old = ck / (".old-" + name);
+  remove_leftovers(ck);
   fs::create_directories(tmp);
   c.config.save((tmp / "config.json").string());
   fs::copy_file(c.tokenizer, tmp / "tokenizer.model", fs::copy_options::overwrite_existing);
@@ -79,16 +92,20 @@ std::string save_checkpoint(const fs::path& out, const CheckpointContent& c, con
   // Test hook: die in the middle of a save (after the weights, before the rename), as a kill would.
   if (env::crash_in_save_at_step() == st.global_step) std::abort();
   io::write_file_atomic((tmp / "trainer_state.json").string(), state_json(st).dump(2) + "\n");
-  fs::remove_all(dst);
+  // Replacing a checkpoint of the same step (a save after a resume): rename it aside, then the new one into
+  // place, so a kill at any moment leaves a complete folder of that name or its predecessor under .old-.
+  if (fs::exists(dst)) fs::rename(dst, old);
   fs::rename(tmp, dst);
+  io::fsync_dir(ck.string());  // the rename is durable before `latest` names it
   io::write_file_atomic((out / "latest").string(), "ckpt/" + name + "\n");
+  fs::remove_all(old);
   if (!also_as.empty()) {  // stage-end checkpoints stay; hard links cost no space
     const fs::path sd = out / also_as;
     fs::remove_all(sd);
     fs::create_directories(sd);
     for (const auto& e : fs::directory_iterator(dst)) fs::create_hard_link(e.path(), sd / e.path().filename());
   }
-  prune_checkpoints(ck, keep);
+  prune_checkpoints(ck, keep, dst);
   return dst.string();
 }
 

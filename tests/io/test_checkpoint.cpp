@@ -210,6 +210,39 @@ TEST(Checkpoint, CorruptIndexErrors) {
                  {"truncated"});
 }
 
+// A run folder whose `latest` a kill left missing, stale or replaced: resume finds the newest complete
+// checkpoint; `latest` may not point outside the run.
+TEST(Checkpoint, RunFolderWithoutAValidLatest) {
+  TempDir d("latest");
+  const fs::path run = d.path;
+  auto make = [&](const std::string& rel) {
+    const fs::path c = run / rel;
+    lm::io::save_checkpoint(c.string(), sample_tensors(), uint64_t{1} << 30);
+    lm::io::write_file_atomic((c / "config.json").string(), "{}\n");
+  };
+  make("ckpt/step-00000005");
+  make("ckpt/step-00000010");
+  // No `latest` (a kill during the first save's last steps): the newest step folder.
+  EXPECT_EQ(lm::io::resolve_checkpoint(run.string()), (run / "ckpt/step-00000010").string());
+  // `latest` names a folder renamed aside by a same-step save that did not finish: its .old- copy.
+  fs::rename(run / "ckpt/step-00000010", run / "ckpt/.old-step-00000010");
+  lm::io::write_file_atomic((run / "latest").string(), "ckpt/step-00000010\n");
+  EXPECT_EQ(lm::io::resolve_checkpoint(run.string()), (run / "ckpt/.old-step-00000010").string());
+  // A valid `latest` wins over newer folders.
+  lm::io::write_file_atomic((run / "latest").string(), "ckpt/step-00000005\n");
+  EXPECT_EQ(lm::io::resolve_checkpoint(run.string()), (run / "ckpt/step-00000005").string());
+  for (const char* bad : {"../elsewhere\n", "/tmp\n", "ckpt/../../x\n"}) {
+    lm::io::write_file_atomic((run / "latest").string(), bad);
+    EXPECT_NE(error_of([&] { lm::io::resolve_checkpoint(run.string()); }).find("not a folder inside the run"),
+              std::string::npos)
+        << bad;
+  }
+  // Nothing complete at all: the error names what `latest` says.
+  fs::remove_all(run / "ckpt");
+  lm::io::write_file_atomic((run / "latest").string(), "ckpt/step-00000007\n");
+  EXPECT_NE(error_of([&] { lm::io::resolve_checkpoint(run.string()); }).find("not a checkpoint"), std::string::npos);
+}
+
 TEST(Checkpoint, OpenErrors) {
   TempDir d("empty");
   std::string e = error_of([&] { (void)Checkpoint::open(d.str()); });

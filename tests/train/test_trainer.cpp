@@ -266,6 +266,23 @@ TEST(Trainer, KillDuringSaveKeepsThePreviousCheckpoint) {
   const TrainResult r = lm::train::train(cfg, resume);
   EXPECT_EQ(r.steps, 20);
   EXPECT_TRUE(std::isfinite(r.heldout_ppl));
+  EXPECT_FALSE(fs::exists(root / "run" / "ckpt" / ".tmp-step-00000008"));  // the next save removed it
+}
+
+// A fresh run into a folder that an older run left step folders in, with later step numbers: pruning (by
+// name) must not delete the checkpoint just written, which `latest` names.
+TEST(Trainer, AnOlderRunsCheckpointsNeverEvictTheNewest) {
+  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_older";
+  fs::remove_all(root);
+  fs::create_directories(root / "run" / "ckpt" / "step-00000100");
+  fs::create_directories(root / "run" / "ckpt" / "step-00000200");
+  RunConfig cfg = tiny_run(root, (root / "run").string());
+  cfg.max_steps = 9;  // saves at steps 4 and 8, and where it stops
+  TrainOptions quiet;
+  quiet.quiet = true;
+  lm::train::train(cfg, quiet);
+  EXPECT_EQ(resolve_checkpoint((root / "run").string()), (root / "run" / "ckpt" / "step-00000009").string());
+  EXPECT_TRUE(fs::exists(root / "run" / "ckpt" / "step-00000009" / "trainer_state.json"));
 }
 
 TEST(Trainer, BadRunConfigsAreClearErrors) {
