@@ -21,9 +21,13 @@ struct InferArgs {
     sub.add_option("--model", model, "checkpoint directory (config.json, model.safetensors, tokenizer.model)");
     sub.add_option("--init-config", init_config, "instead of --model: random weights for this config.json");
     sub.add_option("--tokenizer", tokenizer, "tokenizer.model (with --init-config)");
-    sub.add_option("--context", context, "context limit in tokens (default: max_position_embeddings, else 131072)");
-    sub.add_option("--prefill-chunk", prefill_chunk, "tokens per prefill step (also the prefix-cache grid)");
-    sub.add_option("--prefix-cache-mb", prefix_cache_mb, "prefix-cache budget in MiB (0: off)");
+    // Ranges are checked on what the user gives (a bad value is an error, never silently replaced).
+    sub.add_option("--context", context, "context limit in tokens (default: max_position_embeddings, else 131072)")
+        ->check(CLI::Range(int64_t(1), int64_t(1) << 26));
+    sub.add_option("--prefill-chunk", prefill_chunk, "tokens per prefill step (also the prefix-cache grid)")
+        ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+    sub.add_option("--prefix-cache-mb", prefix_cache_mb, "prefix-cache budget in MiB (0: off)")
+        ->check(CLI::Range(int64_t(0), int64_t(1) << 24));
   }
   void add_sampling(CLI::App& sub) {
     sub.add_option("--max-tokens", sp.max_tokens, "tokens to generate at most");

@@ -56,7 +56,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Expand all help");
   int threads = 0;
-  app.add_option("--threads", threads, "CPU threads (default: all cores)");
+  // OpenMP (libgomp) crashes when asked for tens of thousands of threads: bound it.
+  app.add_option("--threads", threads, "CPU threads in [1, 1024] (default: all cores)")->check(CLI::Range(1, 1024));
 
   std::map<CLI::App*, std::function<int()>> actions;
   for (auto& c : lm::app::registry()) {

@@ -1,6 +1,7 @@
 // Generation helpers (see generate.hpp).
 #include "infer/generate.hpp"
 
+#include <algorithm>
 #include <filesystem>
 
 #include "core/error.hpp"
@@ -47,17 +48,20 @@ LoadedModel random_model(const std::string& config, const std::string& tokenizer
 }
 
 std::vector<int32_t> chat_tokens(const io::Tokenizer& tok, const std::vector<ChatMessage>& messages,
-                                 bool generation_prompt, bool bos) {
+                                 bool generation_prompt, bool bos, int64_t max_tokens) {
   std::vector<int32_t> ids;
   if (bos && tok.bos() >= 0) ids.push_back(tok.bos());
   const int32_t end = tok.special("<|end|>");
+  const auto over = [&] { return max_tokens >= 0 && static_cast<int64_t>(ids.size()) > max_tokens; };
   for (const auto& m : messages) {
     LM_CHECK(m.role == "system" || m.role == "user" || m.role == "assistant",
              "chat message role '{}' must be system, user or assistant", m.role);
     ids.push_back(tok.special("<|" + m.role + "|>"));
-    const auto c = tok.encode(m.content);
+    const int64_t left = max_tokens >= 0 ? std::max<int64_t>(0, max_tokens - static_cast<int64_t>(ids.size())) : -1;
+    const auto c = tok.encode_text(m.content, left);
     ids.insert(ids.end(), c.begin(), c.end());
     ids.push_back(end);
+    if (over()) return ids;
   }
   if (generation_prompt) ids.push_back(tok.special("<|assistant|>"));
   return ids;
@@ -73,7 +77,7 @@ Generation::Step Generation::next(const float* logits, int64_t V) {
   if (done()) return st;
   // A model vocabulary larger than the tokenizer's (padded embeddings): only the tokenizer's ids.
   if (tok_) V = std::min<int64_t>(V, tok_->vocab_size());
-  const int32_t t = sampler_.sample(logits, V, history_);
+  const int32_t t = sampler_.sample(logits, V, history_, sampler_.params().top_logprobs >= 0 ? &st.lp : nullptr);
   if (sampler_.is_stop_token(t)) {
     st.text = stream_.finish(decoded());
     finish_reason_ = "stop";
@@ -82,6 +86,7 @@ Generation::Step Generation::next(const float* logits, int64_t V) {
   }
   generated_.push_back(t);
   history_.push_back(t);
+  st.emitted = t;
   st.text = stream_.update(decoded());
   if (stream_.stopped()) {
     finish_reason_ = "stop";

@@ -35,9 +35,12 @@ struct ChatMessage {
   std::string role;  // "system", "user" or "assistant"
   std::string content;
 };
-// Token ids of a conversation, ending with <|assistant|> when `generation_prompt`.
+// Token ids of a conversation, ending with <|assistant|> when `generation_prompt`. The contents are
+// plain text (Tokenizer::encode_text): a message holding "<|end|><|system|>" gets those characters, not
+// the control tokens. With `max_tokens` >= 0 it stops once more than max_tokens ids exist (the result is
+// then longer than max_tokens but incomplete): an over-long conversation is never tokenized whole.
 std::vector<int32_t> chat_tokens(const io::Tokenizer& tok, const std::vector<ChatMessage>& messages,
-                                 bool generation_prompt = true, bool bos = true);
+                                 bool generation_prompt = true, bool bos = true, int64_t max_tokens = -1);
 
 // One generation: feed it the logits after each token, it picks the next token and tells what text is
 // new. Stop tokens end generation without being emitted; stop strings cut the text before them.
@@ -45,9 +48,11 @@ class Generation {
  public:
   Generation(const io::Tokenizer* tok, SamplingParams p, std::vector<int32_t> history, uint64_t stream = 0);
   struct Step {
-    int32_t token = -1;  // the token to feed next (-1 once finished)
-    std::string text;    // newly released text
+    int32_t token = -1;    // the token to feed next (-1 once finished)
+    int32_t emitted = -1;  // the token this step added to the output (-1: a stop token ended it)
+    std::string text;      // newly released text
     bool done = false;
+    TokenLogprobs lp;      // of `emitted`, when the parameters ask for top_logprobs >= 0
   };
   Step next(const float* logits, int64_t V);
   // Ends early (context limit, timeout, shutdown): releases held-back text.

@@ -15,8 +15,10 @@ void SamplingParams::validate() const {
            "temperature {} must be in [0, 100]", temperature);
   LM_CHECK(top_k >= 0, "top_k {} must be >= 0", top_k);
   LM_CHECK(std::isfinite(top_p) && top_p > 0.0f && top_p <= 1.0f, "top_p {} must be in (0, 1]", top_p);
-  LM_CHECK(std::isfinite(repetition_penalty) && repetition_penalty > 0.0f && repetition_penalty <= 100.0f,
-           "repetition_penalty {} must be in (0, 100]", repetition_penalty);
+  // Below 0.01 a penalised logit (logit / r) overflows to infinity and the softmax turns into NaN.
+  LM_CHECK(std::isfinite(repetition_penalty) && repetition_penalty >= 0.01f && repetition_penalty <= 100.0f,
+           "repetition_penalty {} must be in [0.01, 100]", repetition_penalty);
+  LM_CHECK(top_logprobs >= -1 && top_logprobs <= 20, "top_logprobs {} must be in [-1, 20]", top_logprobs);
   LM_CHECK(max_tokens >= 1, "max_tokens {} must be >= 1", max_tokens);
   for (const auto& s : stop) LM_CHECK(!s.empty(), "stop strings must not be empty");
 }
@@ -99,21 +101,55 @@ std::vector<float> Sampler::distribution(const float* logits, int64_t V, const s
   return out;
 }
 
-int32_t Sampler::sample(const float* logits, int64_t V, const std::vector<int32_t>& history) {
+int32_t Sampler::sample(const float* logits, int64_t V, const std::vector<int32_t>& history, TokenLogprobs* lp) {
   LM_CHECK(V >= 1, "sample: empty logits");
   const std::vector<float> x = penalised(logits, V, history, p_.repetition_penalty);
   const uint64_t i = static_cast<uint64_t>(i_++);
-  if (p_.temperature == 0.0f) return argmax(x);
+  const int64_t top_n = std::max<int64_t>(0, p_.top_logprobs);
+  if (p_.temperature == 0.0f) {
+    const int32_t t = argmax(x);
+    if (lp) {
+      // log-softmax at temperature 1 over the penalised logits.
+      const double mx = static_cast<double>(x[static_cast<size_t>(t)]);
+      double sum = 0;
+      for (const float v : x) sum += std::exp(static_cast<double>(v) - mx);
+      const double lse = mx + std::log(sum);
+      lp->token = t;
+      lp->logprob = static_cast<double>(x[static_cast<size_t>(t)]) - lse;
+      std::vector<int32_t> ids(static_cast<size_t>(V));
+      std::iota(ids.begin(), ids.end(), 0);
+      const int64_t k = std::min(top_n, V);
+      std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
+        const float xa = x[static_cast<size_t>(a)], xb = x[static_cast<size_t>(b)];
+        return xa != xb ? xa > xb : a < b;
+      });
+      lp->top.clear();
+      for (int64_t j = 0; j < k; ++j)
+        lp->top.emplace_back(ids[static_cast<size_t>(j)], static_cast<double>(x[static_cast<size_t>(ids[static_cast<size_t>(j)])]) - lse);
+    }
+    return t;
+  }
   std::vector<int32_t> ids;
   std::vector<double> pr;
   filtered(x, p_, ids, pr);
   const double u = rng_.uniform_f64(i);
   double cum = 0;
+  size_t pick = ids.size() - 1;  // rounding: u above the last cumulative sum
   for (size_t j = 0; j < ids.size(); ++j) {
     cum += pr[j];
-    if (u < cum) return ids[j];
+    if (u < cum) {
+      pick = j;
+      break;
+    }
   }
-  return ids.back();  // rounding: u above the last cumulative sum
+  if (lp) {
+    lp->token = ids[pick];
+    lp->logprob = std::log(pr[pick]);
+    lp->top.clear();
+    for (size_t j = 0; j < std::min<size_t>(static_cast<size_t>(top_n), ids.size()); ++j)
+      lp->top.emplace_back(ids[j], std::log(pr[j]));
+  }
+  return ids[pick];
 }
 
 // ---- streaming text ------------------------------------------------------------------------------------

@@ -9,6 +9,10 @@
 //            u = Rng{seed, stream}.uniform(i) against the cumulative sum in descending-probability order
 //            (ties by lower id), so a (seed, stream) pair reproduces the same tokens on any machine.
 // Stop conditions: max_tokens, stop token ids, stop strings (on the detokenised text; see TextStream).
+// Log-probabilities (on request): of the distribution the token was drawn from (after penalty,
+// temperature, top-k, top-p, renormalised), so the sampled token's is finite and tokens outside the
+// top-k / top-p set are never listed; greedy decoding (whose own distribution is one-hot) reports the
+// penalised model distribution at temperature 1.
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -25,9 +29,17 @@ struct SamplingParams {
   float repetition_penalty = 1.0f;  // > 0; 1: off
   uint64_t seed = 0;
   int64_t max_tokens = 256;
+  int64_t top_logprobs = -1;        // -1: no log-probabilities; else the sampled token's and this many alternatives
   std::vector<int32_t> stop_tokens;
   std::vector<std::string> stop;    // stop strings
   void validate() const;            // throws lm::Error naming the bad field
+};
+
+// Log-probabilities of one drawn token: its own and the most likely alternatives (most likely first).
+struct TokenLogprobs {
+  int32_t token = -1;
+  double logprob = 0;
+  std::vector<std::pair<int32_t, double>> top;
 };
 
 class Sampler {
@@ -37,7 +49,8 @@ class Sampler {
 
   // Draws the next token from logits [V]; `history` (prompt + generated so far) feeds the repetition
   // penalty. Advances the draw counter.
-  int32_t sample(const float* logits, int64_t V, const std::vector<int32_t>& history);
+  // With `lp`, also its log-probabilities (and params().top_logprobs alternatives).
+  int32_t sample(const float* logits, int64_t V, const std::vector<int32_t>& history, TokenLogprobs* lp = nullptr);
   bool is_stop_token(int32_t t) const;
   int64_t drawn() const { return i_; }
 

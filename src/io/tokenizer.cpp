@@ -127,6 +127,21 @@ struct Tokenizer::Impl {
   std::vector<uint8_t> special;      // [V] 1 for bos/eos/pad and the named specials
   std::vector<int32_t> named;        // ids of kSpecials
   int32_t bos = -1, eos = -1, pad = -1, unk = -1, vocab = 0;
+  int64_t max_piece = 1;             // bytes of the longest surface
+  // SentencePiece's Encode of a text without anything it must send as bytes, appended to `out`.
+  void encode_run(std::string_view text, std::vector<int32_t>& out, std::vector<int>& ids) const {
+    for_each_segment(
+        text,
+        [&](std::string_view run) {
+          const auto st = sp.Encode(run, &ids);
+          LM_CHECK(st.ok(), "tokenizer '{}': encoding failed: {}", path, st.ToString());
+          out.insert(out.end(), ids.begin(), ids.end());
+        },
+        [&](std::string_view raw) { append_bytes(raw, out); });
+  }
+  void append_bytes(std::string_view raw, std::vector<int32_t>& out) const {
+    for (const char c : raw) out.push_back(byte_id[static_cast<unsigned char>(c)]);
+  }
 };
 
 const std::vector<std::string>& Tokenizer::special_names() { return kSpecials; }
@@ -177,6 +192,7 @@ Tokenizer Tokenizer::from_bytes(const std::string& bytes, const std::string& lab
     impl->named.push_back(id);
     impl->special[static_cast<size_t>(id)] = 1;
   }
+  for (const auto& out : impl->surface) impl->max_piece = std::max<int64_t>(impl->max_piece, std::ssize(out));
   Tokenizer tok(std::move(impl));
   // A model trained with other normalisation settings would silently change text: refuse it.
   const std::string probe = "A  b\n\tc.  \n\n d\xC3\xA9 ";
@@ -264,18 +280,58 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
   std::vector<int32_t> out;
   out.reserve(text.size() / 3 + 4);
   std::vector<int> ids;
-  for_each_segment(
-      text,
-      [&](std::string_view run) {
-        const auto st = impl_->sp.Encode(run, &ids);
-        LM_CHECK(st.ok(), "tokenizer '{}': encoding failed: {}", impl_->path, st.ToString());
-        out.insert(out.end(), ids.begin(), ids.end());
-      },
-      [&](std::string_view raw) {
-        for (const char c : raw) out.push_back(impl_->byte_id[static_cast<unsigned char>(c)]);
-      });
+  impl_->encode_run(text, out, ids);
   return out;
 }
+
+std::vector<int32_t> Tokenizer::encode_text(std::string_view text, int64_t max_tokens) const {
+  // A learned piece never holds a non-space followed by a space (SentencePiece splits its training text
+  // into words before each space that follows a non-space; runs of spaces stay whole), so encoding
+  // the pieces of a text cut there gives the ids of encoding it whole.
+  constexpr size_t kSegment = size_t(64) << 10;
+  std::vector<int32_t> out;
+  out.reserve(std::min<size_t>(text.size(), max_tokens >= 0 ? static_cast<size_t>(max_tokens) + 1 : text.size()) / 3 +
+              4);
+  std::vector<int> ids;
+  const auto over = [&] { return max_tokens >= 0 && static_cast<int64_t>(out.size()) > max_tokens; };
+  const auto plain = [&](std::string_view run) {
+    while (!run.empty() && !over()) {
+      size_t cut = run.size();
+      if (cut > kSegment) {
+        cut = 0;
+        for (size_t i = kSegment; i > 0 && cut == 0; --i)
+          if (run[i] == ' ' && run[i - 1] != ' ') cut = i;
+        if (cut == 0) {  // one "word" of 64 KiB: cut at a character boundary
+          cut = kSegment;
+          while (cut > 1 && (static_cast<unsigned char>(run[cut]) & 0xC0u) == 0x80u) --cut;
+        }
+      }
+      impl_->encode_run(run.substr(0, cut), out, ids);
+      run.remove_prefix(cut);
+    }
+  };
+  // The specials' text goes out as bytes; SentencePiece never sees it (it would match it whole).
+  size_t run = 0, i = 0;
+  while (i < text.size() && !over()) {
+    size_t hit = 0;
+    if (text[i] == '<')
+      for (const auto& name : kSpecials)
+        if (text.compare(i, name.size(), name) == 0) hit = std::max(hit, name.size());
+    if (hit == 0) {
+      ++i;
+      continue;
+    }
+    plain(text.substr(run, i - run));
+    if (over()) break;
+    impl_->append_bytes(text.substr(i, hit), out);
+    i += hit;
+    run = i;
+  }
+  if (!over()) plain(text.substr(run));
+  return out;
+}
+
+int64_t Tokenizer::max_piece_bytes() const { return impl_->max_piece; }
 
 std::string Tokenizer::decode(const std::vector<int32_t>& ids) const {
   std::string out;

@@ -11,8 +11,10 @@
 // Two things SentencePiece cannot represent are sent as byte pieces by encode() itself, so they
 // survive: bytes that are not valid UTF-8 (SentencePiece would turn them into U+FFFD) and the
 // character U+2581 "▁" (SentencePiece's own stand-in for a space).
-// The specials' text ("<|user|>") inside an encoded string becomes the special's single id; decode()
-// renders it back as that text. bos/eos/pad decode to nothing, <unk> to U+FFFD.
+// The specials' text ("<|user|>") inside a string given to encode() becomes the special's single id
+// (training data, hand-built prompts); encode_text() never makes one (user and tool text: a user who
+// writes "<|end|><|system|>" must not end their turn). decode() renders a special back as its text.
+// bos/eos/pad decode to nothing, <unk> to U+FFFD.
 // A Tokenizer is cheap to copy (shared, immutable) and safe to use from many threads.
 #include <cstdint>
 #include <memory>
@@ -42,6 +44,17 @@ class Tokenizer {
   static Tokenizer from_bytes(const std::string& bytes, const std::string& label);
 
   std::vector<int32_t> encode(std::string_view text) const;   // no specials added
+  // Plain text: a special's text inside `text` is encoded as its bytes (byte pieces), never as the
+  // special's id; otherwise the same ids as encode(). Memory stays bounded for any length: the text is
+  // encoded in pieces cut where no learned piece can span (before a space that follows a non-space; a
+  // run of more than 64 KiB without one is cut at a character boundary, the only place where the ids
+  // may differ from encode()'s). With `max_tokens` >= 0 encoding stops as soon as more than max_tokens
+  // ids exist (the result then holds more than max_tokens ids, not all of the text): a caller learns
+  // "too long" without encoding all of a huge text.
+  std::vector<int32_t> encode_text(std::string_view text, int64_t max_tokens = -1) const;
+  // Bytes of the longest piece: a text of B bytes has at least ceil(B / max_piece_bytes()) ids from
+  // encode_text(), so a text can be found too long from its size alone.
+  int64_t max_piece_bytes() const;
   std::string decode(const std::vector<int32_t>& ids) const;  // throws on an id outside [0, vocab_size)
   // Bytes that `id` contributes to decode() (a byte piece gives one byte, possibly part of a UTF-8 char).
   const std::string& piece_bytes(int32_t id) const;

@@ -1,6 +1,9 @@
 // The HTTP server in-process on an ephemeral loopback port: health and models, completions and chat
 // completions (plain and SSE), every 400 case, concurrent clients batched together and answered exactly
-// like sequential ones, timeouts, and shutdown with requests in flight.
+// like sequential ones, timeouts, and shutdown with requests in flight; OpenAI compatibility (issue 24:
+// max_completion_tokens, content parts, the developer role, logprobs, echo, /v1/models/{id}, 404
+// model_not_found, standard finish reasons, 400 naming unsupported fields, tiny top_p /
+// repetition_penalty). Limits, the door and the SDK test are in the other files of this folder.
 #include <gtest/gtest.h>
 #include <httplib.h>
 
@@ -10,161 +13,11 @@
 #include "infer/generate.hpp"
 #include "io/json.hpp"
 #include "serve/server.hpp"
+#include "tests/serve/harness.hpp"
 #include "testing.hpp"
 
 using namespace lm;
-using json = io::json;
-
-namespace {
-
-std::shared_ptr<io::Tokenizer> g_tok;
-
-std::string corpus_text(int i) {
-  static const char* w[] = {"alpha", "beta", "gamma", "delta", "river", "stone", "light", "cloud", "seven", "green"};
-  std::string s;
-  for (int k = 0; k < 200; ++k) s += std::string(w[(k * 7 + i) % 10]) + (k % 9 == 8 ? ".\n" : " ");
-  return s;
-}
-
-const io::Tokenizer& tokenizer() {
-  if (!g_tok) {
-    const auto dir = std::filesystem::temp_directory_path() / ("longmoe_serve_test_" + std::to_string(getpid()));
-    std::filesystem::create_directories(dir);
-    std::vector<std::string> texts;
-    for (int i = 0; i < 40; ++i) texts.push_back(corpus_text(i));
-    io::Tokenizer::TrainOptions o;
-    o.vocab_size = 320;
-    g_tok = std::make_shared<io::Tokenizer>(io::Tokenizer::train(texts, (dir / "tok.model").string(), o));
-  }
-  return *g_tok;
-}
-
-model::ModelConfig small_config(int64_t vocab) {
-  const std::string s = R"({"model_type": "kimi_linear", "vocab_size": )" + std::to_string(vocab) + R"(,
-    "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 2,
-    "q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
-    "mla_use_nope": true, "mla_use_output_gate": true,
-    "linear_attn_config": {"num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 4, "use_full_rank_gate": true,
-       "gate_lower_bound": -5.0, "kda_layers": [1, 2], "full_attn_layers": [3]},
-    "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
-    "intermediate_size": 40, "first_k_dense_replace": 1, "moe_layer_freq": 1, "num_experts": 4,
-    "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 16,
-    "routed_expert_hidden_size": 24, "moe_router_activation_func": "sigmoid", "moe_renormalize": true,
-    "routed_scaling_factor": 1.0, "num_expert_group": 1, "topk_group": 1, "attn_res_block_size": 2,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
-  return model::ModelConfig::from_json(io::json::parse(s), "serve test config");
-}
-
-// A running server on a free port, with its own model and session.
-struct Harness {
-  model::Model<float> m;
-  infer::Session s;
-  serve::Server server;
-  int port;
-  std::thread th;
-  Harness(serve::ServerOptions o, int64_t context = 256)
-      : m(small_config(tokenizer().vocab_size())),
-        s(m, infer::SessionOptions{64, context, int64_t(16) << 20}),
-        server(s, tokenizer(), (o.port = 0, o)),
-        port(0) {
-    m.params().init(7);
-    // Random weights would stop at <|end|> / </s> whenever they like; make those logits 0 and every other
-    // one large, so generations run to max_tokens (timeouts and shutdown need long requests).
-    auto& head = m.params().at("lm_head.weight");
-    const int64_t d = m.config().hidden_size;
-    for (int64_t v = 0; v < m.config().vocab_size; ++v) {
-      const bool stop = v == tokenizer().eos() || v == tokenizer().special("<|end|>");
-      for (int64_t c = 0; c < d; ++c) head.w()[v * d + c] *= stop ? 0.0f : 50.0f;
-    }
-    port = server.bind();
-    th = std::thread([this] { server.run(); });
-  }
-  ~Harness() {
-    server.stop();
-    th.join();
-  }
-  httplib::Client client() {
-    httplib::Client c("127.0.0.1", port);
-    c.set_read_timeout(60, 0);
-    return c;
-  }
-  httplib::Result post(const std::string& path, const std::string& body) {
-    return client().Post(path.c_str(), body, "application/json");
-  }
-};
-
-serve::ServerOptions opts() {
-  serve::ServerOptions o;
-  o.model_name = "tiny";
-  o.max_batch = 8;
-  o.request_timeout_s = 60;
-  o.http_threads = 48;
-  return o;
-}
-
-// The `data:` payloads of an SSE body, in order; checks the framing.
-std::vector<std::string> sse_events(const std::string& body) {
-  std::vector<std::string> ev;
-  size_t at = 0;
-  while (at < body.size()) {
-    const size_t end = body.find("\n\n", at);
-    EXPECT_NE(end, std::string::npos) << "unterminated event";
-    if (end == std::string::npos) break;
-    const std::string e = body.substr(at, end - at);
-    EXPECT_EQ(e.rfind("data: ", 0), 0u) << e;
-    ev.push_back(e.substr(6));
-    at = end + 2;
-  }
-  return ev;
-}
-
-// Concatenated text of a streamed response; checks the final event and [DONE].
-std::string sse_text(const std::string& body, bool chat, std::string* finish = nullptr) {
-  const auto ev = sse_events(body);
-  EXPECT_GE(ev.size(), 2u);
-  if (ev.size() < 2) return {};
-  EXPECT_EQ(ev.back(), "[DONE]");
-  std::string text;
-  for (size_t i = 0; i + 1 < ev.size(); ++i) {
-    const json j = json::parse(ev[i]);
-    EXPECT_EQ(j["object"], chat ? "chat.completion.chunk" : "text_completion");
-    const json& c = j["choices"][0];
-    if (chat) {
-      if (c["delta"].contains("content")) text += c["delta"]["content"].get<std::string>();
-    } else {
-      text += c["text"].get<std::string>();
-    }
-    if (i + 2 == ev.size()) {
-      EXPECT_FALSE(c["finish_reason"].is_null());
-      if (finish) *finish = c["finish_reason"].get<std::string>();
-    } else {
-      EXPECT_TRUE(c["finish_reason"].is_null());
-    }
-  }
-  return text;
-}
-
-// JSON carries text as UTF-8: a random model's invalid bytes arrive as U+FFFD.
-std::string as_json_text(const std::string& s) {
-  return json::parse(json(s).dump(-1, ' ', false, json::error_handler_t::replace)).get<std::string>();
-}
-
-// What the engine generates for `prompt` without the server (greedy), as JSON text.
-std::string direct_completion(Harness& h, const std::string& prompt, int64_t max_tokens) {
-  const auto& tok = tokenizer();
-  std::vector<int32_t> ids = {tok.bos()};
-  const auto e = tok.encode(prompt);
-  ids.insert(ids.end(), e.begin(), e.end());
-  infer::SamplingParams sp;
-  sp.temperature = 0;
-  sp.max_tokens = max_tokens;
-  sp.stop_tokens = {tok.eos()};
-  infer::Session s(h.m, infer::SessionOptions{64, 256, 0});
-  infer::Sequence seq = s.new_sequence();
-  return as_json_text(infer::generate(s, seq, tok, ids, sp, [](const std::string&) {}).text());
-}
-
-}  // namespace
+using namespace lm::serve_test;
 
 TEST(Server, HealthAndModels) {
   Harness h(opts());
@@ -172,7 +25,12 @@ TEST(Server, HealthAndModels) {
   auto r = c.Get("/health");
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 200);
-  EXPECT_EQ(json::parse(r->body)["status"], "ok");
+  const json hj = json::parse(r->body);
+  EXPECT_EQ(hj["status"], "ok");
+  // Resident memory (not only the heap figure): what a flood would grow.
+  EXPECT_GT(hj["resident_bytes"].get<int64_t>(), int64_t(1) << 20);
+  EXPECT_GE(hj["peak_resident_bytes"].get<int64_t>(), hj["resident_bytes"].get<int64_t>());
+  EXPECT_EQ(hj["inflight_bytes"], 0);
   r = c.Get("/v1/models");
   ASSERT_TRUE(r);
   const json j = json::parse(r->body);
@@ -250,7 +108,6 @@ TEST(Server, InvalidRequestsGet400AndTheServerKeepsServing) {
       {"/v1/completions", R"({"prompt": "x", "temperature": "hot"})"},
       {"/v1/completions", R"({"prompt": "x", "stream": "yes"})"},
       {"/v1/completions", R"({"prompt": "x", "stop": 3})"},
-      {"/v1/completions", R"({"prompt": "x", "model": "gpt-9"})"},
       {"/v1/completions", R"({"prompt": "x", "model": 1})"},
       {"/v1/completions", json{{"prompt", long_prompt}}.dump()},
       {"/v1/completions", R"({"prompt": "x", "temperature": 5})"},
@@ -317,9 +174,10 @@ TEST(Server, TimeoutEndsTheRequest) {
   EXPECT_EQ(r->status, 504) << r->body;
   r = h.post("/v1/completions", R"({"prompt": "alpha", "max_tokens": 4000, "stream": true})");
   ASSERT_TRUE(r);
-  std::string finish;
-  sse_text(r->body, false, &finish);
-  EXPECT_EQ(finish, "timeout");
+  std::string finish, detail;
+  sse_text(r->body, false, &finish, &detail);
+  EXPECT_EQ(finish, "length");  // a standard finish_reason; what cut it short is in finish_detail
+  EXPECT_EQ(detail, "timeout");
   EXPECT_GE(h.server.stats().timeouts, 2);
 }
 
@@ -333,9 +191,237 @@ TEST(Server, ShutdownWithRequestsInFlight) {
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   h->server.stop();
   client.join();
-  std::string finish;
-  sse_text(body, false, &finish);
-  EXPECT_EQ(finish, "shutdown");
+  std::string finish, detail;
+  sse_text(body, false, &finish, &detail);
+  EXPECT_EQ(finish, "length");
+  EXPECT_EQ(detail, "shutdown");
   EXPECT_FALSE(h->server.running() && false);
   h.reset();  // run() returned: the destructor joins it
+}
+
+// ---- OpenAI compatibility (issue 24) -------------------------------------------------------------------
+
+namespace {
+json post_json(Harness& h, const std::string& path, const json& body, int* status = nullptr) {
+  auto r = h.post(path, body.dump());
+  if (!r) return json();
+  if (status) *status = r->status;
+  return json::parse(r->body, nullptr, false);
+}
+json user(const std::string& text) { return json::array({{{"role", "user"}, {"content", text}}}); }
+}  // namespace
+
+TEST(OpenAI, ModelByIdAndUnknownModelIs404) {
+  Harness h(opts());
+  auto c = h.client();
+  auto r = c.Get("/v1/models/tiny");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(json::parse(r->body)["id"], "tiny");
+  EXPECT_EQ(json::parse(r->body)["object"], "model");
+  r = c.Get("/v1/models/gpt-9");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 404);
+  EXPECT_EQ(json::parse(r->body)["error"]["code"], "model_not_found");
+  int st = 0;
+  const json e = post_json(h, "/v1/completions", {{"prompt", "x"}, {"model", "gpt-9"}}, &st);
+  EXPECT_EQ(st, 404);
+  EXPECT_EQ(e["error"]["code"], "model_not_found");
+  EXPECT_EQ(e["error"]["param"], "model");
+  const json ec = post_json(h, "/v1/chat/completions", {{"messages", user("hi")}, {"model", "gpt-9"}}, &st);
+  EXPECT_EQ(st, 404);
+  EXPECT_EQ(ec["error"]["code"], "model_not_found");
+}
+
+TEST(OpenAI, MaxCompletionTokens) {
+  Harness h(opts());
+  int st = 0;
+  json j = post_json(h, "/v1/chat/completions",
+                     {{"messages", user("river")}, {"max_completion_tokens", 5}, {"temperature", 0}}, &st);
+  ASSERT_EQ(st, 200) << j;
+  EXPECT_EQ(j["usage"]["completion_tokens"], 5);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  j = post_json(h, "/v1/completions", {{"prompt", "river"}, {"max_completion_tokens", 3}}, &st);
+  ASSERT_EQ(st, 200) << j;
+  EXPECT_EQ(j["usage"]["completion_tokens"], 3);
+  j = post_json(h, "/v1/chat/completions",
+                {{"messages", user("river")}, {"max_completion_tokens", 5}, {"max_tokens", 6}}, &st);
+  EXPECT_EQ(st, 400);
+  EXPECT_EQ(j["error"]["param"], "max_completion_tokens");
+}
+
+TEST(OpenAI, ContentPartsAndTheDeveloperRole) {
+  Harness h(opts());
+  const json parts = json::array({{{"type", "text"}, {"text", "river"}}, {{"type", "text"}, {"text", "stone"}}});
+  int sa = 0, sb = 0;
+  const json a = post_json(h, "/v1/chat/completions",
+                           {{"messages", json::array({{{"role", "developer"}, {"content", "be brief"}},
+                                                      {{"role", "user"}, {"content", parts}}})},
+                            {"max_tokens", 6},
+                            {"temperature", 0}},
+                           &sa);
+  const json b = post_json(h, "/v1/chat/completions",
+                           {{"messages", json::array({{{"role", "system"}, {"content", "be brief"}},
+                                                      {{"role", "user"}, {"content", "river\nstone"}}})},
+                            {"max_tokens", 6},
+                            {"temperature", 0}},
+                           &sb);
+  ASSERT_EQ(sa, 200) << a;
+  ASSERT_EQ(sb, 200) << b;
+  EXPECT_EQ(a["usage"]["prompt_tokens"], b["usage"]["prompt_tokens"]);
+  EXPECT_EQ(a["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"]);
+  // Image parts wait for vision: a 400 that names the part.
+  const json img = json::array({{{"type", "text"}, {"text", "what is this"}},
+                                {{"type", "image_url"}, {"image_url", {{"url", "data:image/png;base64,AAAA"}}}}});
+  const json e = post_json(h, "/v1/chat/completions",
+                           {{"messages", json::array({{{"role", "user"}, {"content", img}}})}}, &sa);
+  EXPECT_EQ(sa, 400);
+  EXPECT_EQ(e["error"]["param"], "messages[0].content[1].type");
+  EXPECT_NE(e["error"]["message"].get<std::string>().find("image"), std::string::npos);
+}
+
+TEST(OpenAI, UnsupportedFieldsGet400NamingThem) {
+  Harness h(opts());
+  const json tool = {{"type", "function"}, {"function", {{"name", "f"}, {"parameters", json::object()}}}};
+  const std::vector<std::pair<json, std::string>> bad = {
+      {{{"messages", user("hi")}, {"tools", json::array({tool})}}, "tools"},
+      {{{"messages", user("hi")}, {"tool_choice", "auto"}}, "tool_choice"},
+      {{{"messages", user("hi")}, {"frobnicate", 1}}, "frobnicate"},
+      {{{"messages", user("hi")}, {"presence_penalty", 0.5}}, "presence_penalty"},
+      {{{"messages", user("hi")}, {"response_format", {{"type", "json_object"}}}}, "response_format"},
+      {{{"messages", user("hi")}, {"logit_bias", {{"5", 10}}}}, "logit_bias"},
+      {{{"messages", user("hi")}, {"top_logprobs", 2}}, "top_logprobs"},
+      {{{"messages", user("hi")}, {"echo", true}}, "echo"},
+      {{{"messages", json::array({{{"role", "tool"}, {"content", "42"}, {"tool_call_id", "x"}}})}},
+       "messages[0].role"},
+      {{{"messages", json::array({{{"role", "user"}, {"content", "hi"}, {"name", "bob"}}})}}, "messages[0].name"},
+      {{{"messages", user("hi")}, {"stream_options", {{"include_usage", true}}}}, "stream_options"},
+      {{{"messages", user("hi")}, {"repetition_penalty", 1e-300}}, "repetition_penalty"},
+  };
+  for (const auto& [body, param] : bad) {
+    int st = 0;
+    const json e = post_json(h, "/v1/chat/completions", body, &st);
+    EXPECT_EQ(st, 400) << body;
+    EXPECT_EQ(e["error"]["param"], param) << body << " -> " << e;
+  }
+  int st = 0;
+  const json cbad = post_json(h, "/v1/completions", {{"prompt", "x"}, {"suffix", "y"}}, &st);
+  EXPECT_EQ(st, 400);
+  EXPECT_EQ(cbad["error"]["param"], "suffix");
+  // Neutral values of those fields are fine.
+  const json ok = post_json(h, "/v1/chat/completions",
+                            {{"messages", user("hi")},
+                             {"max_tokens", 2},
+                             {"presence_penalty", 0},
+                             {"frequency_penalty", 0},
+                             {"logit_bias", json::object()},
+                             {"response_format", {{"type", "text"}}},
+                             {"tool_choice", "none"},
+                             {"user", "someone"}},
+                            &st);
+  EXPECT_EQ(st, 200) << ok;
+}
+
+TEST(OpenAI, TinyTopPAndTemperatureAreHandled) {
+  Harness h(opts());
+  int st = 0;
+  const json greedy = post_json(h, "/v1/completions", {{"prompt", "alpha beta"}, {"max_tokens", 6}, {"temperature", 0}},
+                                &st);
+  ASSERT_EQ(st, 200) << greedy;
+  // top_p 1e-300 keeps only the most likely token: greedy's text, whatever the seed.
+  const json tiny = post_json(
+      h, "/v1/completions", {{"prompt", "alpha beta"}, {"max_tokens", 6}, {"top_p", 1e-300}, {"seed", 3}}, &st);
+  ASSERT_EQ(st, 200) << tiny;
+  EXPECT_EQ(tiny["choices"][0]["text"], greedy["choices"][0]["text"]);
+  const json cold = post_json(h, "/v1/completions", {{"prompt", "alpha beta"}, {"max_tokens", 6}, {"temperature", 1e-300}},
+                              &st);
+  ASSERT_EQ(st, 200) << cold;
+  EXPECT_EQ(cold["choices"][0]["text"], greedy["choices"][0]["text"]);
+  const json rp = post_json(h, "/v1/completions", {{"prompt", "x"}, {"repetition_penalty", 1e-300}}, &st);
+  EXPECT_EQ(st, 400);
+  EXPECT_EQ(rp["error"]["param"], "repetition_penalty");
+}
+
+TEST(OpenAI, LogprobsOfTheSampledDistribution) {
+  Harness h(opts());
+  int st = 0;
+  // Chat, greedy: one entry per generated token, its alternatives sorted, the chosen token first.
+  const json j = post_json(h, "/v1/chat/completions",
+                           {{"messages", user("river stone")},
+                            {"max_tokens", 6},
+                            {"temperature", 0},
+                            {"logprobs", true},
+                            {"top_logprobs", 3}},
+                           &st);
+  ASSERT_EQ(st, 200) << j;
+  const json& content = j["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 6u) << j;
+  std::string bytes;
+  for (const auto& t : content) {
+    ASSERT_EQ(t["top_logprobs"].size(), 3u);
+    EXPECT_LE(t["logprob"].get<double>(), 0.0);
+    EXPECT_EQ(t["top_logprobs"][0]["token"], t["token"]);  // greedy picks the most likely
+    EXPECT_DOUBLE_EQ(t["top_logprobs"][0]["logprob"].get<double>(), t["logprob"].get<double>());
+    EXPECT_GE(t["top_logprobs"][0]["logprob"].get<double>(), t["top_logprobs"][1]["logprob"].get<double>());
+    for (const auto& b : t["bytes"]) bytes += static_cast<char>(b.get<int>());
+  }
+  EXPECT_EQ(as_json_text(bytes), j["choices"][0]["message"]["content"]);
+  // Completions, sampled: the drawn token's log-probability is finite and no larger than the best one.
+  const json c = post_json(h, "/v1/completions",
+                           {{"prompt", "alpha"}, {"max_tokens", 5}, {"temperature", 0.9}, {"seed", 11}, {"logprobs", 2}},
+                           &st);
+  ASSERT_EQ(st, 200) << c;
+  const json& lp = c["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["tokens"].size(), 5u);
+  ASSERT_EQ(lp["token_logprobs"].size(), 5u);
+  for (size_t i = 0; i < 5; ++i) {
+    const double v = lp["token_logprobs"][i].get<double>();
+    EXPECT_LE(v, 0.0);
+    EXPECT_GT(v, -1000.0);
+    EXPECT_LE(lp["top_logprobs"][i].size(), 2u);
+    if (i > 0) {
+      EXPECT_GE(lp["text_offset"][i].get<int64_t>(), lp["text_offset"][i - 1].get<int64_t>());
+    }
+  }
+  // Streamed: the entries arrive with the chunks, one per token in all.
+  auto r = h.post("/v1/chat/completions", json{{"messages", user("river")},
+                                               {"max_tokens", 7},
+                                               {"temperature", 0},
+                                               {"stream", true},
+                                               {"logprobs", true}}
+                                              .dump());
+  ASSERT_TRUE(r);
+  size_t n = 0;
+  for (const auto& e : sse_events(r->body)) {
+    if (e == "[DONE]") continue;
+    const json ev = json::parse(e);
+    if (!ev["choices"].empty() && ev["choices"][0]["logprobs"].is_object())
+      n += ev["choices"][0]["logprobs"]["content"].size();
+  }
+  EXPECT_EQ(n, 7u);
+}
+
+TEST(OpenAI, EchoAndIncludeUsage) {
+  Harness h(opts());
+  int st = 0;
+  const json plain = post_json(h, "/v1/completions", {{"prompt", "alpha beta"}, {"max_tokens", 4}, {"temperature", 0}},
+                               &st);
+  const json echo = post_json(
+      h, "/v1/completions", {{"prompt", "alpha beta"}, {"max_tokens", 4}, {"temperature", 0}, {"echo", true}}, &st);
+  ASSERT_EQ(st, 200) << echo;
+  EXPECT_EQ(echo["choices"][0]["text"].get<std::string>(), "alpha beta" + plain["choices"][0]["text"].get<std::string>());
+  auto r = h.post("/v1/completions", json{{"prompt", "alpha beta"},
+                                          {"max_tokens", 4},
+                                          {"temperature", 0},
+                                          {"echo", true},
+                                          {"stream", true},
+                                          {"stream_options", {{"include_usage", true}}}}
+                                         .dump());
+  ASSERT_TRUE(r);
+  EXPECT_EQ(sse_text(r->body, false), echo["choices"][0]["text"].get<std::string>());
+  const auto ev = sse_events(r->body);
+  ASSERT_GE(ev.size(), 3u);
+  const json u = json::parse(ev[ev.size() - 2]);
+  EXPECT_TRUE(u["choices"].empty());
+  EXPECT_EQ(u["usage"]["completion_tokens"], 4);
 }
