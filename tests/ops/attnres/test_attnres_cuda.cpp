@@ -17,6 +17,7 @@
 #include "cuda_testing.hpp"
 #include "ops/attnres/attnres.hpp"
 #include "ops/attnres/cuda/attnres_cuda.hpp"
+#include "ops/rmsnorm/rmsnorm.hpp"  // the CPU reference of the fused norm
 
 using namespace lm;
 using namespace lm::cuda_testing;  // Dev, copies, REQUIRE_GPU, kc / oc, tolerances
