@@ -5,7 +5,7 @@
 // Run directory layout (`out`):
 //   config.json, tokenizer.model        the model config actually trained (vocab from the tokenizer)
 //   run.json                            the run config, as resolved
-//   metrics.jsonl                       one line per step (+ eval lines), see train/plot.hpp
+//   metrics.jsonl                       one line per step (+ eval lines), see plot/panels.hpp
 //   ckpt/step-00000123/                 checkpoints: config.json, model.safetensors (HF names),
 //                                       tokenizer.model, optimizer.safetensors, trainer_state.json
 //   stage-<i>/                          the checkpoint that closed curriculum stage i
