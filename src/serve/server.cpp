@@ -485,6 +485,7 @@ struct Request {
   std::unique_ptr<infer::Generation> gen;
   int32_t next_token = -1;
   int64_t skipped = 0;  // scheduler iterations this prefill was passed over (ageing)
+  int64_t prefill_pieces = 0;  // prefill pieces done
 };
 
 struct Server::Impl {
@@ -517,6 +518,7 @@ struct Server::Impl {
   mutable std::mutex smu;
   ServerStats st;
   std::vector<std::shared_ptr<Request>> active, prefilling;  // scheduler thread only
+  double prefill_debt_s = 0;  // continued-prefill time not yet matched by decode time (scheduler thread)
   std::vector<int32_t> chat_stops, completion_stops;
   Budget budget;
   ConnTable conns;
@@ -858,8 +860,12 @@ struct Server::Impl {
       if (depth > 64) throw BadRequest{"the request body nests deeper than 64 levels", ""};
       return true;
     };
-    const json j = json::parse(body, depth_limit, false);
-    if (j.is_discarded()) throw BadRequest{"malformed JSON in the request body", ""};
+    json j;
+    try {
+      j = json::parse(body, depth_limit, true);
+    } catch (const json::exception& e) {  // e.g. "syntax error ...", "number overflow parsing '1e400'"
+      throw BadRequest{fmt::format("malformed JSON in the request body: {}", e.what()), ""};
+    }
     if (!j.is_object()) throw BadRequest{"the request body must be a JSON object", ""};
     static const std::vector<std::string> common = {"model", "stream", "stream_options", "n", "max_tokens",
                                                     "max_completion_tokens", "temperature", "top_p", "top_k",
@@ -1097,8 +1103,12 @@ struct Server::Impl {
 
   // One prefill chunk's worth of prompt tokens: pieces that end on the session's grid, shortest remaining
   // prompt first (a prefill passed over moves up by one chunk per iteration), at least one piece.
+  // While sequences are decoding, a prompt that has had its first piece continues only when the decode
+  // steps since have taken as long as its pieces did (prefill_debt_s): running streams keep at least half
+  // of the time, a new request's first piece (all of a short prompt) never waits.
   void prefill_round() {
     if (prefilling.empty()) return;
+    if (active.empty()) prefill_debt_s = 0;
     const int64_t Cp = session.options().prefill_chunk;
     auto key = [&](const Request& r) {
       return static_cast<int64_t>(r.prompt.size()) - r.seq.pos() - r.skipped * Cp;
@@ -1112,12 +1122,14 @@ struct Server::Impl {
       Request& r = *rp;
       const int64_t n = static_cast<int64_t>(r.prompt.size()), p = r.seq.pos();
       const int64_t piece = std::min(n - p, Cp - p % Cp);
+      if (r.prefill_pieces > 0 && prefill_debt_s > 0) continue;
       if (!first && piece > room) {
         ++r.skipped;
         continue;
       }
       first = false;
       room -= piece;
+      const auto t0 = Clock::now();
       try {
         // Only the prompt's last grid point is worth a prefix-cache snapshot (as in one prefill call).
         const bool store = p + piece == n / Cp * Cp;
@@ -1126,6 +1138,7 @@ struct Server::Impl {
                                                                               static_cast<size_t>(piece)),
                             nullptr, store);
         count(&ServerStats::prefill_chunks);
+        if (r.prefill_pieces++ > 0 && !active.empty()) prefill_debt_s += std::chrono::duration<double>(Clock::now() - t0).count();
         if (r.seq.pos() == n) {
           count(&ServerStats::prompt_tokens, n);
           r.gen = std::make_unique<infer::Generation>(&tok, r.sp, r.prompt, r.id);
@@ -1142,6 +1155,12 @@ struct Server::Impl {
 
   void decode_round() {
     if (active.empty()) return;
+    const auto t0 = Clock::now();
+    struct Repay {
+      double& debt;
+      Clock::time_point t0;
+      ~Repay() { debt = std::max(0.0, debt - std::chrono::duration<double>(Clock::now() - t0).count()); }
+    } repay{prefill_debt_s, t0};
     std::vector<infer::Sequence*> seqs;
     std::vector<int32_t> toks;
     for (auto& r : active) seqs.push_back(&r->seq), toks.push_back(r->next_token);
@@ -1623,8 +1642,14 @@ void Server::stop() {
 }
 
 ServerStats Server::stats() const {
+  int64_t queued = 0;
+  {
+    std::lock_guard<std::mutex> q(impl_->qmu);  // before smu: the scheduler takes qmu, then smu
+    queued = static_cast<int64_t>(impl_->queue.size());
+  }
   std::lock_guard<std::mutex> lk(impl_->smu);
   ServerStats s = impl_->st;
+  s.queued = queued;
   s.active = impl_->n_active.load();
   s.prefilling = impl_->n_prefilling.load();
   s.connections = impl_->conns.size();

@@ -37,8 +37,10 @@
 // its head), else it gets 503. A request's head and body must arrive within header_timeout_s in all (not
 // per line). A client that disconnects cancels its request (streaming or not), as does the request timeout.
 // The scheduler prefills long prompts one chunk (SessionOptions::prefill_chunk, on the session's absolute
-// grid) per iteration, shortest remaining prompt first (with ageing), between the decode steps of running
-// sequences, so a long prompt never stalls other streams.
+// grid, so the result is bit for bit that of one prefill call) per iteration, shortest remaining prompt
+// first (with ageing), between the decode steps of running sequences; while sequences decode, a prompt
+// past its first chunk gets at most half of the time. A long prompt never stalls other streams: a new
+// request waits at most for the chunk in flight (`serve` uses 128-token chunks for that reason).
 // A closed door by default: with an API key (ServerOptions::api_key; `serve --api-key` or LONGMOE_API_KEY)
 // every route but /health needs "Authorization: Bearer <key>" (compared in constant time); on a loopback
 // bind the Host header must be localhost, 127.0.0.1 or [::1] (any port) or one of allowed_hosts (DNS

@@ -104,6 +104,7 @@ struct Harness {
   httplib::Client client() {
     httplib::Client c("127.0.0.1", port);
     c.set_read_timeout(60, 0);
+    c.set_tcp_nodelay(true);  // the head and the body go out at once (no Nagle wait for an ACK)
     return c;
   }
   httplib::Result post(const std::string& path, const std::string& body) {
