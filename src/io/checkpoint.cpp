@@ -26,28 +26,27 @@ std::string resolve_checkpoint(const std::string& path) {
   };
   const fs::path p(path);
   if (is_checkpoint(p)) return p.string();
-  // A run folder: `latest`, or when a kill left it missing or naming a folder not (yet) in place, the newest
-  // complete checkpoint under ckpt/ (step-* folders appear complete, by rename; a .old-step-* is one whose
-  // replacement by a save of the same step did not finish).
-  std::string rel;
+  // A run folder: the checkpoint `latest` names, or the states a kill can leave (train/run_dir.cpp): `latest`
+  // naming a folder that a same-step save had renamed aside to .old-<name> when it died, or no `latest` yet
+  // while complete step-* folders exist (they appear complete, by rename): the newest of them.
   if (fs::exists(p / "latest")) {
     std::ifstream in(p / "latest");
+    std::string rel;
     std::getline(in, rel);
     const fs::path r(rel);
     LM_CHECK(!rel.empty() && r.is_relative() && std::find(r.begin(), r.end(), "..") == r.end(),
              "'{}': 'latest' names '{}', which is not a folder inside the run", path, rel);
     if (is_checkpoint(p / r)) return (p / r).string();
+    const fs::path aside = (p / r).parent_path() / (".old-" + r.filename().string());
+    LM_CHECK(is_checkpoint(aside), "'{}': 'latest' names '{}', which is not a checkpoint", path, rel);
+    return aside.string();
   }
-  std::vector<std::pair<std::string, fs::path>> found;  // (step name, folder)
+  std::vector<fs::path> steps;
   std::error_code ec;
   if (fs::is_directory(p / "ckpt", ec))
-    for (const auto& e : fs::directory_iterator(p / "ckpt", ec)) {
-      std::string n = e.path().filename().string();
-      if (n.rfind(".old-", 0) == 0) n = n.substr(5);
-      if (n.rfind("step-", 0) == 0 && is_checkpoint(e.path())) found.emplace_back(n, e.path());
-    }
-  if (!found.empty()) return std::max_element(found.begin(), found.end())->second.string();
-  LM_CHECK(rel.empty(), "'{}': 'latest' names '{}', which is not a checkpoint", path, rel);
+    for (const auto& e : fs::directory_iterator(p / "ckpt", ec))
+      if (e.path().filename().string().rfind("step-", 0) == 0 && is_checkpoint(e.path())) steps.push_back(e.path());
+  if (!steps.empty()) return std::max_element(steps.begin(), steps.end())->string();
   fail("'{}' is neither a checkpoint folder (config.json + model.safetensors) nor a run folder with 'latest'", path);
 }
 
