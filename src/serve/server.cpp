@@ -767,6 +767,11 @@ struct Server::Impl {
       return HR::Unhandled;
     }
     // POST to a generation route: a JSON body of bounded size, in a form we read ourselves.
+    if (!req.has_header("Content-Length") && !req.has_header("Transfer-Encoding")) {
+      // (httplib would read such a body until the client closes.)
+      refuse(res, 411, "a POST needs Content-Length or Transfer-Encoding: chunked", "invalid_request_error");
+      return HR::Handled;
+    }
     if (req.has_header("Transfer-Encoding") && lower(trim(req.get_header_value("Transfer-Encoding"))) != "chunked") {
       refuse(res, 501, fmt::format("Transfer-Encoding '{}' is not supported (only chunked)",
                                    req.get_header_value("Transfer-Encoding")),
