@@ -144,7 +144,7 @@ struct Conn {
   std::atomic<int64_t> since{0};  // steady-clock ns when the phase began
   Clock::time_point start, deadline;
   int64_t head_bytes = 0, bytes_in = 0, bytes_out = 0;
-  bool close_after = false, drain = false, timed_out = false;
+  bool close_after = false, drain = false, timed_out = false, has_body = false;
   std::vector<char> buf = std::vector<char>(16384);
   size_t off = 0, len = 0;
   json log = json::object();  // extra fields for this request's access-log line
@@ -589,7 +589,7 @@ struct Server::Impl {
       c.start = Clock::now();
       c.deadline = c.start + seconds(o.header_timeout_s);
       c.head_bytes = c.bytes_in = c.bytes_out = 0;
-      c.timed_out = false;
+      c.timed_out = c.has_body = false;
       c.log = json::object();
       ConnStream strm(c, net_stopping, 30);
       bool closed = false;
@@ -690,13 +690,16 @@ struct Server::Impl {
   }
   static void close_unread(httplib::Response& res) {
     res.set_header("Connection", "close");
-    if (t_conn) t_conn->close_after = t_conn->drain = true;
+    if (t_conn) t_conn->close_after = true, t_conn->drain = t_conn->has_body;
   }
 
   // Runs before httplib reads a body: every check that needs only the head.
   httplib::Server::HandlerResponse gate(const httplib::Request& req, httplib::Response& res) {
     using HR = httplib::Server::HandlerResponse;
     const bool gen = is_generation_route(req.path);
+    const bool has_body = req.has_header("Transfer-Encoding") ||
+                          (req.has_header("Content-Length") && req.get_header_value("Content-Length") != "0");
+    if (t_conn) t_conn->has_body = has_body;
     if (t_conn && !(gen && req.method == "POST")) t_conn->set_phase(Phase::Handling);
     if (!host_allowed(req.get_header_value("Host"))) {
       refuse(res, 403,
@@ -746,8 +749,6 @@ struct Server::Impl {
         return HR::Handled;
       }
     }
-    const bool has_body = req.has_header("Transfer-Encoding") ||
-                          (req.has_header("Content-Length") && req.get_header_value("Content-Length") != "0");
     if (gen && req.method != "POST") {
       res.set_header("Allow", "POST, OPTIONS");
       refuse(res, 405, fmt::format("{} {} is not allowed (use POST)", req.method, req.path), "invalid_request_error");
@@ -767,6 +768,11 @@ struct Server::Impl {
       return HR::Unhandled;
     }
     // POST to a generation route: a JSON body of bounded size, in a form we read ourselves.
+    if (!req.has_header("Content-Length") && !req.has_header("Transfer-Encoding")) {
+      // (httplib would read such a body until the client closes.)
+      refuse(res, 411, "a POST needs Content-Length or Transfer-Encoding: chunked", "invalid_request_error");
+      return HR::Handled;
+    }
     if (req.has_header("Transfer-Encoding") && lower(trim(req.get_header_value("Transfer-Encoding"))) != "chunked") {
       refuse(res, 501, fmt::format("Transfer-Encoding '{}' is not supported (only chunked)",
                                    req.get_header_value("Transfer-Encoding")),

@@ -15,9 +15,9 @@
 // response_format, tool_choice, best_of, suffix, store, ... are accepted; anything else (tools, image
 // parts, an unknown field) gets 400 naming the field instead of being ignored.
 // Errors: {"error": {"message", "type", "param", "code"}} with 400 (invalid), 401 (API key), 403 (Host or
-// Origin refused), 404 (route or model), 405, 408 (request did not arrive in time), 413 (body too large),
-// 415 (not application/json), 503 + Retry-After (memory budget or connections exhausted, shutting down),
-// 504 (non-streaming request past its timeout).
+// Origin refused), 404 (route or model), 405, 408 (request did not arrive in time), 411 (POST without a
+// length), 413 (body too large), 415 (not application/json), 503 + Retry-After (memory budget or
+// connections exhausted, shutting down), 504 (non-streaming request past its timeout).
 // finish_reason is "stop" or "length"; a request cut short by its timeout, a shutdown or an error reports
 // "length" (streams) and says which in "finish_detail".
 // Log-probabilities are of the distribution each token was drawn from (see infer/sampler.hpp).
