@@ -6,7 +6,7 @@ N concurrent clients against one server, first for a warm-up (at least --warmup 
 --seconds measured seconds: each loops over streaming and plain requests for
 a fixed set of prompts with greedy decoding and checks every answer against the reference answer taken
 before the load starts (batched decoding is bitwise equal to decoding alone, so answers must match
-exactly); every k-th request of a client is a malformed one from a fixed list that must get a 400 with a
+exactly); every k-th request of a client is a malformed one from a fixed list that must get a 400 (404 for the unknown model) with a
 JSON error body. The server's resident memory (VmRSS of --pid) is sampled every second; the report gives
 it at the end of warm-up and at the end. Exit status 0 only if every request was answered correctly and
 RSS at the end exceeds RSS at the end of warm-up by at most --rss-slack-mib (the maximum in between is
@@ -113,7 +113,8 @@ def main():
                     path, b = BAD[(i + n) % len(BAD)]
                     what = f"bad {b[:30]!r}"
                     st, ct, out = request(a.port, path, b)
-                    good = st == 400 and "error" in json.loads(out) and ct.startswith("application/json")
+                    want = 404 if "no-such-model" in b else 400  # an unknown model is OpenAI's 404 model_not_found
+                    good = st == want and "error" in json.loads(out) and ct.startswith("application/json")
                     with lock:
                         stats["bad_ok" if good else "bad_wrong"] += 1
                         if not good:
