@@ -65,7 +65,9 @@ TEST(Limits, ChunkedBodyOverTheLimitGets413AndMemoryStaysFlat) {
     std::printf("[ measure  ] 50 MB chunked body #%d: 413 in %.0f ms, resident growth %.1f MB\n", i + 1, ms_since(t0),
                 static_cast<double>(serve::resident_bytes() - before) / 1e6);
   }
+#ifndef __SANITIZE_ADDRESS__  // ASan's quarantine keeps freed blocks resident (~250 MB here): no RSS bound there
   EXPECT_LT(worst, int64_t(100) << 20);
+#endif
   // Within the limit a chunked body is fine.
   EXPECT_EQ(h.health()["inflight_bytes"], 0);
   httplib::Client c("127.0.0.1", h.port);
