@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <utility>
 
 #include "core/error.hpp"
 #include "core/parallel.hpp"
@@ -108,8 +109,9 @@ Session::Session(model::Model<float>& m, SessionOptions o) : m_(m), cfg_(m.confi
       BlockReads br;
       for (const model::ReadPlan& r : group) {
         const size_t i = static_cast<size_t>(r.layer);
-        const float* w = r.kind == model::ReadPlan::Out ? out_w_ : r.kind == model::ReadPlan::Attn ? attn_w_[i] : mlp_w_[i];
-        const float* g = r.kind == model::ReadPlan::Out ? out_g_ : r.kind == model::ReadPlan::Attn ? attn_g_[i] : mlp_g_[i];
+        const auto [w, g] = r.kind == model::ReadPlan::Out    ? std::pair{out_w_, out_g_}
+                            : r.kind == model::ReadPlan::Attn ? std::pair{attn_w_[i], attn_g_[i]}
+                                                              : std::pair{mlp_w_[i], mlp_g_[i]};
         br.w.insert(br.w.end(), w, w + d);
         br.g.insert(br.g.end(), g, g + d);
         ++br.Q;
