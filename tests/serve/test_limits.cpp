@@ -142,7 +142,11 @@ TEST(Limits, HugePromptIsRefusedBeforeTokenizing) {
   // Tokenizing it whole would take hundreds of MB (SentencePiece needs ~100 bytes per byte of text).
   const int64_t grew = serve::peak_resident_bytes() - peak0;
   std::printf("[ measure  ] peak resident growth %.1f MB\n", static_cast<double>(grew) / 1e6);
+#ifdef __SANITIZE_ADDRESS__  // ASan's quarantine keeps up to 256 MB of freed blocks resident
+  EXPECT_LT(grew, int64_t(450) << 20);
+#else
   EXPECT_LT(grew, int64_t(150) << 20);
+#endif
   // Under the size bound but over the context in tokens: found while tokenizing, and the count is named.
   std::string mid;
   while (static_cast<int64_t>(mid.size()) < 40 * tokenizer().max_piece_bytes()) mid += "a b ";
