@@ -13,13 +13,14 @@
 #include "core/rng.hpp"
 #include "infer/generate.hpp"
 #include "model/accounting.hpp"
+#include "model/cuda/gpu_model.hpp"
 
 namespace {
 
 using namespace lm;
 
 struct Args {
-  std::string config, model;
+  std::string config, model, device = "cpu";
   std::vector<int64_t> contexts = {1024, 4096, 16384, 65536, 131072};
   int64_t decode_tokens = 16, batch = 1, prefill_chunk = 1024;
 };
@@ -36,9 +37,65 @@ double rss_mib() {
   return 0;
 }
 
+// --device cuda: the GPU engine (GpuModel's slot caches). Slot 0 is prefilled to each context from empty, then
+// copied to the `batch` decode slots.
+int run_cuda(const Args& a, const model::Model<float>& m) {
+  const auto& cfg = m.config();
+  LM_CHECK(model::cuda::available(), "bench decode --device cuda: no usable CUDA device");
+  std::vector<int64_t> ctx = a.contexts;
+  std::sort(ctx.begin(), ctx.end());
+  model::cuda::GpuModel g(cfg);
+  g.upload(m.params());
+  g.reserve_caches(1 + a.batch, ctx.back() + a.decode_tokens + 2);
+  const Rng rng{5, 0};
+  auto tok = [&](uint64_t i) { return static_cast<int32_t>(rng.bits(i).v[0] % static_cast<uint32_t>(cfg.vocab_size)); };
+  std::printf("bench decode on the GPU: %s, %ld layers (%ld KDA, %ld MLA), decode batch %ld; caches %.1f MiB for %ld "
+              "slots of %ld tokens\n",
+              a.model.empty() ? a.config.c_str() : a.model.c_str(), static_cast<long>(cfg.num_hidden_layers),
+              static_cast<long>(cfg.num_kda_layers()), static_cast<long>(cfg.num_mla_layers()),
+              static_cast<long>(a.batch), g.cache_bytes() / 1048576.0, static_cast<long>(1 + a.batch),
+              static_cast<long>(ctx.back() + a.decode_tokens + 2));
+  std::printf("%9s %12s %11s %9s | %-40s\n", "context", "prefill t/s", "decode t/s", "ms/step",
+              "synchronised ms/step: kda    mla    ffn   attnres");
+  using Clock = std::chrono::steady_clock;
+  auto secs = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  for (int64_t c : ctx) {
+    std::vector<int32_t> ids;
+    for (int64_t i = 0; i < c; ++i) ids.push_back(tok(static_cast<uint64_t>(i)));
+    auto t0 = Clock::now();
+    g.prefill(0, ids.data(), c);  // (synchronous: it returns the logits)
+    const double prefill_tps = static_cast<double>(c) / secs(t0);
+    for (int64_t b = 0; b < a.batch; ++b) g.copy_slot(0, 1 + b);
+    std::vector<int32_t> step_tok(static_cast<size_t>(a.batch));
+    auto next = [&](int64_t k) {
+      for (int64_t b = 0; b < a.batch; ++b) step_tok[size_t(b)] = tok(static_cast<uint64_t>(c + 100 + k * a.batch + b));
+      g.decode(1, a.batch, step_tok.data());
+    };
+    next(0);  // warm-up (GEMM algorithm choice for these shapes)
+    t0 = Clock::now();
+    for (int64_t k = 1; k <= a.decode_tokens; ++k) next(k);
+    const double t = secs(t0);
+    g.profiling = true;
+    g.profile.clear();
+    next(a.decode_tokens + 1);
+    g.profiling = false;
+    const auto& f = g.profile.fwd;
+    using P = model::Profile;
+    std::printf("%9ld %12.0f %11.1f %9.3f | %22.3f %6.3f %6.3f %6.3f\n", static_cast<long>(c), prefill_tps,
+                static_cast<double>(a.decode_tokens * a.batch) / t, 1e3 * t / static_cast<double>(a.decode_tokens),
+                1e3 * f[P::Kda], 1e3 * f[P::Mla], 1e3 * (f[P::DenseFfn] + f[P::Moe]), 1e3 * f[P::AttnRes]);
+    std::fflush(stdout);
+  }
+  std::printf("(prefill t/s: one fresh sequence of that many tokens through the training forward, which also fills "
+              "the caches; decode: %ld steps of %ld sequence(s), after one warm-up step)\n",
+              static_cast<long>(a.decode_tokens), static_cast<long>(a.batch));
+  return 0;
+}
+
 int run(const Args& a) {
   LM_CHECK(a.config.empty() != a.model.empty(), "bench decode: give exactly one of --config and --model");
   LM_CHECK(a.decode_tokens >= 1 && a.batch >= 1 && !a.contexts.empty(), "bench decode: bad sizes");
+  LM_CHECK(a.device == "cpu" || a.device == "cuda", "bench decode: --device must be cpu or cuda, not '{}'", a.device);
   std::unique_ptr<model::Model<float>> owned;
   infer::LoadedModel lm;
   model::Model<float>* m;
@@ -50,6 +107,7 @@ int run(const Args& a) {
     owned->params().init(1);
     m = owned.get();
   }
+  if (a.device == "cuda") return run_cuda(a, *m);
   const auto& cfg = m->config();
   std::vector<int64_t> ctx = a.contexts;
   std::sort(ctx.begin(), ctx.end());
@@ -116,7 +174,8 @@ app::RegisterBench reg({"decode", "Prefill and decode tokens/s as the context gr
                               ->delimiter(',');
                           sub.add_option("--decode-tokens", a->decode_tokens, "decode steps timed per context");
                           sub.add_option("--batch", a->batch, "sequences decoded together");
-                          sub.add_option("--prefill-chunk", a->prefill_chunk, "tokens per prefill step");
+                          sub.add_option("--prefill-chunk", a->prefill_chunk, "tokens per prefill step (cpu)");
+                          sub.add_option("--device", a->device, "cpu or cuda");
                           return [a] { return run(*a); };
                         }});
 

@@ -109,24 +109,50 @@ std::string Generation::finish(const std::string& reason) {
   return stream_.finish(decoded());
 }
 
-Generation generate(Session& s, Sequence& seq, const io::Tokenizer& tok, const std::vector<int32_t>& prompt,
+Generation generate(SequenceEngine& seq, const io::Tokenizer& tok, const std::vector<int32_t>& prompt,
                     const SamplingParams& p, const std::function<void(const std::string&)>& on_text) {
-  std::vector<int32_t> history = seq.tokens;
+  std::vector<int32_t> history = seq.tokens();
   history.insert(history.end(), prompt.begin(), prompt.end());
   Generation g(&tok, p, std::move(history));
-  std::vector<float> logits = s.prefill(seq, prompt);
+  std::vector<float> logits = seq.prefill(prompt);
   while (true) {
-    const Generation::Step st = g.next(logits.data(), s.vocab_size());
+    const Generation::Step st = g.next(logits.data(), seq.vocab_size());
     if (!st.text.empty()) on_text(st.text);
     if (st.done) break;
-    if (seq.pos() >= s.max_context()) {
+    if (seq.pos() >= seq.max_context()) {
       const std::string rest = g.finish("length");
       if (!rest.empty()) on_text(rest);
       break;
     }
-    logits = s.decode({&seq}, std::span(&st.token, 1));
+    logits = seq.decode(st.token);
   }
   return g;
+}
+
+GpuSequence::GpuSequence(model::cuda::GpuModel& g, int64_t context) : g_(g), context_(context) {
+  g_.reserve_caches(1, context_);
+}
+int64_t GpuSequence::vocab_size() const { return g_.config().vocab_size; }
+int64_t GpuSequence::cache_bytes() const { return static_cast<int64_t>(g_.cache_bytes()); }
+
+std::vector<float> GpuSequence::prefill(std::span<const int32_t> t) {
+  LM_CHECK(!t.empty(), "prefill of no tokens");
+  LM_CHECK(pos() + static_cast<int64_t>(t.size()) <= context_,
+           "a prompt of {} tokens after {} cached exceeds the context of {} tokens", t.size(), pos(), context_);
+  if (tokens_.empty()) {
+    std::vector<float> lg = g_.prefill(0, t.data(), static_cast<int64_t>(t.size()));
+    tokens_.assign(t.begin(), t.end());
+    return lg;
+  }
+  std::vector<float> lg;
+  for (int32_t x : t) lg = decode(x);
+  return lg;
+}
+
+std::vector<float> GpuSequence::decode(int32_t t) {
+  std::vector<float> lg = g_.decode(0, 1, &t);
+  tokens_.push_back(t);
+  return lg;
 }
 
 }  // namespace lm::infer

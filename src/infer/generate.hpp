@@ -8,12 +8,14 @@
 // The assistant's turn ends with <|end|>, which is a stop token of chat generation.
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "infer/sampler.hpp"
 #include "infer/session.hpp"
 #include "io/tokenizer.hpp"
+#include "model/cuda/gpu_model.hpp"
 #include "model/model.hpp"
 
 namespace lm::infer {
@@ -71,9 +73,62 @@ class Generation {
   std::string finish_reason_;
 };
 
-// Prefill `prompt` into `seq` and generate until a stop condition, calling `on_text` with each piece of
+// One sequence on an engine, what generate() drives: the CPU Session (SessionSequence) or a slot of the GPU
+// model (GpuSequence).
+class SequenceEngine {
+ public:
+  virtual ~SequenceEngine() = default;
+  // Runs `tokens` after what the sequence holds; the logits after the last one [V].
+  virtual std::vector<float> prefill(std::span<const int32_t> tokens) = 0;
+  virtual std::vector<float> decode(int32_t token) = 0;
+  virtual const std::vector<int32_t>& tokens() const = 0;  // consumed so far
+  virtual int64_t max_context() const = 0;
+  virtual int64_t vocab_size() const = 0;
+  virtual int64_t cache_bytes() const = 0;
+  int64_t pos() const { return static_cast<int64_t>(tokens().size()); }
+};
+
+class SessionSequence final : public SequenceEngine {
+ public:
+  SessionSequence(Session& s, Sequence& seq) : s_(s), seq_(seq) {}
+  std::vector<float> prefill(std::span<const int32_t> t) override { return s_.prefill(seq_, t); }
+  std::vector<float> decode(int32_t t) override { return s_.decode({&seq_}, std::span(&t, 1)); }
+  const std::vector<int32_t>& tokens() const override { return seq_.tokens; }
+  int64_t max_context() const override { return s_.max_context(); }
+  int64_t vocab_size() const override { return s_.vocab_size(); }
+  int64_t cache_bytes() const override { return seq_.cache_bytes(); }
+
+ private:
+  Session& s_;
+  Sequence& seq_;
+};
+
+// The GPU engine (model::cuda::GpuModel, weights uploaded) with one slot of `context` tokens. A prefill after the
+// first runs its tokens as decode steps (continuing a cached sequence in chunks is not on the GPU yet).
+class GpuSequence final : public SequenceEngine {
+ public:
+  GpuSequence(model::cuda::GpuModel& g, int64_t context);
+  std::vector<float> prefill(std::span<const int32_t> t) override;
+  std::vector<float> decode(int32_t t) override;
+  const std::vector<int32_t>& tokens() const override { return tokens_; }
+  int64_t max_context() const override { return context_; }
+  int64_t vocab_size() const override;
+  int64_t cache_bytes() const override;
+
+ private:
+  model::cuda::GpuModel& g_;
+  int64_t context_;
+  std::vector<int32_t> tokens_;
+};
+
+// Prefill `prompt` into the sequence and generate until a stop condition, calling `on_text` with each piece of
 // released text. Returns the finished Generation.
-Generation generate(Session& s, Sequence& seq, const io::Tokenizer& tok, const std::vector<int32_t>& prompt,
+Generation generate(SequenceEngine& seq, const io::Tokenizer& tok, const std::vector<int32_t>& prompt,
                     const SamplingParams& p, const std::function<void(const std::string&)>& on_text);
+inline Generation generate(Session& s, Sequence& seq, const io::Tokenizer& tok, const std::vector<int32_t>& prompt,
+                           const SamplingParams& p, const std::function<void(const std::string&)>& on_text) {
+  SessionSequence e(s, seq);
+  return generate(e, tok, prompt, p, on_text);
+}
 
 }  // namespace lm::infer

@@ -69,6 +69,10 @@ int64_t Sequence::cache_capacity_bytes() const {
   return n * 4 + static_cast<int64_t>(tokens.capacity() * sizeof(int32_t));
 }
 
+int64_t context_limit(const model::ModelConfig& c, int64_t requested) {
+  return requested > 0 ? requested : c.max_position_embeddings.value_or(131072);
+}
+
 uint64_t hash_tokens(std::span<const int32_t> t) {
   uint64_t h = 1469598103934665603ull;
   for (int32_t x : t) {
@@ -83,7 +87,7 @@ uint64_t hash_tokens(std::span<const int32_t> t) {
 Session::Session(model::Model<float>& m, SessionOptions o) : m_(m), cfg_(m.config()), plan_(m.plan()), opt_(o) {
   LM_CHECK(opt_.prefill_chunk >= 1, "session: prefill chunk {} must be >= 1", opt_.prefill_chunk);
   LM_CHECK(opt_.prefix_cache_bytes >= 0, "session: prefix cache budget must not be negative");
-  max_ctx_ = opt_.max_context > 0 ? opt_.max_context : cfg_.max_position_embeddings.value_or(131072);
+  max_ctx_ = context_limit(cfg_, opt_.max_context);
   const int64_t L = cfg_.num_hidden_layers;
   auto& ps = m_.params();
   for (int64_t i = 0; i < L; ++i) {

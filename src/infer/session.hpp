@@ -146,6 +146,9 @@ class Session {
   PrefixStats stats_;
 };
 
+// The context limit of a model: `requested` when positive, else max_position_embeddings, else 131072.
+int64_t context_limit(const model::ModelConfig& c, int64_t requested);
+
 // FNV-1a over token ids (prefix-cache key; collisions are ruled out by comparing the tokens).
 uint64_t hash_tokens(std::span<const int32_t> t);
 

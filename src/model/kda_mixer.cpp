@@ -136,9 +136,10 @@ void KdaMixer<F>::backward(const F* dy, F* dx, const Seqs& s) {
 // ---- inference over a per-sequence cache --------------------------------------------------------------
 
 template <class F>
-CacheSpec KdaMixer<F>::cache_spec() const {
+CacheSpec KdaMixer<F>::cache_spec(const ModelConfig& m) {
+  const int64_t H = m.kda_num_heads, K = m.kda_head_dim;
   CacheSpec c;
-  c.states = {{"S", {H_, K_, K_}, DType::F32}, {"conv", {3, HK_, W_ - 1}, DType::F32}};
+  c.states = {{"S", {H, K, K}, DType::F32}, {"conv", {3, m.kda_key_dim(), m.kda_conv_kernel - 1}, DType::F32}};
   return c;
 }
 

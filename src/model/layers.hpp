@@ -44,8 +44,10 @@ class KdaMixer {
   KdaMixer(const ModelConfig& c, ParamStore<F>& ps, int layer);
   void forward(const F* x, F* y, const Seqs& s);
   void backward(const F* dy, F* dx, const Seqs& s);
-  // Cache: "S" [H, K, V] state and "conv" [3, HK, W-1] short-conv inputs (model/cache.hpp).
-  CacheSpec cache_spec() const;
+  // Cache: "S" [H, K, V] state and "conv" [3, HK, W-1] short-conv inputs (model/cache.hpp); the static form
+  // serves engines that hold no CPU layer (the GPU model).
+  CacheSpec cache_spec() const { return cache_spec(c_); }
+  static CacheSpec cache_spec(const ModelConfig& c);
   // n new tokens of one sequence after those its cache holds: chunked KDA from the cached state.
   void prefill(LayerCache<F>& cache, const F* x, int64_t n, F* y);
   // One new token for each of S = caches.size() sequences: the recurrent step.
@@ -79,7 +81,8 @@ class GatedMla {
   void forward(const F* x, F* y, const Seqs& s);
   void backward(const F* dy, F* dx, const Seqs& s);
   // Cache: one latent row [RMSNorm_kv(c) ; k_r] of R + Dr values per token, nothing per head.
-  CacheSpec cache_spec() const;
+  CacheSpec cache_spec() const { return cache_spec(c_); }
+  static CacheSpec cache_spec(const ModelConfig& c);
   // Absorbed attention (q̃ = W_UKᵀ q_nope, o = W_UV ō) over the latent rows: n new tokens of one sequence
   // (causal over the cache and the chunk), or one new token for each of S = caches.size() sequences.
   void prefill(LayerCache<F>& cache, const F* x, int64_t n, F* y);

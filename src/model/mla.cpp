@@ -164,9 +164,9 @@ void GatedMla<F>::backward(const F* dy, F* dx, const Seqs& s) {
 // W_kvb [Hm·(Dn + Dv), R]: per head h, rows h·(Dn+Dv) .. +Dn are W_UK,h [Dn, R], the next Dv rows W_UV,h.
 
 template <class F>
-CacheSpec GatedMla<F>::cache_spec() const {
+CacheSpec GatedMla<F>::cache_spec(const ModelConfig& m) {
   CacheSpec c;
-  c.row_width = R_ + Dr_;
+  c.row_width = m.kv_lora_rank + m.qk_rope_head_dim;
   c.row_dtype = DType::BF16;
   return c;
 }

@@ -280,6 +280,16 @@ __global__ void sum_parts_kernel(double* part, int n) {
   }
 }
 
+__global__ void latent_rows_kernel(const bf16* cn, const float* ckr, bf16* dst, int64_t ld_dst, int64_t rows, int R,
+                                   int Dr) {
+  const int RD = R + Dr;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * RD) return;
+  const int64_t r = i / RD;
+  const int j = int(i % RD);
+  dst[r * ld_dst + j] = j < R ? cn[r * R + j] : __float2bfloat16(ckr[r * RD + j]);
+}
+
 void launched(const char* what) { check(cudaGetLastError(), what); }
 
 }  // namespace
@@ -332,6 +342,14 @@ void mla_merge_dkv(const void* dk, const void* dv, void* dkv, void* dckr, int64_
         int(H), int(Dn), int(Dr), int(Dv), int(R));
   }
   launched("mla_merge_dkv");
+}
+void mla_latent_rows(const void* cn, const float* ckr, void* dst, int64_t ld_dst, int64_t rows, int64_t R, int64_t Dr,
+                     void* s) {
+  if (rows == 0) return;
+  const int64_t n = rows * (R + Dr);
+  latent_rows_kernel<<<unsigned((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(s)>>>(
+      static_cast<const bf16*>(cn), ckr, static_cast<bf16*>(dst), ld_dst, rows, int(R), int(Dr));
+  launched("mla_latent_rows");
 }
 void sigmoid_gate_forward(const void* o, const void* g, void* og, int64_t n, void* s) {
   if (n <= 0) return;

@@ -24,6 +24,11 @@ void mla_split_kv(const void* kv, const float* ckr, void* k, void* v, int64_t ro
 void mla_merge_dkv(const void* dk, const void* dv, void* dkv, void* dckr, int64_t rows, int64_t H, int64_t Dn,
                    int64_t Dr, int64_t Dv, int64_t R, void* stream = nullptr);
 
+// The latent cache rows of MLA inference (model::GatedMla::cache_spec): dst bf16 [rows, R + Dr] (row stride ld_dst)
+// = [cn | bf16(k_r)], cn bf16 [rows, R] (RMSNorm_kv(c)), k_r = columns R.. of ckr fp32 [rows, R + Dr].
+void mla_latent_rows(const void* cn, const float* ckr, void* dst, int64_t ld_dst, int64_t rows, int64_t R, int64_t Dr,
+                     void* stream = nullptr);
+
 // og = o ⊙ σ(g) (all bf16 [n]); backward from d_og fp32: d_o = d_og σ(g), d_g = d_og o σ(g)(1 − σ(g)) (bf16).
 void sigmoid_gate_forward(const void* o, const void* g, void* og, int64_t n, void* stream = nullptr);
 void sigmoid_gate_backward(const void* o, const void* g, const float* d_og, void* d_o, void* d_g, int64_t n,

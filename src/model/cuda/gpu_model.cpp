@@ -35,6 +35,13 @@ double GpuModel::grad_norm() const { no_cuda(); }
 std::vector<int64_t> GpuModel::expert_loads(int64_t) const { no_cuda(); }
 std::vector<float> GpuModel::final_hidden() const { no_cuda(); }
 std::vector<std::pair<std::string, double>> GpuModel::detail_profile() const { no_cuda(); }
+void GpuModel::reserve_caches(int64_t, int64_t) { no_cuda(); }
+int64_t GpuModel::cache_slots() const { no_cuda(); }
+int64_t GpuModel::slot_tokens(int64_t) const { no_cuda(); }
+size_t GpuModel::cache_bytes() const { no_cuda(); }
+std::vector<float> GpuModel::prefill(int64_t, const int32_t*, int64_t, std::vector<float>*) { no_cuda(); }
+std::vector<float> GpuModel::decode(int64_t, int64_t, const int32_t*) { no_cuda(); }
+void GpuModel::copy_slot(int64_t, int64_t) { no_cuda(); }
 }  // namespace lm::model::cuda
 
 #else

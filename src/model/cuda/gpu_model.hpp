@@ -90,6 +90,24 @@ class GpuModel {
   // Final hidden after the norm [rows, d] (bf16 rounded) of the last forward, for tests.
   std::vector<float> final_hidden() const;
 
+  // ---- inference (model/cuda/infer.cpp) ----
+  // Caches for `slots` sequences of up to `max_tokens` tokens each, laid out as each mixer's cache_spec
+  // (model/cache.hpp: KDA states and conv inputs fp32, MLA latent rows bf16); every slot starts empty. Replaces
+  // earlier caches. The weights are the bf16 copy (upload first).
+  void reserve_caches(int64_t slots, int64_t max_tokens);
+  int64_t cache_slots() const;
+  int64_t slot_tokens(int64_t slot) const;  // tokens cached in `slot`
+  size_t cache_bytes() const;               // the caches and the inference scratch now allocated
+  // A fresh sequence in `slot` (what it held is dropped): runs the n prompt tokens and returns the logits after the
+  // last one [V] (with all_logits, every token's [n, V]). lm::Error for a bad slot, ids outside the vocabulary or
+  // n above max_tokens; the slot is then unchanged.
+  std::vector<float> prefill(int64_t slot, const int32_t* ids, int64_t n, std::vector<float>* all_logits = nullptr);
+  // One token for each of the S slots [first, first + S), each after what it holds: logits [S, V]. Same checks
+  // (and a slot that is full or empty); on an error no slot changes.
+  std::vector<float> decode(int64_t first, int64_t S, const int32_t* ids);
+  // Slot `to` continues exactly as `from` would (a copy of its caches).
+  void copy_slot(int64_t from, int64_t to);
+
   // Seconds per finer section ("kda.core.bwd", "moe.experts.fwd", ...) accumulated while profiling.
   std::vector<std::pair<std::string, double>> detail_profile() const;
 

@@ -218,6 +218,22 @@ struct Scratch {
   size_t bytes() const;
 };
 
+// Inference (infer.cpp): the per-sequence caches of `slots` sequences, laid out as each layer's cache_spec (the CPU
+// layers' own description, model/cache.hpp): KDA state fp32 [slots, H, K, K] and conv inputs fp32 [slots, 3, HK, W-1],
+// MLA latent rows bf16 [slots, max_tokens, R + Dr]. While `mode` is Prefill or Decode, the walk's mixers read and
+// write them instead of keeping activations for a backward (kda_forward, mla_forward).
+struct InferState {
+  enum class Mode { Off, Prefill, Decode };
+  Mode mode = Mode::Off;
+  int64_t slots = 0, max_tokens = 0;
+  int64_t first = 0, S = 0;   // the slots of the call: prefill one (S = 1), decode [first, first + S)
+  std::vector<DBuf> state, conv, latent;  // [L] (only the buffers of the layer's own kind are allocated)
+  std::vector<int64_t> pos;              // [slots] tokens cached
+  DBuf beta, q_lat, q_rope, o_lat;       // decode scratch: β dense [S, H]; [S, Hm, R], [S, Hm, Dr], [S, Hm, R]
+  DBuf logits;                           // fp32 [rows, V]
+  size_t bytes() const;
+};
+
 struct GpuModel::Impl {
   ModelConfig c;
   int64_t d, V, L;
@@ -286,6 +302,7 @@ struct GpuModel::Impl {
   // them. LONGMOE_KDA_SAVE=0 recomputes them instead (about 0.43 GB less per KDA layer at 16K tokens).
   bool training = false;
   std::vector<void*> kda_saved;
+  InferState inf;
 
   // layout.cpp
   Impl(const ModelConfig& cfg, const std::function<bool(const ParamSpec&)>& decays);
@@ -352,14 +369,18 @@ struct GpuModel::Impl {
   bool kda_keep_fits(const DBuf& saved, size_t bytes);
   kc::Problem kda_problem() const;
   kc::ConvShape conv_shape(int64_t C, int64_t ldx = 0) const;
-  // y [rows, d] fp32 = base + mixer(xn) (base null: y = mixer(xn); base == y: in place).
+  // y [rows, d] fp32 = base + mixer(xn) (base null: y = mixer(xn); base == y: in place). In inference (inf.mode)
+  // the short convs and the state continue from the slot caches and leave them updated.
   void kda_forward(int64_t i, const void* xn, float* y, const float* base);
   // dxn [rows, d] fp32 written from dy bf16 [rows, d].
   void kda_backward(int64_t i, const void* dy, float* dxn);
 
   // ---- gated MLA (mla.cpp) -------------------------------------------------------------------------
   oc::AttnShape attn_shape() const;
+  // In inference: prefill also writes the latent rows; decode appends each slot's row and attends in the absorbed
+  // form over its latent cache (mla_decode_step).
   void mla_forward(int64_t i, const void* xn, float* y, const float* base);
+  void mla_decode_step(int64_t i, const void* q, const void* cn, const float* ckr, void* o);
   void mla_backward(int64_t i, const void* dy, float* dxn);
 
   // ---- GLU FFN (ffn.cpp): a's activation names are "L<i>.<key>.ab", "L<i>.<key>.h" ---------------
@@ -399,6 +420,11 @@ struct GpuModel::Impl {
   void mixer_bwd(int64_t i, const void* dyb, float* dxn);
   void ffn_bwd(int64_t i, const void* dyb, float* dyn);
   void backward(const float* d_hn);
+
+  // ---- inference (infer.cpp) --------------------------------------------------------------------------
+  void reserve_caches(int64_t slots, int64_t max_tokens);
+  // Runs the walk over `rows` tokens in inference mode and returns the logits of the last `out_rows` rows.
+  std::vector<float> infer(const int32_t* ids, const Seqs& s, int64_t out_rows);
 };
 
 }  // namespace lm::model::cuda

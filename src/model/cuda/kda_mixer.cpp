@@ -9,6 +9,9 @@
 //   gate_o = xn W_gᵀ  or  (xn W_gaᵀ = ga) W_gbᵀ  [n, HK]
 //   o = KDA(qc, kc, vc, f, braw)                 [n, H, K]   (saved: the operator's kept tensors, training)
 //   on = RMSNorm_head(o) ⊙ σ(gate_o) (orstd [n, H]);  y = base + on W_oᵀ  fp32 [n, d]
+// Inference (InferState): prefill (one fresh sequence, n tokens) runs the same forward and leaves the last W-1 conv
+// inputs and the final state in the slot's cache; decode (n = S slots, one token each) takes the conv step and the
+// recurrent KDA step over the caches instead of the chunked operator.
 #ifdef LONGMOE_HAVE_CUDA
 
 #include "model/cuda/gpu_model_impl.hpp"
@@ -68,9 +71,21 @@ void GpuModel::Impl::kda_forward(int64_t i, const void* xn, float* y, const floa
   const kc::ConvShape cs = conv_shape(HK, LF);
   auto* pre = static_cast<const uint16_t*>(qkvp);
   const uint16_t *fa = pre + 3 * HK, *braw = fa + Kd;
-  kc::short_conv_forward(pre, M(A + "q_conv1d.weight"), qc, cs);
-  kc::short_conv_forward(pre + HK, M(A + "k_conv1d.weight"), kc_, cs);
-  kc::short_conv_forward(pre + 2 * HK, M(A + "v_conv1d.weight"), vc, cs);
+  // Inference: the slot caches of model::KdaMixer::cache_spec, conv [3, HK, W-1] and S [H, K, K] per slot.
+  using Mode = InferState::Mode;
+  const int64_t taps = c.kda_conv_kernel, conv_ld = 3 * HK * (taps - 1);
+  float* conv = inf.mode == Mode::Off ? nullptr : as<float>(inf.conv[i].p) + inf.first * conv_ld;
+  float* state = inf.mode == Mode::Off ? nullptr : as<float>(inf.state[i].p) + inf.first * H * Kd * Kd;
+  void* post[3] = {qc, kc_, vc};
+  const char* conv_w[3] = {"q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"};
+  for (int j = 0; j < 3; ++j) {
+    if (inf.mode == Mode::Decode) {
+      kc::short_conv_step(pre + j * HK, LF, M(A + conv_w[j]), conv + j * HK * (taps - 1), conv_ld, post[j], n, HK, taps);
+    } else {
+      kc::short_conv_forward(pre + j * HK, M(A + conv_w[j]), post[j], cs);  // (a prefill starts from zeros)
+      if (conv) kc::short_conv_cache(pre + j * HK, LF, n, conv + j * HK * (taps - 1), HK, taps);
+    }
+  }
   sec.emplace(section("kda.proj.fwd"));
   oc::linear_fwd(fa, W(A + "f_b_proj.weight"), f, DType::BF16, n, Kd, HK, false, nullptr, LF);
   kc::Inputs in;
@@ -83,7 +98,18 @@ void GpuModel::Impl::kda_forward(int64_t i, const void* xn, float* y, const floa
   const size_t kb = training && keep ? kc::saved_bytes(kp) : 0;
   kda_saved[i] = kb && kda_keep_fits(a.saved, kb) ? grow(a.saved, kb) : nullptr;
   fork();  // the core on its stream; the output gate's projections beside it
-  kc::forward(kp, in, o, nullptr, core, kda_saved[i], started);
+  if (inf.mode == Mode::Decode) {
+    // β_raw lies inside the fused projection's rows; the step reads it dense [S, H].
+    void* beta = grow(inf.beta, size_t(n) * H * 2);
+    ck(cudaMemcpy2DAsync(beta, size_t(H) * 2, braw, size_t(LF) * 2, size_t(H) * 2, size_t(n), cudaMemcpyDeviceToDevice,
+                         core),
+       "beta");
+    in.beta_raw = beta;
+    if (core) ck(cudaEventRecord(started, core), "cudaEventRecord");  // the output gate's projections run beside it
+    kc::decode_step(state, in, o, n, H, Kd, Kd, kp.gate, 0.f, kc::GateDType::BF16, core);
+  } else {
+    kc::forward(kp, in, o, state, core, kda_saved[i], started);
+  }
   sec.emplace(section("kda.proj.fwd"));
   after_start();
   if (c.kda_full_rank_gate) {

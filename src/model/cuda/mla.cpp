@@ -11,9 +11,13 @@
 //   k   = per head [k_nope | k_r], v                        [n, Hm, Dq], [n, Hm, Dv]
 //   o   = attention(q, k, v) (lse [n, Hm]);  og = o ⊙ σ(graw = xn W_gᵀ)   [n, Hm, Dv]
 //   y   = base + (og or o) W_oᵀ  fp32 [n, d]
+// Inference (InferState): prefill (one fresh sequence) runs the same forward and writes the latent rows
+// [cn | k_r] bf16 [n, RD] to the slot's cache; decode attends in the absorbed form (mla_decode_step).
 #ifdef LONGMOE_HAVE_CUDA
 
 #include "model/cuda/gpu_model_impl.hpp"
+
+#include <cmath>
 
 #include "model/cuda/glue_cuda.hpp"
 #include "ops/gemm/cuda/gemm_cuda.hpp"
@@ -51,13 +55,19 @@ void GpuModel::Impl::mla_forward(int64_t i, const void* xn, float* y, const floa
   float* crs = grow<float>(a.c_rstd, size_t(n) * 4);
   oc::linear_fwd(xn, W(A + "kv_a_proj_with_mqa.weight"), ckr, DType::F32, n, d, RD);
   oc::rmsnorm_forward(ckr, DType::F32, M(A + "kv_a_layernorm.weight"), cn, crs, n, R, float(kLoraEps), RD, R);
-  void* kv = grow(a.kv, size_t(n) * H * Dkv * 2);
-  oc::linear_fwd(cn, W(A + "kv_b_proj.weight"), kv, DType::BF16, n, R, H * Dkv);
-  void *k = grow(a.k, size_t(n) * H * Dq * 2), *v = grow(a.v, size_t(n) * H * Dv * 2);
-  mla_split_kv(kv, ckr, k, v, n, H, Dn, Dr, Dv, R);
   void* o = grow(a.o, size_t(n) * H * Dv * 2);
-  float* lse = grow<float>(a.lse, size_t(n) * H * 4);
-  oc::attention_forward(attn_shape(), q, k, v, o, lse);
+  if (inf.mode == InferState::Mode::Decode) {
+    mla_decode_step(i, q, cn, ckr, o);
+  } else {
+    if (inf.mode == InferState::Mode::Prefill)  // a fresh sequence: its latent rows from row 0
+      mla_latent_rows(cn, ckr, as<uint16_t>(inf.latent[i].p) + inf.first * inf.max_tokens * RD, RD, n, R, Dr);
+    void* kv = grow(a.kv, size_t(n) * H * Dkv * 2);
+    oc::linear_fwd(cn, W(A + "kv_b_proj.weight"), kv, DType::BF16, n, R, H * Dkv);
+    void *k = grow(a.k, size_t(n) * H * Dq * 2), *v = grow(a.v, size_t(n) * H * Dv * 2);
+    mla_split_kv(kv, ckr, k, v, n, H, Dn, Dr, Dv, R);
+    float* lse = grow<float>(a.lse, size_t(n) * H * 4);
+    oc::attention_forward(attn_shape(), q, k, v, o, lse);
+  }
   const void* o_in = o;
   if (c.mla_use_output_gate) {
     void *graw = grow(a.graw, size_t(n) * H * Dv * 2), *og = grow(a.og, size_t(n) * H * Dv * 2);
@@ -66,6 +76,40 @@ void GpuModel::Impl::mla_forward(int64_t i, const void* xn, float* y, const floa
     o_in = og;
   }
   oc::linear_fwd(o_in, W(A + "o_proj.weight"), y, DType::F32, n, H * Dv, d, false, nullptr, 0, 0, base);
+}
+
+// One token for each of the S decode slots: its latent row [cn | k_r] appended to the slot's cache, then absorbed
+// attention over the cache (as model::GatedMla::decode): q̃_h = q_nope,h W_UK,h (W_kvb's first Dn rows of head h,
+// one grouped GEMM over the heads), ō = mla_decode(q̃, q_rope, cache), o_h = ō_h W_UV,hᵀ (its next Dv rows).
+void GpuModel::Impl::mla_decode_step(int64_t i, const void* q, const void* cn, const float* ckr, void* o) {
+  const int64_t H = c.num_attention_heads, Dn = c.qk_nope_head_dim, Dr = c.qk_rope_head_dim, Dv = c.v_head_dim,
+                R = c.kv_lora_rank, Dq = Dn + Dr, Dkv = Dn + Dv, RD = R + Dr, S = inf.S;
+  auto* lat = as<uint16_t>(inf.latent[i].p);
+  auto slot_rows = [&](int64_t s) { return lat + (inf.first + s) * inf.max_tokens * RD; };
+  for (int64_t s = 0; s < S; ++s)
+    mla_latent_rows(static_cast<const uint16_t*>(cn) + s * R, ckr + s * RD,
+                    slot_rows(s) + inf.pos[size_t(inf.first + s)] * RD, RD, 1, R, Dr);
+  auto* Wkvb = static_cast<const uint16_t*>(W(P_(i) + ".self_attn.kv_b_proj.weight"));
+  auto* q_lat = grow<uint16_t>(inf.q_lat, size_t(S) * H * R * 2);
+  auto* q_rope = grow<uint16_t>(inf.q_rope, size_t(S) * H * Dr * 2);
+  auto* o_lat = grow<uint16_t>(inf.o_lat, size_t(S) * H * R * 2);
+  auto* qb = static_cast<const uint16_t*>(q);
+  std::vector<oc::GemmGroup> g(static_cast<size_t>(H));
+  for (int64_t h = 0; h < H; ++h)
+    g[size_t(h)] = {S, R, Dn, qb + h * Dq, H * Dq, Wkvb + h * Dkv * R, R, q_lat + h * R, H * R};
+  oc::gemm_bf16_grouped(false, false, g, 1.f, 0.f, DType::BF16);
+  ck(cudaMemcpy2DAsync(q_rope, size_t(Dr) * 2, qb + Dn, size_t(Dq) * 2, size_t(Dr) * 2, size_t(S * H),
+                       cudaMemcpyDeviceToDevice, nullptr),
+     "q_rope");
+  for (int64_t s = 0; s < S; ++s) {
+    oc::DecodeShape ds;
+    ds.H = H, ds.Tc = inf.pos[size_t(inf.first + s)] + 1, ds.R = R, ds.Dr = Dr, ds.ldc = RD;
+    ds.scale = float(1.0 / std::sqrt(double(Dq)));
+    oc::mla_decode(ds, q_lat + s * H * R, q_rope + s * H * Dr, slot_rows(s), o_lat + s * H * R, nullptr);
+  }
+  for (int64_t h = 0; h < H; ++h)
+    g[size_t(h)] = {S, Dv, R, o_lat + h * R, H * R, Wkvb + (h * Dkv + Dn) * R, R, as<uint16_t>(o) + h * Dv, H * Dv};
+  oc::gemm_bf16_grouped(false, true, g, 1.f, 0.f, DType::BF16);
 }
 
 void GpuModel::Impl::mla_backward(int64_t i, const void* dy, float* dxn) {

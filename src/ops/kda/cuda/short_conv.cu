@@ -357,7 +357,52 @@ void launch_bwd(const bf16* x, const float* w, const bf16* dy, bf16* dx, float* 
     }                                                                \
   } while (0)
 
+// Inference: one thread per (sequence, channel); the W−1 cached inputs and the new one, oldest first.
+__global__ void conv_step_kernel(const bf16* x, int64_t ldx, const float* w, float* cache, int64_t cache_ld, bf16* y,
+                                 int64_t S, int C, int W, int silu) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= S * C) return;
+  const int64_t s = i / C;
+  const int c = int(i % C);
+  float* h = cache + s * cache_ld + int64_t(c) * (W - 1);
+  const float xn = __bfloat162float(x[s * ldx + c]);
+  float pre = 0.f;
+  for (int k = 0; k < W - 1; ++k) pre = fmaf(w[int64_t(c) * W + k], h[k], pre);
+  pre = fmaf(w[int64_t(c) * W + W - 1], xn, pre);
+  y[s * C + c] = __float2bfloat16(silu ? pre * sigmoidf_(pre) : pre);
+  for (int k = 0; k + 1 < W - 1; ++k) h[k] = h[k + 1];
+  if (W > 1) h[W - 2] = xn;
+}
+__global__ void conv_cache_kernel(const bf16* x, int64_t ldx, int64_t n, float* cache, int C, int W) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= int64_t(C) * (W - 1)) return;
+  const int c = int(i / (W - 1)), k = int(i % (W - 1));
+  const int64_t t = n - (W - 1) + k;
+  cache[i] = t >= 0 ? __bfloat162float(x[t * ldx + c]) : 0.f;
+}
+
 }  // namespace
+
+void short_conv_step(const void* x, int64_t ldx, const float* w, float* cache, int64_t cache_ld, void* y, int64_t S,
+                     int64_t C, int64_t W, bool silu, void* stream) {
+  if (S == 0) return;
+  if (!x || !w || !cache || !y) check.fail("short_conv_step: null argument");
+  if (C < 1 || W < 1 || W > kMaxW || ldx < C || cache_ld < C * (W - 1)) check.fail("short_conv_step: bad shape");
+  const int64_t n = S * C;
+  conv_step_kernel<<<unsigned((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const bf16*>(x), ldx, w, cache, cache_ld, static_cast<bf16*>(y), S, int(C), int(W), silu);
+  check(cudaGetLastError(), "short_conv_step launch");
+}
+
+void short_conv_cache(const void* x, int64_t ldx, int64_t n, float* cache, int64_t C, int64_t W, void* stream) {
+  if (W < 2) return;
+  if (!x || !cache) check.fail("short_conv_cache: null argument");
+  if (C < 1 || W > kMaxW || ldx < C || n < 0) check.fail("short_conv_cache: bad shape");
+  const int64_t m = C * (W - 1);
+  conv_cache_kernel<<<unsigned((m + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const bf16*>(x), ldx, n, cache, int(C), int(W));
+  check(cudaGetLastError(), "short_conv_cache launch");
+}
 
 void short_conv_forward(const void* x, const float* w, void* y, const ConvShape& s, bool silu, void* stream) {
   const int64_t rows = check_shape(s, "short_conv_forward");

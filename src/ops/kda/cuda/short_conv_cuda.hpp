@@ -24,4 +24,15 @@ void short_conv_forward(const void* x, const float* w, void* y, const ConvShape&
 void short_conv_backward(const void* x, const float* w, const void* dy, void* dx, float* dw, const ConvShape& s,
                          bool silu = true, void* stream = nullptr);
 
+// Inference over the cache of model::KdaMixer::cache_spec: per sequence its last W−1 inputs, fp32 [C, W−1]
+// (channel-major, oldest first), sequence s's at cache + s·cache_ld.
+// One token for each of S sequences: y [S, C] bf16 from x [S, C] (row stride ldx) and the cached inputs, which
+// then move on by one (x becomes the newest).
+void short_conv_step(const void* x, int64_t ldx, const float* w, float* cache, int64_t cache_ld, void* y, int64_t S,
+                     int64_t C, int64_t W, bool silu = true, void* stream = nullptr);
+// After a prefill of n tokens of one sequence from an empty cache (x [n, C], row stride ldx): cache = its last
+// W−1 inputs (zeros before the sequence start).
+void short_conv_cache(const void* x, int64_t ldx, int64_t n, float* cache, int64_t C, int64_t W,
+                      void* stream = nullptr);
+
 }  // namespace lm::kda::cuda
