@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <vector>
 
 #include "cuda_testing.hpp"
@@ -99,5 +100,50 @@ TEST(OpsBwdCuda, ShortConv) {
     EXPECT_EQ(bad, 0u) << "strided dx differs";
     EXPECT_EQ(stray, 0u) << "strided dx wrote outside its column block";
     EXPECT_EQ(0, std::memcmp(dw3.data(), dw_a.data(), dw_a.size() * 4)) << "strided dw differs";
+  }
+}
+
+// Inference: the cache of the first T0 tokens (short_conv_cache), then one short_conv_step per token for S
+// sequences at once (x a column block of a wider matrix, the cache of model::KdaMixer::cache_spec) gives the
+// outputs of the whole-sequence forward bit for bit (the same taps in the same order).
+TEST(OpsBwdCuda, ShortConvStepContinuesTheForward) {
+  REQUIRE_GPU();
+  for (const int64_t W : {4, 3, 1}) {
+    const int64_t S = 3, T = 20, C = 40, ld = 3 * C, cache_ld = 3 * C * (W - 1) + 5;  // per-slot stride, padded
+    const Vec w = lm::testing::randn<float>(size_t(C * W), 91 + W, 0.5);
+    Dev gw(w.size() * 4);
+    up(gw, w);
+    std::vector<Vec> x(S), y_ref(S);
+    std::vector<std::unique_ptr<Dev>> gx, gy;
+    kc::ConvShape s;
+    s.B = 1, s.T = T, s.C = C, s.W = W, s.ldx = ld;
+    for (int64_t q = 0; q < S; ++q) {  // each sequence's [T, ld] input, its columns C..2C the conv input
+      x[q] = round_bf16(lm::testing::randn<float>(size_t(T * ld), 100 + q, 1.0));
+      gx.push_back(std::make_unique<Dev>(x[q].size() * 2));
+      gy.push_back(std::make_unique<Dev>(size_t(T * C) * 2));
+      up_bf16(*gx[q], x[q]);
+      kc::short_conv_forward(static_cast<uint16_t*>(gx[q]->p) + C, gw.f(), gy[q]->p, s);
+      y_ref[q] = down_bf16(*gy[q], size_t(T * C));
+    }
+    const int64_t T0[S] = {1, 7, 2};  // the prefill lengths, then steps up to a common position
+    Dev gcache(size_t(S * cache_ld) * 4 + 16);
+    kc::device_fill(gcache.p, 0xff, size_t(S * cache_ld) * 4);
+    for (int64_t q = 0; q < S; ++q)
+      kc::short_conv_cache(static_cast<uint16_t*>(gx[q]->p) + C, ld, T0[q], gcache.f() + q * cache_ld + C * (W - 1), C,
+                           W);
+    size_t bad = 0;
+    Dev gxs(size_t(S * ld) * 2), gys(size_t(S * C) * 2);
+    for (int64_t t = 0; t < T - 7; ++t) {  // S rows, row q = sequence q's token T0[q] + t
+      std::vector<uint16_t> rows(size_t(S * ld));
+      for (int64_t q = 0; q < S; ++q)
+        for (int64_t c = 0; c < ld; ++c) rows[size_t(q * ld + c)] = f32_to_bf16(x[q][size_t((T0[q] + t) * ld + c)]);
+      kc::copy_to_device(gxs.p, rows.data(), rows.size() * 2);
+      kc::short_conv_step(static_cast<uint16_t*>(gxs.p) + C, ld, gw.f(), gcache.f() + C * (W - 1), cache_ld, gys.p, S,
+                          C, W);
+      const Vec y = down_bf16(gys, size_t(S * C));
+      for (int64_t q = 0; q < S; ++q)
+        for (int64_t c = 0; c < C; ++c) bad += y[size_t(q * C + c)] != y_ref[q][size_t((T0[q] + t) * C + c)];
+    }
+    EXPECT_EQ(bad, 0u) << "W " << W;
   }
 }
