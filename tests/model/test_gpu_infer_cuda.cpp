@@ -66,6 +66,17 @@ void round_weights_bf16(ParamStore<float>& ps) {
     for (int64_t i = 0; i < p.spec.numel(); ++i) p.w()[i] = bf16_to_f32(f32_to_bf16(p.w()[i]));
 }
 
+// Random weights (rounded to bf16) on the CPU and the same weights on the GPU.
+struct Models {
+  Model<float> cpu;
+  cuda::GpuModel gpu;
+  Models(const ModelConfig& c, uint64_t seed) : cpu(c), gpu(c) {
+    cpu.params().init(seed);
+    round_weights_bf16(cpu.params());
+    gpu.upload(cpu.params());
+  }
+};
+
 std::vector<int32_t> prompt(int64_t n, int64_t V, uint64_t seed) {
   Rng r{seed, 7};
   std::vector<int32_t> t;
@@ -91,11 +102,9 @@ TEST_P(GpuInfer, DecodeMatchesFullForward) {
   REQUIRE_GPU();
   const ModelConfig c = config(GetParam());
   const int64_t V = c.vocab_size, P = 40, G = 64;
-  Model<float> cpu(c);
-  cpu.params().init(21);
-  round_weights_bf16(cpu.params());
-  cuda::GpuModel gpu(c);
-  gpu.upload(cpu.params());
+  Models mo(c, 21);
+  Model<float>& cpu = mo.cpu;
+  cuda::GpuModel& gpu = mo.gpu;
   gpu.reserve_caches(2, P + G + 8);
   std::vector<int32_t> seq = prompt(P, V, 3);
   std::vector<std::vector<float>> step{gpu.prefill(0, seq.data(), P)};
@@ -147,10 +156,8 @@ TEST_P(GpuInfer, BatchedDecodeEqualsOneSlotAtATime) {
   REQUIRE_GPU();
   const ModelConfig c = config(GetParam());
   const int64_t V = c.vocab_size, G = 12;
-  Model<float> cpu(c);
-  cpu.params().init(22);
-  cuda::GpuModel gpu(c);
-  gpu.upload(cpu.params());
+  Models mo(c, 22);
+  cuda::GpuModel& gpu = mo.gpu;
   gpu.reserve_caches(6, 128);
   const int64_t lens[3] = {17, 64, 65};
   std::vector<int32_t> next(3);
@@ -177,12 +184,10 @@ TEST_P(GpuInfer, MatchesTheCpuEngine) {
   REQUIRE_GPU();
   const ModelConfig c = config(GetParam());
   const int64_t V = c.vocab_size, P = 48, G = 16;
-  Model<float> cpu(c);
-  cpu.params().init(23);
-  round_weights_bf16(cpu.params());
+  Models mo(c, 23);
+  Model<float>& cpu = mo.cpu;
+  cuda::GpuModel& gpu = mo.gpu;
   infer::Session session(cpu, infer::SessionOptions{32, 0, 0});
-  cuda::GpuModel gpu(c);
-  gpu.upload(cpu.params());
   gpu.reserve_caches(1, P + G);
   const auto p = prompt(P, V, 5);
   infer::Sequence seq = session.new_sequence();
@@ -217,10 +222,8 @@ INSTANTIATE_TEST_SUITE_P(Configs, GpuInfer,
 TEST(GpuInferChecks, BadCallsAreClearErrorsAndChangeNothing) {
   REQUIRE_GPU();
   const ModelConfig c = config(Case{true, true, false, true});
-  Model<float> cpu(c);
-  cpu.params().init(24);
-  cuda::GpuModel gpu(c);
-  gpu.upload(cpu.params());
+  Models mo(c, 24);
+  cuda::GpuModel& gpu = mo.gpu;
   const int32_t one = 1;
   EXPECT_THROW(gpu.prefill(0, &one, 1), Error);  // no caches yet
   gpu.reserve_caches(2, 16);
