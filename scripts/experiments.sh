@@ -24,11 +24,11 @@ mkdir -p "$out"
 job() {  # job NAME THREADS ARGS...: one training run, its log in $out/NAME.log
   local name=$1 t=$2
   shift 2
-  echo "train $name: $L --threads $t train $* --out $out/$name"
+  echo "train $name: $L --threads $t train $* --out $out/$name --overwrite"
   if [[ ${LONGMOE_EXP_PARALLEL:-0} == 1 ]]; then
-    "$L" --threads "$t" train "$@" --out "$out/$name" --quiet > "$out/$name.log" 2>&1 &
+    "$L" --threads "$t" train "$@" --out "$out/$name" --overwrite --quiet > "$out/$name.log" 2>&1 &
   else
-    "$L" --threads "$t" train "$@" --out "$out/$name" --quiet > "$out/$name.log" 2>&1
+    "$L" --threads "$t" train "$@" --out "$out/$name" --overwrite --quiet > "$out/$name.log" 2>&1
   fi
 }
 

@@ -35,7 +35,7 @@ if [[ -f $run_dir/summary.json ]]; then
   cat "$run_dir/summary.json"
 else
   resume=()
-  if [[ -f $run_dir/latest ]]; then
+  if [[ -f $run_dir/latest ]] || compgen -G "$run_dir/ckpt/step-*" > /dev/null; then
     echo "run.sh: continuing the interrupted run in $run_dir"
     resume=(--resume)
   fi

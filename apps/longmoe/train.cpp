@@ -15,7 +15,7 @@ namespace {
 
 struct Args {
   std::string config, out, model, balance, estimator, device = "cpu";
-  bool resume = false, quiet = false;
+  bool resume = false, overwrite = false, quiet = false;
   int64_t max_steps = -1;
   int64_t seed = -1;
 };
@@ -32,6 +32,7 @@ int run(const Args& a) {
     if (!a.estimator.empty()) j["balance"]["estimator"] = a.estimator;
     cfg = lm::train::RunConfig::from_json(j, a.config + " (with command-line overrides)");
   }
+  LM_CHECK(!(a.resume && a.overwrite), "train: --resume continues the run in --out, --overwrite replaces it; give one");
   if (a.resume) {
     // A resumed run continues with the configuration it was started with (run.json in its folder,
     // command-line overrides included), not with whatever --config says now; an explicit override
@@ -53,6 +54,7 @@ int run(const Args& a) {
   }
   lm::train::TrainOptions opt;
   opt.resume = a.resume;
+  opt.overwrite = a.overwrite;
   opt.quiet = a.quiet;
   opt.device = a.device;
   const auto r = lm::train::train(cfg, opt);
@@ -84,6 +86,8 @@ lm::app::Register reg({"train", "Train a model: tokenizer, data, curriculum stag
                              ->required()
                              ->check(CLI::ExistingFile);
                          sub.add_flag("--resume", a->resume, "Continue the run in --out from its latest checkpoint");
+                         sub.add_flag("--overwrite", a->overwrite,
+                                      "Start over in an --out that holds another run (removes its checkpoints)");
                          sub.add_option("--out", a->out, "Run folder (overrides the config's 'out')");
                          sub.add_option("--model", a->model, "Model config.json (overrides the config's 'model')");
                          sub.add_option("--balance", a->balance, "MoE balancing: qb, sign, aux or none")

@@ -3,6 +3,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <unistd.h>
+
 #include "core/error.hpp"
 
 namespace lm {
@@ -15,6 +17,17 @@ void* aligned_alloc_bytes(size_t bytes) {
 }
 
 void aligned_free(void* p) noexcept { std::free(p); }
+
+size_t physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : 0;
+}
+
+void check_host_memory(size_t need, const std::string& what) {
+  const size_t have = physical_memory_bytes();
+  LM_CHECK(have == 0 || need <= have, "{} needs {:.2f} GiB of host memory, more than this machine's {:.2f} GiB", what,
+           static_cast<double>(need) / 1073741824.0, static_cast<double>(have) / 1073741824.0);
+}
 
 namespace {
 DeviceAllocator g_alloc[2];

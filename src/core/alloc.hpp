@@ -3,6 +3,7 @@
 // so core/ does not link the CUDA runtime; the CUDA layer installs its hooks at start-up.
 #include <cstddef>
 #include <memory>
+#include <string>
 
 #include "core/dtype.hpp"
 
@@ -12,6 +13,12 @@ inline constexpr size_t kAlign = 64;
 
 void* aligned_alloc_bytes(size_t bytes);  // throws lm::Error on failure; never returns null
 void aligned_free(void* p) noexcept;
+
+// The machine's physical memory in bytes (0 when unknown).
+size_t physical_memory_bytes();
+// Before a large allocation: lm::Error naming `what`, the bytes it needs and the machine's memory when `need` is
+// more than the machine has (an allocation that could only end in swapping or the OOM killer).
+void check_host_memory(size_t need, const std::string& what);
 
 struct DeviceAllocator {
   void* (*alloc)(size_t bytes) = nullptr;

@@ -18,8 +18,11 @@ LoadedModel load_model_dir(const std::string& path, bool need_tokenizer) {
   const std::string dir = io::resolve_checkpoint(path);
   lm.dir = dir;
   lm.config = model::ModelConfig::load(dir);
+  // The weights' shapes and dtypes against the config from the headers, before the model is allocated.
+  const io::Checkpoint ckpt = io::Checkpoint::open(dir);
+  model::check_checkpoint(model::param_specs(lm.config), ckpt);
   lm.model = std::make_unique<model::Model<float>>(lm.config);
-  lm.model->params().load(io::Checkpoint::open(dir));
+  lm.model->params().load(ckpt);
   const std::string tp = (fs::path(dir) / "tokenizer.model").string();
   if (fs::exists(tp)) {
     lm.tokenizer = std::make_shared<io::Tokenizer>(io::Tokenizer::load(tp));

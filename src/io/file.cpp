@@ -21,6 +21,8 @@ std::string read_file(const std::string& path) {
   std::error_code ec;
   LM_CHECK(fs::exists(path, ec), "file '{}' does not exist", path);
   LM_CHECK(!fs::is_directory(path, ec), "'{}' is a directory, not a file", path);
+  // Only regular files: a FIFO or a device would block or never end.
+  LM_CHECK(fs::is_regular_file(path, ec), "'{}' is not a regular file", path);
   std::ifstream in(path, std::ios::binary);
   LM_CHECK(in.good(), "cannot open '{}': {}", path, std::strerror(errno));
   std::ostringstream ss;

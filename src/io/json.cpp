@@ -3,16 +3,15 @@
 #include <fstream>
 #include <sstream>
 
+#include "io/file.hpp"
+
 namespace lm::io {
 
 json load_json_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  LM_CHECK(in.good(), "cannot open JSON file '{}'", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
+  const std::string text = read_file(path);
   try {
-    return json::parse(ss.str());
-  } catch (const json::parse_error& e) {
+    return json::parse(text);
+  } catch (const json::exception& e) {  // parse errors, and numbers out of range such as 1e400
     fail("'{}' is not valid JSON: {}", path, e.what());
   }
 }

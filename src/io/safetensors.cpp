@@ -30,7 +30,7 @@ struct Mapping {
 }  // namespace
 
 SafeTensorsFile SafeTensorsFile::open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // (a FIFO must not block the open)
   LM_CHECK(fd >= 0, "cannot open safetensors file '{}': {}", path, std::strerror(errno));
   struct stat st {};
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {

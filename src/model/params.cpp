@@ -11,6 +11,9 @@ namespace lm::model {
 
 template <class F>
 ParamStore<F>::ParamStore(const ModelConfig& c) {
+  size_t bytes = 0;
+  for_each_param(c, [&](const ParamSpec& s) { bytes += static_cast<size_t>(s.numel()) * sizeof(F); });
+  check_host_memory(bytes, fmt::format("the {:.3f}B parameters of this model configuration", bytes / sizeof(F) / 1e9));
   for_each_param(c, [&](const ParamSpec& s) {
     Param<F> p;
     p.spec = s;
@@ -44,6 +47,9 @@ int64_t ParamStore<F>::numel() const {
 template <class F>
 void ParamStore<F>::enable_grads() {
   if (grads_) return;
+  size_t bytes = 0;
+  for (const auto& p : params_) bytes += static_cast<size_t>(p.value.numel()) * sizeof(F);
+  check_host_memory(2 * bytes, "the parameters and their gradients");
   for (auto& p : params_)
     if (p.spec.trainable) p.grad = Tensor::zeros(p.spec.shape, dtype_of<F>);
   grads_ = true;
@@ -109,21 +115,28 @@ void ParamStore<F>::init(uint64_t seed, double init_scale) {
   }
 }
 
-template <class F>
-void ParamStore<F>::load(const io::Checkpoint& ckpt) {
-  // Validate everything first so a bad checkpoint changes nothing.
-  for (const auto& p : params_) {
-    LM_CHECK(ckpt.contains(p.spec.name), "checkpoint '{}' lacks tensor '{}' (shape {})", ckpt.path(), p.spec.name,
-             shape_str(p.spec.shape));
-    const auto& info = ckpt.info(p.spec.name);
-    LM_CHECK(info.shape == p.spec.shape, "checkpoint '{}': tensor '{}' has shape {}, the config needs {}", ckpt.path(),
-             p.spec.name, shape_str(info.shape), shape_str(p.spec.shape));
+void check_checkpoint(const std::vector<ParamSpec>& specs, const io::Checkpoint& ckpt) {
+  std::map<std::string, bool> used;
+  for (const ParamSpec& s : specs) {
+    used[s.name] = true;
+    LM_CHECK(ckpt.contains(s.name), "checkpoint '{}' lacks tensor '{}' (shape {})", ckpt.path(), s.name,
+             shape_str(s.shape));
+    const auto& info = ckpt.info(s.name);
+    LM_CHECK(info.shape == s.shape, "checkpoint '{}': tensor '{}' has shape {}, the config needs {}", ckpt.path(),
+             s.name, shape_str(info.shape), shape_str(s.shape));
     LM_CHECK(dtype_is_float(info.dtype), "checkpoint '{}': tensor '{}' has dtype {}, expected a float type",
-             ckpt.path(), p.spec.name, dtype_name(info.dtype));
+             ckpt.path(), s.name, dtype_name(info.dtype));
   }
   for (const auto& name : ckpt.names())
-    LM_CHECK(index_.count(name), "checkpoint '{}' has tensor '{}', which this model configuration does not use",
+    LM_CHECK(used.count(name), "checkpoint '{}' has tensor '{}', which this model configuration does not use",
              ckpt.path(), name);
+}
+
+template <class F>
+void ParamStore<F>::load(const io::Checkpoint& ckpt) {
+  std::vector<ParamSpec> specs;
+  for (const auto& p : params_) specs.push_back(p.spec);
+  check_checkpoint(specs, ckpt);  // everything first, so a bad checkpoint changes nothing
   for (auto& p : params_) p.value.copy_from(ckpt.get(p.spec.name));
 }
 

@@ -21,10 +21,15 @@ struct Param {
   F* g() const { return grad.defined() ? grad.data<F>() : nullptr; }
 };
 
+// The checks of ParamStore::load from the checkpoint's headers alone, before anything is allocated: every tensor
+// of `specs` present with its shape and a float dtype, and no tensor the specs do not name (param_specs(config)).
+void check_checkpoint(const std::vector<ParamSpec>& specs, const io::Checkpoint& ckpt);
+
 template <class F>
 class ParamStore {
  public:
-  explicit ParamStore(const ModelConfig& c);  // allocates every tensor, zero-filled
+  // Allocates every tensor, zero-filled; lm::Error first when they need more than the machine's memory.
+  explicit ParamStore(const ModelConfig& c);
 
   // Initialisation for from-scratch training (SPEC): linear weights N(0, 1/sqrt(fan_in)) scaled by
   // `init_scale`, output projections further by 1/sqrt(2L), norms 1, AttnRes pseudo-queries 0,

@@ -16,8 +16,27 @@ namespace lm::train {
 namespace fs = std::filesystem;
 using io::json;
 
-TrainerState read_trainer_state(const json& j, const std::string& ctx, size_t n_stages,
-                                const std::function<uint64_t(int64_t)>& fingerprint) {
+std::vector<std::string> run_markers(const fs::path& out) {
+  std::vector<std::string> r;
+  std::error_code ec;
+  for (const char* f : {"latest", "summary.json"})
+    if (fs::exists(out / f, ec)) r.push_back(f);
+  if (fs::is_directory(out / "ckpt", ec))
+    for (const auto& e : fs::directory_iterator(out / "ckpt", ec))
+      if (e.path().filename().string().rfind("step-", 0) == 0) r.push_back("ckpt/" + e.path().filename().string());
+  std::sort(r.begin(), r.end());
+  return r;
+}
+
+void clear_run(const fs::path& out) {
+  for (const char* f : {"latest", "summary.json", "metrics.jsonl"}) fs::remove(out / f);
+  fs::remove_all(out / "ckpt");
+  io::fsync_dir(out.string());
+}
+
+TrainerState read_trainer_state(const json& j, const std::string& ctx, const std::vector<int64_t>& stage_steps,
+                                const std::function<uint64_t(int64_t)>& fingerprint, bool finished_ok) {
+  const auto n_stages = static_cast<int64_t>(stage_steps.size());
   TrainerState s;
   s.stage = io::get_required<int64_t>(j, "stage", ctx);
   s.step_in_stage = io::get_required<int64_t>(j, "step_in_stage", ctx);
@@ -25,8 +44,16 @@ TrainerState read_trainer_state(const json& j, const std::string& ctx, size_t n_
   s.tokens = io::get_required<int64_t>(j, "tokens", ctx);
   s.data_stage = io::get_or<int64_t>(j, "data_stage", s.stage, ctx);
   from_json(j.at("position"), s.position);
-  LM_CHECK(s.stage < static_cast<int64_t>(n_stages), "{}: this run already finished all {} stages; nothing to resume",
-           ctx, n_stages);
+  LM_CHECK(s.stage >= 0, "{}: stage {} is negative", ctx, s.stage);
+  const bool finished = finished_ok && s.stage == n_stages;
+  LM_CHECK(s.stage < n_stages || finished, "{}: this run already finished all {} stages; nothing to resume", ctx,
+           n_stages);
+  const int64_t steps = finished ? 0 : stage_steps[static_cast<size_t>(s.stage)];
+  LM_CHECK(s.step_in_stage >= 0 && s.step_in_stage <= steps, "{}: step_in_stage {} outside [0, {}] (the steps of "
+           "stage {})", ctx, s.step_in_stage, steps, s.stage + 1);
+  LM_CHECK(s.global_step >= s.step_in_stage, "{}: global_step {} is below step_in_stage {}", ctx, s.global_step,
+           s.step_in_stage);
+  LM_CHECK(s.tokens >= 0, "{}: tokens {} is negative", ctx, s.tokens);
   LM_CHECK(s.data_stage >= 0 && s.data_stage <= s.stage, "{}: data_stage {} outside [0, stage {}]", ctx,
            s.data_stage, s.stage);
   s.data_fingerprint = fingerprint(s.data_stage);

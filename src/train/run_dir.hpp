@@ -6,6 +6,7 @@
 #include <fstream>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "io/json.hpp"
 #include "model/config.hpp"
@@ -27,10 +28,19 @@ struct TrainerState {
   uint64_t data_fingerprint = 0;
 };
 
-// A resumed run's trainer_state.json (`j`; ctx names the file) for a run of n_stages stages. The data
-// fingerprint it holds must be fingerprint(data_stage), computed once the stages are known to be in range.
-TrainerState read_trainer_state(const io::json& j, const std::string& ctx, size_t n_stages,
-                                const std::function<uint64_t(int64_t data_stage)>& fingerprint);
+// What says a run folder holds a run: "ckpt/step-..." folders, `latest`, summary.json (empty: none).
+std::vector<std::string> run_markers(const std::filesystem::path& out);
+// Removes a run's checkpoints, `latest`, metrics and summary from `out` (the files of a new run replace the rest).
+void clear_run(const std::filesystem::path& out);
+
+// A resumed run's trainer_state.json (`j`; ctx names the file) for a run whose stage s has stage_steps[s] steps.
+// Every counter is range-checked (a step inside its stage, no negative counts). The data fingerprint it holds must
+// be fingerprint(data_stage), computed once the stages are known to be in range.
+// With `finished_ok` (the run's summary.json is missing) a state past the last stage is accepted: the run had
+// finished and only its summary is left to write.
+TrainerState read_trainer_state(const io::json& j, const std::string& ctx, const std::vector<int64_t>& stage_steps,
+                                const std::function<uint64_t(int64_t data_stage)>& fingerprint,
+                                bool finished_ok = false);
 
 // What a checkpoint holds besides its trainer state.
 struct CheckpointContent {

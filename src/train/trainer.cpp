@@ -118,6 +118,12 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   return c;
 }
 
+std::vector<int64_t> RunConfig::stage_steps() const {
+  std::vector<int64_t> r;
+  for (const StageConfig& s : stages) r.push_back(s.steps());
+  return r;
+}
+
 RunConfig RunConfig::load(const std::string& path) { return from_json(io::load_json_file(path), path); }
 
 json RunConfig::to_json() const {
@@ -284,6 +290,19 @@ class Run {
 Run::Run(const RunConfig& cfg, const TrainOptions& opt, Clock::time_point t_start)
     : cfg_(cfg), opt_(opt), t_start_(t_start), out_(cfg.out), tty_(!opt.quiet && isatty(STDERR_FILENO)) {
   fs::create_directories(out_);
+  if (!opt.resume) {
+    const std::vector<std::string> markers = run_markers(out_);
+    std::string other;
+    for (const std::string& m : markers) other += (other.empty() ? "" : ", ") + m;
+    if (!markers.empty() && opt.overwrite) {
+      say(fmt::format("--overwrite: removing the run in {} ({})", out_.string(), other));
+      clear_run(out_);
+    } else {
+      LM_CHECK(markers.empty(), "'{}' already holds a run ({}): continue it with --resume, start over with "
+               "--overwrite (removes its checkpoints, metrics and summary), or train into another --out",
+               out_.string(), other);
+    }
+  }
   // The resume point first: a resumed run must use the tokenizer it started with.
   io::json state;
   if (opt.resume) {
@@ -296,10 +315,13 @@ Run::Run(const RunConfig& cfg, const TrainOptions& opt, Clock::time_point t_star
   if (resume_dir_.empty())
     at_.data_fingerprint = data_->stage_fingerprint(0);
   else
-    at_ = read_trainer_state(state, resume_dir_ + "/trainer_state.json", cfg.stages.size(),
-                             [this](int64_t si) { return data_->stage_fingerprint(si); });
+    at_ = read_trainer_state(state, resume_dir_ + "/trainer_state.json", cfg.stage_steps(),
+                             [this](int64_t si) { return data_->stage_fingerprint(si); },
+                             !fs::exists(out_ / "summary.json"));
   start_ = at_;
-  loader_ = std::make_unique<Loader>(data_->train, cfg.stages[at_.stage].seq_len, cfg.seed, at_.position,
+  // (a finished run resumed for its summary stands past the last stage: the loader is never read then)
+  const size_t ls = std::min(static_cast<size_t>(at_.stage), cfg.stages.size() - 1);
+  loader_ = std::make_unique<Loader>(data_->train, cfg.stages[ls].seq_len, cfg.seed, at_.position,
                                      data_->passkey_docs(at_.data_stage));
   // A resumed run first drops the metrics lines written after its checkpoint.
   metrics_ = std::make_unique<MetricsLog>(out_ / "metrics.jsonl", !resume_dir_.empty(), at_.global_step);
@@ -343,7 +365,7 @@ void Run::load_model() {
 Stage Run::begin_stage(int64_t si) {
   const StageConfig& S = cfg_.stages[si];
   const int64_t per_step = S.batch_seqs * S.seq_len;
-  const int64_t steps = std::max<int64_t>(1, S.tokens / per_step);
+  const int64_t steps = S.steps();
   const int64_t micro = S.micro_seqs ? S.micro_seqs : S.batch_seqs;
   const int64_t first = si == start_.stage ? start_.step_in_stage : 0;
   Stage st{si, S, per_step, steps, micro, Schedule(S.schedule, steps), first, {}};
@@ -493,6 +515,13 @@ bool Run::end_stage(const Stage& st, int64_t step) {
 }
 
 TrainResult Run::finish() {
+  if (start_.stage == static_cast<int64_t>(cfg_.stages.size())) {  // resumed after the last stage's checkpoint
+    const double el = evaluate(cfg_.stages.back().seq_len, 0);
+    result_.heldout_loss = el;
+    result_.heldout_ppl = std::exp(el);
+    say(fmt::format("the run had finished its last stage but not written its summary; held-out loss {:.4f}, ppl "
+                    "{:.2f}: summary written now", el, std::exp(el)));
+  }
   result_.steps = at_.global_step;
   result_.tokens = at_.tokens;
   result_.unigram_ppl = std::exp(data_->unigram_ce);

@@ -12,6 +12,7 @@
 //   latest                              text file naming the newest complete checkpoint (relative)
 // A checkpoint is written into a temporary folder and renamed into place, and `latest` is replaced
 // atomically afterwards: a run killed while saving keeps its previous checkpoint loadable.
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -34,6 +35,7 @@ struct StageConfig {
   int64_t batch_seqs = 8;   // sequences per optimiser step
   int64_t micro_seqs = 0;   // sequences per forward/backward (0: the whole batch at once)
   ScheduleConfig schedule;
+  int64_t steps() const { return std::max<int64_t>(1, tokens / (batch_seqs * seq_len)); }  // optimiser steps
 };
 
 struct RunConfig {
@@ -66,11 +68,16 @@ struct RunConfig {
   static RunConfig load(const std::string& path);
   io::json to_json() const;
   void validate(const std::string& ctx) const;
+  std::vector<int64_t> stage_steps() const;  // each stage's steps()
 };
 
 struct TrainOptions {
   bool resume = false;
   bool quiet = false;      // no progress bar (tests)
+  // A run folder belongs to one run: a new run (no resume) into a folder that holds another one (checkpoints,
+  // `latest` or summary.json) is refused, unless `overwrite`, which removes that run's checkpoints, `latest`,
+  // metrics and summary first.
+  bool overwrite = false;
   // "cuda": forward, backward, AdamW and Quantile Balancing on the GPU (model/cuda/gpu_model); needs
   // optimizer.kind "adamw" and balance qb (exact estimator) or none. Checkpoints are the same files either way.
   std::string device = "cpu";

@@ -208,3 +208,43 @@ TEST(Generate, GenerateEqualsAHandWrittenLoop) {
   EXPECT_EQ(g.generated(), out);
   EXPECT_EQ(g.finish_reason(), "length");
 }
+
+// A config.json that disagrees with the weights is refused from the safetensors headers, before the model is
+// allocated: with hidden_size 2^14 and intermediate_size 2^24 its parameters would need terabytes, so allocating
+// first would fail on the memory check instead of naming the shape.
+TEST(Generate, ConfigThatDisagreesWithTheWeightsFailsBeforeAllocating) {
+  const auto& tok = tokenizer();
+  const auto cfg = config(tok.vocab_size());
+  model::Model<float> m(cfg);
+  m.params().init(4);
+  const std::string dir = tmpdir("mismatch");
+  io::save_checkpoint(dir, m.params().named(), uint64_t(1) << 30);
+  {
+    std::ofstream f(dir + "/tokenizer.model", std::ios::binary);
+    f << tok.model_bytes();
+  }
+  cfg.save(dir + "/config.json");
+  io::json j = io::load_json_file(dir + "/config.json");
+  j["hidden_size"] = 1 << 14;
+  j["intermediate_size"] = 1 << 24;
+  {
+    std::ofstream f(dir + "/config.json");
+    f << j.dump(2);
+  }
+  try {
+    load_model_dir(dir);
+    ADD_FAILURE() << "a config that disagrees with the weights loaded";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("has shape"), std::string::npos) << what;
+    EXPECT_EQ(what.find("GiB"), std::string::npos) << what;
+  }
+  // The same config with no weights to check: the memory check refuses it with both figures.
+  try {
+    model::Model<float> huge(model::ModelConfig::load(dir + "/config.json"));
+    ADD_FAILURE() << "a model of terabytes was allocated";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("GiB of host memory, more than this machine's"), std::string::npos) << what;
+  }
+}

@@ -7,11 +7,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <csignal>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -23,6 +25,7 @@
 
 #include "core/tensor.hpp"
 #include "io/file.hpp"
+#include "io/json.hpp"
 #include "io/safetensors.hpp"
 #include "testing.hpp"
 
@@ -751,4 +754,32 @@ TEST(SafeTensorsAtomicWrite, WriteFileAtomicReplacesBytesAndPermissions) {
   lm::io::write_file_atomic("rel.bin", "rel");
   fs::current_path(cwd);
   EXPECT_EQ(read_bytes(dir.file("rel.bin")), "rel");
+}
+
+// Only regular files are opened: a FIFO under a checkpoint's or a config's name is refused at once instead of
+// blocking the open or the read forever; a JSON number out of range names the file.
+TEST(SafeTensorsFiles, FifosAreRefusedAndJsonOverflowNamesTheFile) {
+  TempDir d;
+  for (const char* name : {"model.safetensors", "config.json", "tokenizer.model"})
+    ASSERT_EQ(::mkfifo(d.file(name).c_str(), 0600), 0) << name;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto message = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  const std::string st = message([&] { SafeTensorsFile::open(d.file("model.safetensors")); });
+  EXPECT_NE(st.find("not a regular file"), std::string::npos) << st;
+  const std::string js = message([&] { lm::io::load_json_file(d.file("config.json")); });
+  EXPECT_NE(js.find("not a regular file"), std::string::npos) << js;
+  const std::string rf = message([&] { lm::io::read_file(d.file("tokenizer.model")); });
+  EXPECT_NE(rf.find("not a regular file"), std::string::npos) << rf;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
+  lm::io::write_file_atomic(d.file("big.json"), R"({"vocab_size": 1e400})");
+  const std::string big = message([&] { lm::io::load_json_file(d.file("big.json")); });
+  EXPECT_NE(big.find(d.file("big.json")), std::string::npos) << big;
+  EXPECT_NE(big.find("1e400"), std::string::npos) << big;
 }

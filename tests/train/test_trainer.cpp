@@ -12,6 +12,7 @@
 #include "io/file.hpp"
 #include "io/json.hpp"
 #include "model/cuda/gpu_model.hpp"
+#include "train/run_dir.hpp"
 #include "train/trainer.hpp"
 
 namespace fs = std::filesystem;
@@ -269,9 +270,9 @@ TEST(Trainer, KillDuringSaveKeepsThePreviousCheckpoint) {
   EXPECT_FALSE(fs::exists(root / "run" / "ckpt" / ".tmp-step-00000008"));  // the next save removed it
 }
 
-// A fresh run into a folder that an older run left step folders in, with later step numbers: pruning (by
-// name) must not delete the checkpoint just written, which `latest` names.
-TEST(Trainer, AnOlderRunsCheckpointsNeverEvictTheNewest) {
+// A run folder belongs to one run (the older run's step numbers sorted after the new ones, so pruning by name once
+// deleted each new checkpoint right after saving it).
+TEST(Trainer, AnOlderRunsFolderIsRefusedOrOverwritten) {
   const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_older";
   fs::remove_all(root);
   fs::create_directories(root / "run" / "ckpt" / "step-00000100");
@@ -280,9 +281,21 @@ TEST(Trainer, AnOlderRunsCheckpointsNeverEvictTheNewest) {
   cfg.max_steps = 9;  // saves at steps 4 and 8, and where it stops
   TrainOptions quiet;
   quiet.quiet = true;
+  // A new run into the folder of another is refused, and the folder is left as it was.
+  try {
+    lm::train::train(cfg, quiet);
+    ADD_FAILURE() << "a new run started in another run's folder";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--overwrite"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(fs::exists(root / "run" / "ckpt" / "step-00000200"));
+  EXPECT_FALSE(fs::exists(root / "run" / "metrics.jsonl"));
+  // --overwrite starts over there: the old run's checkpoints go, the new ones stay.
+  quiet.overwrite = true;
   lm::train::train(cfg, quiet);
   EXPECT_EQ(resolve_checkpoint((root / "run").string()), (root / "run" / "ckpt" / "step-00000009").string());
   EXPECT_TRUE(fs::exists(root / "run" / "ckpt" / "step-00000009" / "trainer_state.json"));
+  EXPECT_FALSE(fs::exists(root / "run" / "ckpt" / "step-00000200"));
 }
 
 TEST(Trainer, BadRunConfigsAreClearErrors) {
@@ -343,4 +356,63 @@ TEST(Trainer, ShippedRunConfigsParse) {
     ++n;
   }
   EXPECT_GE(n, 3);
+}
+
+// trainer_state.json is range-checked: a step past its stage would skip the stage silently, a negative global
+// step would name a checkpoint that never exists.
+TEST(Trainer, TrainerStateFieldsAreRangeChecked) {
+  const std::vector<int64_t> steps = {10, 20};
+  auto fp = [](int64_t) { return uint64_t{7}; };
+  auto state = [](int64_t stage, int64_t step, int64_t global, int64_t tokens) {
+    io::json j;
+    j["stage"] = stage, j["step_in_stage"] = step, j["global_step"] = global, j["tokens"] = tokens;
+    j["position"] = train::Position{};
+    j["data_fingerprint"] = 7;
+    return j;
+  };
+  EXPECT_NO_THROW(train::read_trainer_state(state(1, 20, 30, 100), "ts", steps, fp));
+  for (const auto& [j, what] : std::vector<std::pair<io::json, std::string>>{
+           {state(1, 1000000000000, 30, 100), "step_in_stage"},
+           {state(0, -1, 3, 100), "step_in_stage"},
+           {state(0, 3, -5, 100), "global_step"},
+           {state(-1, 0, 0, 0), "stage"},
+           {state(0, 3, 3, -9), "tokens"},
+           {state(2, 0, 30, 100), "nothing to resume"}}) {
+    try {
+      train::read_trainer_state(j, "ts", steps, fp);
+      ADD_FAILURE() << j.dump();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  }
+}
+
+// A run killed after its last stage's checkpoint but before summary.json: --resume writes the summary (the
+// held-out figures of the finished weights) instead of saying there is nothing to resume; with the summary
+// there, there is nothing to resume.
+TEST(Trainer, ResumeFinishesARunWhoseSummaryIsMissing) {
+  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_summary";
+  fs::remove_all(root);
+  RunConfig cfg = tiny_run(root, (root / "run").string());
+  cfg.stages.resize(1);
+  cfg.stages[0].tokens = 3 * 8 * 32;  // 3 steps
+  TrainOptions o;
+  o.quiet = true;
+  const TrainResult full = lm::train::train(cfg, o);
+  const fs::path summary = root / "run" / "summary.json";
+  ASSERT_TRUE(fs::exists(summary));
+  const io::json before = io::load_json_file(summary.string());
+  fs::remove(summary);
+  o.resume = true;
+  const TrainResult again = lm::train::train(cfg, o);
+  ASSERT_TRUE(fs::exists(summary));
+  EXPECT_EQ(again.steps, full.steps);
+  EXPECT_EQ(again.heldout_ppl, full.heldout_ppl);
+  EXPECT_EQ(io::load_json_file(summary.string())["heldout_ppl"], before["heldout_ppl"]);
+  try {
+    lm::train::train(cfg, o);
+    ADD_FAILURE() << "a finished run with its summary resumed";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("nothing to resume"), std::string::npos) << e.what();
+  }
 }
