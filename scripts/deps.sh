@@ -16,6 +16,7 @@ LONGMOE_APT_PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libsentencepiece-dev sentencepiece
   libcpp-httplib-dev libstb-dev
+  libopenmpi-dev openmpi-bin  # multi-process training (src/dist) and its mpirun tests
   clang libclang-rt-14-dev # fuzz build: clang-14 and its libFuzzer/ASan/UBSan runtimes
   libomp-dev               # clang's OpenMP runtime: the core library is built with -fopenmp
 )

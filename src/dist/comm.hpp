@@ -1,0 +1,47 @@
+#pragma once
+// Collectives between the processes of a job: one interface over a single process and MPI (OpenMPI from Debian,
+// started by `mpirun`), so the trainer never knows the transport. Every call is collective: all ranks make it, in
+// the same order, with the same sizes (all_gather_v excepted). Reductions are deterministic for a given world
+// size (MPI's algorithm for a communicator and a message size is fixed).
+//
+// Legend: n elements per rank, R = size() ranks.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace lm::dist {
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string name() const = 0;  // "single process", "MPI (4 ranks)"
+
+  // x [n] = Σ over ranks of x [n], on every rank.
+  virtual void all_reduce_sum(float* x, size_t n) = 0;
+  virtual void all_reduce_sum(double* x, size_t n) = 0;
+  virtual void all_reduce_sum(int64_t* x, size_t n) = 0;
+  // recv [R · n] = every rank's send [n] in rank order (bytes per rank).
+  virtual void all_gather(const void* send, size_t bytes, void* recv) = 0;
+  // Each rank's `bytes` (sizes may differ), concatenated in rank order.
+  virtual std::vector<char> all_gather_v(const void* send, size_t bytes) = 0;
+  // recv [n] = Σ over ranks of send [R · n]'s block of this rank.
+  virtual void reduce_scatter_sum(const float* send, float* recv, size_t n) = 0;
+  // Each rank sends send_bytes[j] bytes (contiguous, in rank order) to rank j and receives recv_bytes[j] from it.
+  virtual void all_to_all_v(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                            const std::vector<size_t>& recv_bytes) = 0;
+  virtual void broadcast(void* x, size_t bytes, int root) = 0;
+  virtual void barrier() = 0;
+};
+
+// The job's communicator, made on first use: MPI when this process was started by an MPI launcher (mpirun sets
+// OMPI_COMM_WORLD_SIZE or PMI_SIZE) and longmoe was built with MPI, else a single process. lm::Error when a
+// launcher started it but longmoe has no MPI. MPI is finalised at exit.
+Comm& world();
+bool built_with_mpi();
+// A communicator of one process (tests, and engines that run alone).
+Comm& single();
+
+}  // namespace lm::dist

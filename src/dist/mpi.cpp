@@ -1,0 +1,133 @@
+// The MPI communicator (comm.hpp) over MPI_COMM_WORLD; without MPI at build time, make_mpi() throws.
+#include "dist/comm.hpp"
+
+#include <memory>
+
+#include "core/error.hpp"
+
+#ifdef LONGMOE_HAVE_MPI
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#endif
+
+namespace lm::dist {
+
+#ifndef LONGMOE_HAVE_MPI
+
+bool built_with_mpi() { return false; }
+std::unique_ptr<Comm> make_mpi() { throw Error("longmoe was built without MPI"); }
+
+#else
+
+bool built_with_mpi() { return true; }
+
+namespace {
+
+void ok(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, msg, &len);
+  throw Error(fmt::format("MPI {} failed: {}", what, std::string(msg, static_cast<size_t>(len))));
+}
+
+// MPI counts are int: larger messages go in pieces of at most 1 GiB.
+constexpr size_t kPiece = size_t(1) << 30;
+
+class Mpi final : public Comm {
+ public:
+  Mpi() {
+    int inited = 0;
+    MPI_Initialized(&inited);
+    if (!inited) {
+      int provided = 0;
+      ok(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "init");
+      std::atexit([] {
+        int fin = 0;
+        MPI_Finalized(&fin);
+        if (!fin) MPI_Finalize();
+      });
+    }
+    // Errors come back as return codes (and become lm::Error) instead of aborting inside MPI.
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+    MPI_Comm_size(MPI_COMM_WORLD, &size_);
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string name() const override { return fmt::format("MPI ({} ranks)", size_); }
+
+  void all_reduce_sum(float* x, size_t n) override { reduce(x, n, MPI_FLOAT, sizeof(float)); }
+  void all_reduce_sum(double* x, size_t n) override { reduce(x, n, MPI_DOUBLE, sizeof(double)); }
+  void all_reduce_sum(int64_t* x, size_t n) override { reduce(x, n, MPI_INT64_T, sizeof(int64_t)); }
+
+  void all_gather(const void* send, size_t bytes, void* recv) override {
+    LM_CHECK(bytes <= INT_MAX, "all_gather: {} bytes per rank is more than one MPI message", bytes);
+    ok(MPI_Allgather(send, int(bytes), MPI_BYTE, recv, int(bytes), MPI_BYTE, MPI_COMM_WORLD), "all_gather");
+  }
+  std::vector<char> all_gather_v(const void* send, size_t bytes) override {
+    LM_CHECK(bytes <= INT_MAX, "all_gather_v: {} bytes is more than one MPI message", bytes);
+    const int mine = int(bytes);
+    const auto R = static_cast<size_t>(size_);
+    std::vector<int> counts(R), displs(R);
+    ok(MPI_Allgather(&mine, 1, MPI_INT, counts.data(), 1, MPI_INT, MPI_COMM_WORLD), "all_gather_v sizes");
+    size_t total = 0;
+    for (int r = 0; r < size_; ++r) {
+      LM_CHECK(total + size_t(counts[size_t(r)]) <= INT_MAX, "all_gather_v: more than one MPI message in all");
+      displs[size_t(r)] = int(total);
+      total += size_t(counts[size_t(r)]);
+    }
+    std::vector<char> out(total);
+    ok(MPI_Allgatherv(send, mine, MPI_BYTE, out.data(), counts.data(), displs.data(), MPI_BYTE, MPI_COMM_WORLD),
+       "all_gather_v");
+    return out;
+  }
+  void reduce_scatter_sum(const float* send, float* recv, size_t n) override {
+    LM_CHECK(n <= INT_MAX, "reduce_scatter: {} elements per rank is more than one MPI message", n);
+    ok(MPI_Reduce_scatter_block(send, recv, int(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD), "reduce_scatter");
+  }
+  void all_to_all_v(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                    const std::vector<size_t>& recv_bytes) override {
+    LM_CHECK(send_bytes.size() == size_t(size_) && recv_bytes.size() == size_t(size_),
+             "all_to_all_v: {} send and {} receive sizes for {} ranks", send_bytes.size(), recv_bytes.size(), size_);
+    const auto R = static_cast<size_t>(size_);
+    std::vector<int> sc(R), sd(R), rc(R), rd(R);
+    size_t so = 0, ro = 0;
+    for (size_t r = 0; r < R; ++r) {
+      LM_CHECK(so + send_bytes[r] <= INT_MAX && ro + recv_bytes[r] <= INT_MAX,
+               "all_to_all_v: more than one MPI message");
+      sc[r] = int(send_bytes[r]), sd[r] = int(so), rc[r] = int(recv_bytes[r]), rd[r] = int(ro);
+      so += send_bytes[r], ro += recv_bytes[r];
+    }
+    ok(MPI_Alltoallv(send, sc.data(), sd.data(), MPI_BYTE, recv, rc.data(), rd.data(), MPI_BYTE, MPI_COMM_WORLD),
+       "all_to_all_v");
+  }
+  void broadcast(void* x, size_t bytes, int root) override {
+    LM_CHECK(root >= 0 && root < size_, "broadcast: root {} of {} ranks", root, size_);
+    for (size_t o = 0; o < bytes; o += kPiece)
+      ok(MPI_Bcast(static_cast<char*>(x) + o, int(std::min(kPiece, bytes - o)), MPI_BYTE, root, MPI_COMM_WORLD),
+         "broadcast");
+  }
+  void barrier() override { ok(MPI_Barrier(MPI_COMM_WORLD), "barrier"); }
+
+ private:
+  void reduce(void* x, size_t n, MPI_Datatype t, size_t esize) {
+    const size_t per = kPiece / esize;
+    for (size_t o = 0; o < n; o += per)
+      ok(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(x) + o * esize, int(std::min(per, n - o)), t, MPI_SUM,
+                       MPI_COMM_WORLD),
+         "all_reduce");
+  }
+  int rank_ = 0, size_ = 1;
+};
+
+}  // namespace
+
+std::unique_ptr<Comm> make_mpi() { return std::make_unique<Mpi>(); }
+
+#endif
+
+}  // namespace lm::dist
