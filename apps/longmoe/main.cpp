@@ -10,6 +10,7 @@
 #include "core/env.hpp"
 #include "core/error.hpp"
 #include "core/parallel.hpp"
+#include "dist/comm.hpp"
 
 namespace lm::app {
 std::vector<Command>& registry() {
@@ -75,9 +76,11 @@ int main(int argc, char** argv) {
       if (sub->parsed()) return act();
   } catch (const lm::Error& e) {
     std::fprintf(stderr, "longmoe: error: %s\n", e.what());
+    lm::dist::abort_job(2);  // under mpirun: the other ranks must not wait for this one in a collective
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "longmoe: internal error: %s\n", e.what());
+    lm::dist::abort_job(3);
     return 3;
   }
   return 1;

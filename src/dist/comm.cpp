@@ -44,6 +44,7 @@ bool launched_by_mpi() { return std::getenv("OMPI_COMM_WORLD_SIZE") || std::gete
 }  // namespace
 
 std::unique_ptr<Comm> make_mpi();  // mpi.cpp
+void mpi_abort(int code);          // mpi.cpp
 
 Comm& single() {
   static Single s;
@@ -58,6 +59,10 @@ Comm& world() {
     return make_mpi();
   }();
   return w ? *w : single();
+}
+
+void abort_job(int code) {
+  if (launched_by_mpi() && built_with_mpi() && world().size() > 1) mpi_abort(code);
 }
 
 }  // namespace lm::dist

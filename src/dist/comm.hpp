@@ -43,5 +43,8 @@ Comm& world();
 bool built_with_mpi();
 // A communicator of one process (tests, and engines that run alone).
 Comm& single();
+// After an error on this process of a job of several (MPI started): ends every process of the job with `code`
+// (MPI_Abort), so none waits forever in a collective. Returns when the job is one process.
+void abort_job(int code);
 
 }  // namespace lm::dist

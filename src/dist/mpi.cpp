@@ -19,6 +19,7 @@ namespace lm::dist {
 
 bool built_with_mpi() { return false; }
 std::unique_ptr<Comm> make_mpi() { throw Error("longmoe was built without MPI"); }
+void mpi_abort(int) {}
 
 #else
 
@@ -127,6 +128,7 @@ class Mpi final : public Comm {
 }  // namespace
 
 std::unique_ptr<Comm> make_mpi() { return std::make_unique<Mpi>(); }
+void mpi_abort(int code) { MPI_Abort(MPI_COMM_WORLD, code); }
 
 #endif
 

@@ -1,5 +1,7 @@
 #include "train/balancer.hpp"
 
+#include <cstring>
+
 namespace lm::train {
 
 Balancer::Balancer(const RunConfig& cfg, model::Model<float>& m)
@@ -45,6 +47,22 @@ void Balancer::accumulate(int64_t rows) {
     }
     aux_ += moe->last_aux_loss;
   }
+}
+
+void Balancer::reduce(dist::Comm& comm) {
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    comm.all_reduce_sum(loads_[li].data(), loads_[li].size());
+    if (kind_ != Balance::QB) continue;
+    if (hist_) {
+      counts_[li].resize(E_ * ops::qb_hist_slots(h_), 0);
+      comm.all_reduce_sum(counts_[li].data(), counts_[li].size());
+    } else {  // every replica's rows, in rank order (the exact estimator does not depend on the order)
+      const std::vector<char> all = comm.all_gather_v(scores_[li].data(), scores_[li].size() * sizeof(float));
+      scores_[li].resize(all.size() / sizeof(float));
+      std::memcpy(scores_[li].data(), all.data(), all.size());
+    }
+  }
+  comm.all_reduce_sum(&aux_, 1);
 }
 
 void Balancer::update() {

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "dist/comm.hpp"
 #include "model/model.hpp"
 #include "ops/moe/balance.hpp"
 #include "train/trainer.hpp"
@@ -30,6 +31,9 @@ class Balancer {
   // After a forward of `rows` tokens on the host model: every MoE layer's loads, router statistics (qb)
   // and auxiliary loss.
   void accumulate(int64_t rows);
+  // Data parallel: the loads, router statistics and auxiliary loss summed (scores gathered) over the replicas,
+  // so that update() sees the whole step.
+  void reduce(dist::Comm& comm);
   // The new bias of every MoE layer of the host model from the step's statistics (qb, sign).
   void update();
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "dist/comm.hpp"
 #include "model/model.hpp"
 #include "train/data.hpp"
 #include "train/optim.hpp"
@@ -64,11 +65,13 @@ class Engine {
 void check_device(const std::string& device, const RunConfig& cfg);
 // The engine for `device` (check_device first) over the host model and optimiser, which hold the starting
 // weights and state and must outlive it.
+// `comm`: the data-parallel replicas (each engine sums its gradients and router statistics across them).
 std::unique_ptr<Engine> make_engine(const std::string& device, const RunConfig& cfg, model::Model<float>& host,
-                                    Optimizer& optim);
+                                    Optimizer& optim, dist::Comm& comm);
 
 // The two implementations behind make_engine / check_device.
-std::unique_ptr<Engine> make_cpu_engine(const RunConfig& cfg, model::Model<float>& host, Optimizer& optim);
+std::unique_ptr<Engine> make_cpu_engine(const RunConfig& cfg, model::Model<float>& host, Optimizer& optim,
+                                        dist::Comm& comm);
 std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, model::Model<float>& host, Optimizer& optim);
 void check_cuda_run(const RunConfig& cfg);
 

@@ -27,9 +27,13 @@ std::string describe_param(const std::string& name, const model::ModelConfig& c)
 
 class CpuEngine final : public Engine {
  public:
-  CpuEngine(const RunConfig& cfg, model::Model<float>& m, Optimizer& optim) : m_(m), optim_(optim), bal_(cfg, m) {}
+  CpuEngine(const RunConfig& cfg, model::Model<float>& m, Optimizer& optim, dist::Comm& comm)
+      : m_(m), optim_(optim), bal_(cfg, m), comm_(comm) {}
 
-  std::string where() const override { return fmt::format("{} threads", num_threads()); }
+  std::string where() const override {
+    return comm_.size() > 1 ? fmt::format("{} threads in each of {} data-parallel replicas", num_threads(), comm_.size())
+                            : fmt::format("{} threads", num_threads());
+  }
 
   void zero_grads() override {
     m_.params().zero_grads();
@@ -50,6 +54,11 @@ class CpuEngine final : public Engine {
   }
 
   StepInfo step(double lr_factor) override {
+    // Data parallel: the replicas' gradients summed (each is already normalised by the step's global target count),
+    // so every replica takes the same step and the weights stay identical.
+    if (comm_.size() > 1)
+      for (auto& p : m_.params().all())
+        if (p.g()) comm_.all_reduce_sum(p.g(), static_cast<size_t>(p.value.numel()));
     try {
       return optim_.step(lr_factor);
     } catch (const Error&) {  // name the parameter; any other failure stays as it was
@@ -59,7 +68,10 @@ class CpuEngine final : public Engine {
     }
   }
 
-  void balance() override { bal_.update(); }
+  void balance() override {
+    if (comm_.size() > 1) bal_.reduce(comm_);  // the whole step's loads and router statistics
+    bal_.update();
+  }
   const std::vector<std::vector<int64_t>>& expert_loads() const override { return bal_.loads(); }
   double aux_loss() const override { return bal_.aux_loss(); }
   void sync_to_host() override {}  // the host model and optimiser are the engine's own
@@ -83,12 +95,14 @@ class CpuEngine final : public Engine {
   model::Model<float>& m_;
   Optimizer& optim_;
   Balancer bal_;
+  dist::Comm& comm_;
 };
 
 }  // namespace
 
-std::unique_ptr<Engine> make_cpu_engine(const RunConfig& cfg, model::Model<float>& host, Optimizer& optim) {
-  return std::make_unique<CpuEngine>(cfg, host, optim);
+std::unique_ptr<Engine> make_cpu_engine(const RunConfig& cfg, model::Model<float>& host, Optimizer& optim,
+                                        dist::Comm& comm) {
+  return std::make_unique<CpuEngine>(cfg, host, optim, comm);
 }
 
 }  // namespace lm::train

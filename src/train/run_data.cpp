@@ -29,7 +29,8 @@ uint64_t data_fingerprint(const TokenizedDocs& corpus, const TokenizedDocs* pass
 
 std::unique_ptr<io::Tokenizer> make_tokenizer(const RunConfig& cfg, const fs::path& tok_path,
                                               const std::string& resume_dir, const std::vector<std::string>& docs,
-                                              const DataSplit& idx, const RunData::Say& say) {
+                                              const DataSplit& idx, const RunData::Say& say, bool writer) {
+  if (!writer && resume_dir.empty()) return std::make_unique<io::Tokenizer>(io::Tokenizer::load(tok_path.string()));
   if (!resume_dir.empty())
     return std::make_unique<io::Tokenizer>(io::Tokenizer::load((fs::path(resume_dir) / "tokenizer.model").string()));
   if (!cfg.tokenizer.empty()) {
@@ -51,7 +52,7 @@ std::unique_ptr<io::Tokenizer> make_tokenizer(const RunConfig& cfg, const fs::pa
 
 }  // namespace
 
-RunData::RunData(const RunConfig& c, const fs::path& out, const std::string& resume_dir, const Say& say)
+RunData::RunData(const RunConfig& c, const fs::path& out, const std::string& resume_dir, const Say& say, bool writer)
     : cfg(c), tok_path(out / "tokenizer.model") {
   const auto docs = io::read_corpus(cfg.data, io::parse_corpus_format(cfg.data_format));
   LM_CHECK(docs.size() >= 2, "'{}': need at least 2 documents (one is held out), found {}", cfg.data, docs.size());
@@ -60,7 +61,7 @@ RunData::RunData(const RunConfig& c, const fs::path& out, const std::string& res
   TokenizedDocs index_only;
   for (size_t i = 0; i < docs.size(); ++i) index_only.ids.push_back(0), index_only.offsets.push_back(i + 1);
   const DataSplit idx = split_documents(index_only, cfg.heldout_fraction, cfg.seed);
-  tok = make_tokenizer(cfg, tok_path, resume_dir, docs, idx, say);
+  tok = make_tokenizer(cfg, tok_path, resume_dir, docs, idx, say, writer);
   const TokenizedDocs all = tokenize_documents(*tok, docs);
   train = std::make_shared<TokenizedDocs>(select_documents(all, idx.train_docs));
   heldout = select_documents(all, idx.heldout_docs);

@@ -18,8 +18,10 @@ struct RunData {
   using Say = std::function<void(const std::string&)>;  // a progress line for the user
   // Reads the corpus and takes the tokenizer from the checkpoint resumed (resume_dir non-empty), else
   // cfg.tokenizer (copied to out/tokenizer.model), else trains a BPE tokenizer into out/tokenizer.model.
-  // Checks that every stage fits a passkey document (with passkey documents).
-  RunData(const RunConfig& cfg, const std::filesystem::path& out, const std::string& resume_dir, const Say& say);
+  // Checks that every stage fits a passkey document (with passkey documents). Not `writer` (a data-parallel replica
+  // other than rank 0): out/tokenizer.model is the one rank 0 wrote, read instead of trained or copied.
+  RunData(const RunConfig& cfg, const std::filesystem::path& out, const std::string& resume_dir, const Say& say,
+          bool writer = true);
 
   // The tokenizer file a checkpoint copies.
   std::string tokenizer_file() const;

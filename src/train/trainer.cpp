@@ -66,7 +66,7 @@ const char* balance_name(Balance b) {
 RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   io::check_known_fields(j,
               {"model", "data", "tokenizer", "out", "seed", "optimizer", "balance", "stages", "log_every",
-               "eval_every", "eval_batches", "save_every", "keep_checkpoints", "max_steps", "comment"},
+               "eval_every", "eval_batches", "save_every", "keep_checkpoints", "max_steps", "parallel", "comment"},
               ctx);
   RunConfig c;
   c.model = io::get_required<std::string>(j, "model", ctx);
@@ -114,6 +114,14 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   c.save_every = io::get_or<int64_t>(j, "save_every", 500, ctx);
   c.keep_checkpoints = io::get_or<int64_t>(j, "keep_checkpoints", 2, ctx);
   c.max_steps = io::get_or<int64_t>(j, "max_steps", 0, ctx);
+  if (j.contains("parallel")) {
+    const json& p = j["parallel"];
+    io::check_known_fields(p, {"dp", "ep", "cp"}, ctx + " parallel");
+    c.parallel.dp = io::get_or<int64_t>(p, "dp", 1, ctx + " parallel");
+    for (const char* k : {"ep", "cp"})
+      LM_CHECK(io::get_or<int64_t>(p, k, 1, ctx + " parallel") == 1,
+               "{}: parallel.{} > 1 is not supported yet (data parallel only: parallel.dp)", ctx, k);
+  }
   c.validate(ctx);
   return c;
 }
@@ -153,6 +161,7 @@ json RunConfig::to_json() const {
   j["save_every"] = save_every;
   j["keep_checkpoints"] = keep_checkpoints;
   j["max_steps"] = max_steps;
+  if (parallel.dp != 1) j["parallel"] = {{"dp", parallel.dp}};
   return j;
 }
 
@@ -176,7 +185,14 @@ void RunConfig::validate(const std::string& ctx) const {
     LM_CHECK(s.micro_seqs == 0 || s.batch_seqs % s.micro_seqs == 0,
              "{}: stages[{}]: batch_seqs ({}) must be a multiple of micro_seqs ({})", ctx, i, s.batch_seqs,
              s.micro_seqs);
+    const int64_t shard = s.batch_seqs / parallel.dp;  // a replica's sequences, in micro-batches of at most micro_seqs
+    LM_CHECK(s.batch_seqs % parallel.dp == 0 && (s.micro_seqs == 0 || shard % std::min(shard, s.micro_seqs) == 0),
+             "{}: stages[{}]: with parallel.dp {} each replica runs batch_seqs / dp sequences per step, which must "
+             "be whole (batch_seqs {}) and a multiple of micro_seqs ({}) when larger",
+             ctx, i, parallel.dp, s.batch_seqs, s.micro_seqs);
   }
+  LM_CHECK(parallel.dp >= 1 && parallel.dp <= 65536, "{}: parallel.dp must be in [1, 65536], got {}", ctx,
+           parallel.dp);
 }
 
 // ---- the run ---------------------------------------------------------------------------------
@@ -258,7 +274,7 @@ class Run {
 
  private:
   void say(const std::string& s) const {
-    if (!opt_.quiet) std::printf("%s\n", s.c_str()), std::fflush(stdout);
+    if (writer_ && !opt_.quiet) std::printf("%s\n", s.c_str()), std::fflush(stdout);
   }
   void load_model();
   void report_passkey(const StageConfig& S);
@@ -267,6 +283,8 @@ class Run {
 
   const RunConfig& cfg_;
   const TrainOptions& opt_;
+  dist::Comm& comm_;   // the job's processes: data-parallel replicas that run the same steps on their shards
+  const bool writer_;  // rank 0: the one that writes the run folder and logs
   const Clock::time_point t_start_;
   const fs::path out_;
   const bool tty_;
@@ -288,7 +306,13 @@ class Run {
 };
 
 Run::Run(const RunConfig& cfg, const TrainOptions& opt, Clock::time_point t_start)
-    : cfg_(cfg), opt_(opt), t_start_(t_start), out_(cfg.out), tty_(!opt.quiet && isatty(STDERR_FILENO)) {
+    : cfg_(cfg),
+      opt_(opt),
+      comm_(opt.comm ? *opt.comm : dist::world()),
+      writer_(comm_.rank() == 0),
+      t_start_(t_start),
+      out_(cfg.out),
+      tty_(writer_ && !opt.quiet && isatty(STDERR_FILENO)) {
   fs::create_directories(out_);
   if (!opt.resume) {
     const std::vector<std::string> markers = run_markers(out_);
@@ -296,7 +320,7 @@ Run::Run(const RunConfig& cfg, const TrainOptions& opt, Clock::time_point t_star
     for (const std::string& m : markers) other += (other.empty() ? "" : ", ") + m;
     if (!markers.empty() && opt.overwrite) {
       say(fmt::format("--overwrite: removing the run in {} ({})", out_.string(), other));
-      clear_run(out_);
+      if (writer_) clear_run(out_);
     } else {
       LM_CHECK(markers.empty(), "'{}' already holds a run ({}): continue it with --resume, start over with "
                "--overwrite (removes its checkpoints, metrics and summary), or train into another --out",
@@ -310,7 +334,15 @@ Run::Run(const RunConfig& cfg, const TrainOptions& opt, Clock::time_point t_star
     state = io::load_json_file((fs::path(resume_dir_) / "trainer_state.json").string());
     say(fmt::format("resuming from {}", resume_dir_));
   }
-  data_ = std::make_unique<RunData>(cfg, out_, resume_dir_, [this](const std::string& s) { say(s); });
+  // Every rank has checked the folder; rank 0 prepares the data first (it may train the tokenizer into the run
+  // folder), the others then read its tokenizer.
+  comm_.barrier();
+  auto make_data = [&] {
+    data_ = std::make_unique<RunData>(cfg, out_, resume_dir_, [this](const std::string& s) { say(s); }, writer_);
+  };
+  if (writer_) make_data();
+  comm_.barrier();
+  if (!writer_) make_data();
   load_model();
   if (resume_dir_.empty())
     at_.data_fingerprint = data_->stage_fingerprint(0);
@@ -324,7 +356,7 @@ Run::Run(const RunConfig& cfg, const TrainOptions& opt, Clock::time_point t_star
   loader_ = std::make_unique<Loader>(data_->train, cfg.stages[ls].seq_len, cfg.seed, at_.position,
                                      data_->passkey_docs(at_.data_stage));
   // A resumed run first drops the metrics lines written after its checkpoint.
-  metrics_ = std::make_unique<MetricsLog>(out_ / "metrics.jsonl", !resume_dir_.empty(), at_.global_step);
+  if (writer_) metrics_ = std::make_unique<MetricsLog>(out_ / "metrics.jsonl", !resume_dir_.empty(), at_.global_step);
   result_.first_step = at_.global_step;
   last_ckpt_ = resume_dir_;
 }
@@ -344,8 +376,10 @@ void Run::load_model() {
                            std::pair{&mcfg_.pad_token_id, tok.pad()}})
     *field = id >= 0 ? io::json(id) : io::json();
   mcfg_.validate(cfg_.model);
-  mcfg_.save((out_ / "config.json").string());
-  io::write_file_atomic((out_ / "run.json").string(), cfg_.to_json().dump(2) + "\n");
+  if (writer_) {
+    mcfg_.save((out_ / "config.json").string());
+    io::write_file_atomic((out_ / "run.json").string(), cfg_.to_json().dump(2) + "\n");
+  }
   model_ = std::make_unique<model::Model<float>>(mcfg_);
   const auto counts = model::count_params(mcfg_);
   const fs::path resume(resume_dir_);
@@ -355,7 +389,7 @@ void Run::load_model() {
   optim_ = std::make_unique<Optimizer>(model_->params(), mcfg_, cfg_.optim);
   if (!resume_dir_.empty())
     optim_->load_state(io::SafeTensorsFile::open((resume / "optimizer.safetensors").string()));
-  engine_ = make_engine(opt_.device, cfg_, *model_, *optim_);
+  engine_ = make_engine(opt_.device, cfg_, *model_, *optim_, comm_);
   say(fmt::format("model: {:.2f}M parameters, {:.2f}M activated; {} layers ({} KDA, {} MLA), {} MoE layers, "
                   "balance {}; {}",
                   counts.total / 1e6, counts.activated / 1e6, mcfg_.num_hidden_layers, mcfg_.num_kda_layers(),
@@ -403,7 +437,10 @@ void Run::report_passkey(const StageConfig& S) {
 }
 
 bool Run::stop_requested() {
-  if (g_interrupts.load() > 0) result_.interrupted = true;
+  // Collective: every replica stops after the same step (a signal may reach them at different moments).
+  int64_t interrupted = g_interrupts.load() > 0 ? 1 : 0;
+  comm_.all_reduce_sum(&interrupted, 1);
+  if (interrupted > 0) result_.interrupted = true;
   return (cfg_.max_steps > 0 && at_.global_step >= cfg_.max_steps) || result_.interrupted;
 }
 
@@ -412,22 +449,25 @@ StepReport Run::train_step(const Stage& st, int64_t step) {
   // The step's micro-batches, fetched first: the loss is normalised by their total target count.
   // One batch of all B sequences (the loader's lanes are defined by B), then split: accumulation
   // sees exactly the sequences of the unaccumulated step.
+  // Data parallel: every replica reads the same batch and runs its shard, sequences [r·B/dp, (r+1)·B/dp).
   std::vector<Batch> mb;
   Batch whole = loader_->next(st.cfg.batch_seqs);
-  if (st.micro == st.cfg.batch_seqs) {
+  const int64_t n_valid = whole.predicted();
+  const int64_t shard = st.cfg.batch_seqs / cfg_.parallel.dp, first = comm_.rank() * shard;
+  const int64_t micro = std::min(st.micro, shard);
+  if (micro == st.cfg.batch_seqs) {
     mb.push_back(std::move(whole));
   } else {
-    for (int64_t b = 0; b < st.cfg.batch_seqs; b += st.micro) mb.push_back(whole.sequences(b, st.micro));
+    for (int64_t b = first; b < first + shard; b += micro) mb.push_back(whole.sequences(b, micro));
   }
-  int64_t n_valid = 0;
-  for (const Batch& b : mb) n_valid += b.predicted();
 
   StepReport r;
   double loss_sum = 0;
   try {
     engine_->zero_grads();
     for (const Batch& b : mb) loss_sum += engine_->forward_backward(b, n_valid).loss_sum;
-    r.info = engine_->step(st.sched.factor_at(step));
+    comm_.all_reduce_sum(&loss_sum, 1);
+    r.info = engine_->step(st.sched.factor_at(step));  // (sums the replicas' gradients first)
   } catch (const NonFinite& e) {
     fail("step {}: {}. Stopping; the last checkpoint is {}", at_.global_step, e.what(),
          last_ckpt_.empty() ? "none" : last_ckpt_);
@@ -460,10 +500,10 @@ void Run::log_step(const Stage& st, int64_t step, const StepReport& r) {
                 {"grad_norm", r.info.grad_norm}, {"tok_per_s", st.per_step / r.seconds}, {"maxvio", r.maxvio},
                 {"elapsed", seconds_since(t_start_)}};
     if (cfg_.balance == Balance::Aux) row["aux_loss"] = r.aux_loss;
-    metrics_->write(row);
+    if (metrics_) metrics_->write(row);
   }
   const bool every_20th = (step + 1) % std::max<int64_t>(1, st.steps / 20) == 0 || step + 1 == st.steps;
-  if (!tty_ && (opt_.quiet || !every_20th)) return;
+  if (!writer_ || (!tty_ && (opt_.quiet || !every_20th))) return;
   const double eta = (st.steps - step - 1) * st.per_step / std::max(tok_rate_, 1e-9);
   char line[1024];
   std::snprintf(line, sizeof line,
@@ -483,7 +523,7 @@ void Run::eval_and_save(const Stage& st, int64_t step) {
   const bool inside = step + 1 < st.steps;  // the stage's end evaluates and saves anyway
   if (cfg_.eval_every > 0 && at_.global_step % cfg_.eval_every == 0 && inside) {
     const double el = evaluate(st.cfg.seq_len, cfg_.eval_batches);
-    metrics_->write(
+    if (metrics_) metrics_->write(
         json{{"step", at_.global_step}, {"stage", st.index}, {"eval_loss", el}, {"eval_ppl", std::exp(el)}});
   }
   if (cfg_.save_every > 0 && at_.global_step % cfg_.save_every == 0 && inside) save(st.index, step + 1, "");
@@ -501,7 +541,7 @@ bool Run::end_stage(const Stage& st, int64_t step) {
   // Stage end: held-out perplexity over the whole split, then the stage's checkpoint.
   const double stage_s = seconds_since(st.t0);
   const double el = evaluate(st.cfg.seq_len, 0);
-  metrics_->write(json{{"step", at_.global_step}, {"stage", st.index}, {"eval_loss", el}, {"eval_ppl", std::exp(el)},
+  if (metrics_) metrics_->write(json{{"step", at_.global_step}, {"stage", st.index}, {"eval_loss", el}, {"eval_ppl", std::exp(el)},
                        {"stage_end", true}});
   say(fmt::format("stage {} done: {} tokens in {}, {:.0f} tok/s; held-out loss {:.4f}, ppl {:.2f} (unigram ppl "
                   "{:.2f})",
@@ -529,7 +569,7 @@ TrainResult Run::finish() {
                              ? static_cast<double>(at_.tokens - start_.tokens) / result_.train_seconds
                              : tok_rate_;
   result_.checkpoint = last_ckpt_;
-  if (!result_.interrupted) write_summary(out_, cfg_, result_);
+  if (writer_ && !result_.interrupted) write_summary(out_, cfg_, result_);
   say(fmt::format("done: {} steps, {} tokens in {}; checkpoint {}", at_.global_step, at_.tokens,
                   fmt_duration(seconds_since(t_start_)), last_ckpt_));
   return std::move(result_);
@@ -550,6 +590,7 @@ double Run::evaluate(int64_t seq_len, int64_t max_batches) {
 
 void Run::save(int64_t stage, int64_t step_in_stage, const std::string& also_as) {
   engine_->sync_to_host();
+  if (!writer_) return;  // the replicas hold the same weights and state: rank 0 writes them
   TrainerState st = at_;
   st.stage = stage, st.step_in_stage = step_in_stage, st.position = loader_->position();
   last_ckpt_ = save_checkpoint(out_, {mcfg_, data_->tokenizer_file(), model_->params(), *optim_}, st,
@@ -561,6 +602,11 @@ void Run::save(int64_t stage, int64_t step_in_stage, const std::string& also_as)
 TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
   const auto t_start = Clock::now();
   check_device(opt.device, cfg);  // first: nothing is written (no run folder, no tokenizer) for a run that cannot start
+  const dist::Comm& comm = opt.comm ? *opt.comm : dist::world();
+  LM_CHECK(comm.size() == cfg.parallel.world(),
+           "train: the run config asks for {} process(es) (parallel.dp {}) but this job has {} ({}); start it with "
+           "mpirun -np {} or set parallel.dp to the job's size",
+           cfg.parallel.world(), cfg.parallel.dp, comm.size(), comm.name(), cfg.parallel.world());
   const InterruptScope interrupt_scope;
   Run run(cfg, opt, t_start);  // run folder, resume point, data and tokenizer, model and engine, metrics
   for (int64_t si = run.first_stage(); si < static_cast<int64_t>(cfg.stages.size()); ++si) {

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/comm.hpp"
 #include "io/checkpoint.hpp"
 #include "io/json.hpp"
 #include "ops/moe/balance.hpp"
@@ -36,6 +37,14 @@ struct StageConfig {
   int64_t micro_seqs = 0;   // sequences per forward/backward (0: the whole batch at once)
   ScheduleConfig schedule;
   int64_t steps() const { return std::max<int64_t>(1, tokens / (batch_seqs * seq_len)); }  // optimiser steps
+};
+
+// How the processes of a job (`mpirun -np N`) share a run: dp data-parallel replicas, each running batch_seqs / dp
+// sequences of every step (gradients summed across them before the optimiser step). The world size must be the
+// product. Expert and context parallelism: not yet.
+struct ParallelConfig {
+  int64_t dp = 1;
+  int64_t world() const { return dp; }
 };
 
 struct RunConfig {
@@ -63,6 +72,7 @@ struct RunConfig {
   int64_t save_every = 500;               // steps; 0 = only at stage ends
   int64_t keep_checkpoints = 2;
   int64_t max_steps = 0;                  // stop after this many steps in total (tests, experiments)
+  ParallelConfig parallel;
 
   static RunConfig from_json(const io::json& j, const std::string& ctx);
   static RunConfig load(const std::string& path);
@@ -78,6 +88,9 @@ struct TrainOptions {
   // `latest` or summary.json) is refused, unless `overwrite`, which removes that run's checkpoints, `latest`,
   // metrics and summary first.
   bool overwrite = false;
+  // The job's processes (null: dist::world(), MPI under mpirun); its size must be RunConfig::parallel.world().
+  // Rank 0 alone writes the run folder and logs.
+  dist::Comm* comm = nullptr;
   // "cuda": forward, backward, AdamW and Quantile Balancing on the GPU (model/cuda/gpu_model); needs
   // optimizer.kind "adamw" and balance qb (exact estimator) or none. Checkpoints are the same files either way.
   std::string device = "cpu";

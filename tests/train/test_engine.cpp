@@ -61,7 +61,7 @@ TEST(Engine, CpuEngineIsTheModelAndOptimizer) {
   RunConfig rc;
   rc.balance = Balance::None;
   Host a(c, rc.optim), b(c, rc.optim);
-  const auto engine = make_engine("cpu", rc, a.m, *a.optim);
+  const auto engine = make_engine("cpu", rc, a.m, *a.optim, dist::single());
   const Batch whole = batch(2, 16, static_cast<int32_t>(c.vocab_size));
   const int64_t n = whole.predicted();
   for (int step = 0; step < 2; ++step) {
@@ -107,7 +107,7 @@ TEST(Engine, CpuBalanceKinds) {
     RunConfig rc;
     rc.balance = kind, rc.qb_estimator = estimator;
     Host h(c, rc.optim);
-    const auto engine = make_engine("cpu", rc, h.m, *h.optim);
+    const auto engine = make_engine("cpu", rc, h.m, *h.optim, dist::single());
     const float* bias = h.m.moe(1)->bias();
     const std::vector<float> before(bias, bias + c.num_experts);
     engine->zero_grads();
@@ -126,7 +126,7 @@ TEST(Engine, NonFiniteLossAndGradientNameTheLayer) {
   const model::ModelConfig c = two_layers();
   RunConfig rc;
   Host h(c, rc.optim);
-  const auto engine = make_engine("cpu", rc, h.m, *h.optim);
+  const auto engine = make_engine("cpu", rc, h.m, *h.optim, dist::single());
   const Batch whole = batch(1, 16, static_cast<int32_t>(c.vocab_size));
   // NaN experts in layer 1 (after its router, which refuses NaN logits), then a NaN final norm.
   auto expect_loss_error = [&](const std::string& needle) {
@@ -172,7 +172,7 @@ TEST(Engine, DeviceChecks) {
   if (!model::cuda::available()) {
     const model::ModelConfig c = two_layers();
     Host h(c, rc.optim);
-    EXPECT_THROW(make_engine("cuda", rc, h.m, *h.optim), Error);
+    EXPECT_THROW(make_engine("cuda", rc, h.m, *h.optim, dist::single()), Error);
   }
 }
 

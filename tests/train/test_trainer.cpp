@@ -14,43 +14,14 @@
 #include "model/cuda/gpu_model.hpp"
 #include "train/run_dir.hpp"
 #include "train/trainer.hpp"
+#include "train/tiny_run.hpp"
 
 namespace fs = std::filesystem;
 using namespace lm;
 using namespace lm::train;
+using namespace lm::train::tiny;
 
 namespace {
-
-const char* kTinyModel = R"({
-  "model_type": "kimi_linear", "vocab_size": 320, "hidden_size": 32, "num_hidden_layers": 4,
-  "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 8,
-  "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "mla_use_nope": true, "mla_use_output_gate": true,
-  "linear_attn_config": {"num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 4, "use_full_rank_gate": true,
-                         "gate_lower_bound": -5.0, "kda_layers": [1, 2, 3], "full_attn_layers": [4]},
-  "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
-  "intermediate_size": 64, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-  "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 16,
-  "routed_expert_hidden_size": 16, "latent_moe_use_norm": true, "moe_router_activation_func": "sigmoid",
-  "moe_renormalize": true, "routed_scaling_factor": 1.0, "num_expert_group": 1, "topk_group": 1,
-  "attn_res_block_size": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": false })";
-
-// A folder of small documents of a toy language with some structure to learn.
-std::string make_corpus(const fs::path& dir) {
-  fs::create_directories(dir);
-  const char* words[] = {"the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "big", "red", "house",
-                         "saw", "bird", "sang", "in", "tree", "small", "green"};
-  Rng r{99, 0};
-  uint64_t n = 0;
-  for (int d = 0; d < 24; ++d) {
-    std::ofstream f(dir / ("doc" + std::to_string(100 + d) + ".txt"));
-    for (int s = 0; s < 30; ++s) {
-      const int len = 4 + static_cast<int>(r.bits(n++).v[0] % 6);
-      for (int w = 0; w < len; ++w) f << (w ? " " : "") << words[(r.bits(n++).v[0] % 20 + w * 3) % 20];
-      f << ".\n";
-    }
-  }
-  return dir.string();
-}
 
 // Like make_corpus, with the words of the passkey template (io/retrieval.hpp) among the toy words, so
 // that a 512-piece tokenizer fits passkey documents into short stages.
@@ -91,26 +62,6 @@ RunConfig tiny_passkey_run(const fs::path& root, const std::string& out, double 
   j["data"]["passkey_fraction"] = fraction;
   j["out"] = out;
   return RunConfig::from_json(j, "tiny passkey run");
-}
-
-RunConfig tiny_run(const fs::path& root, const std::string& out) {
-  if (!fs::exists(root / "model.json")) {
-    fs::create_directories(root);
-    std::ofstream(root / "model.json") << kTinyModel;
-    make_corpus(root / "corpus");
-  }
-  io::json j = io::json::parse(R"({
-    "model": "", "data": {"path": "", "format": "folder", "heldout_fraction": 0.1},
-    "tokenizer": {"vocab_size": 320}, "seed": 3,
-    "optimizer": {"kind": "muon", "lr_adamw": 3e-3, "lr_muon": 3e-3},
-    "balance": {"kind": "qb"},
-    "stages": [{"seq_len": 32, "tokens": 3072, "batch_seqs": 8, "micro_seqs": 4},
-               {"seq_len": 64, "tokens": 2048, "batch_seqs": 4}],
-    "eval_every": 5, "eval_batches": 2, "save_every": 4 })");
-  j["model"] = (root / "model.json").string();
-  j["data"]["path"] = (root / "corpus").string();
-  j["out"] = out;
-  return RunConfig::from_json(j, "tiny run");
 }
 
 }  // namespace
