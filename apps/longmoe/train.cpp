@@ -9,6 +9,7 @@
 
 #include "apps/longmoe/commands.hpp"
 #include "core/error.hpp"
+#include "dist/comm.hpp"
 #include "train/trainer.hpp"
 
 namespace {
@@ -58,6 +59,7 @@ int run(const Args& a) {
   opt.quiet = a.quiet;
   opt.device = a.device;
   const auto r = lm::train::train(cfg, opt);
+  if (lm::dist::world().rank() != 0) return r.interrupted ? 130 : 0;  // (data parallel: rank 0 reports)
   if (r.interrupted) {
     std::printf("interrupted after %ld steps; checkpoint %s (continue with --resume)\n", static_cast<long>(r.steps),
                 r.checkpoint.c_str());
