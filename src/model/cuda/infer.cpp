@@ -20,6 +20,9 @@ size_t InferState::bytes() const {
 void GpuModel::Impl::reserve_caches(int64_t n_slots, int64_t max_tokens) {
   LM_CHECK(n_slots >= 1 && max_tokens >= 1, "gpu model: caches need at least one slot of one token (got {} x {})",
            n_slots, max_tokens);
+  LM_CHECK(c.num_mla_layers() == 0 || (c.kv_lora_rank == 512 && c.qk_rope_head_dim == 64),
+           "gpu model: inference needs kv_lora_rank 512 and qk_rope_head_dim 64 in MLA layers (the absorbed decode "
+           "kernel's), this config has {} and {}", c.kv_lora_rank, c.qk_rope_head_dim);
   inf.state.clear(), inf.conv.clear(), inf.latent.clear();
   inf.state.resize(size_t(L)), inf.conv.resize(size_t(L)), inf.latent.resize(size_t(L));
   for (int64_t i = 0; i < L; ++i) {
