@@ -50,6 +50,8 @@ int run(const Args& a) {
                "drop them to continue it as it was started", saved.string());
       s.out = cfg.out;
       s.max_steps = cfg.max_steps;
+      s.parallel = cfg.parallel;  // a checkpoint is the same for any layout: a run may resume on another world size
+      s.validate(saved.string() + " (with --config's parallel layout)");
       cfg = s;
     }
   }
