@@ -3,12 +3,15 @@
 // binary runs at (alone, or under mpirun with 2 and 4 ranks); a world size the config does not ask for is refused.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 
 #include "core/error.hpp"
 #include "dist/comm.hpp"
+#include "io/file.hpp"
 #include "train/tiny_run.hpp"
 #include "train/trainer.hpp"
 
@@ -112,4 +115,36 @@ TEST(DataParallel, ResumeOnAnotherWorldSizeContinuesExactly) {
                 w.size(), worst);
   EXPECT_LE(worst, 1e-6);
   w.barrier();
+}
+
+// A replica that dies (rank 0 aborts inside the save of step 8, as a kill would) ends the whole job, within a
+// timeout, instead of leaving the other replica waiting in the next step's all-reduce; the run then resumes from
+// the checkpoint of step 4 on two replicas and finishes. Runs `mpiexec -n 2 longmoe train` itself, so only when
+// this binary runs alone.
+TEST(DataParallel, AReplicaThatDiesEndsTheJob) {
+#ifndef LONGMOE_MPIEXEC
+  GTEST_SKIP() << "built without MPI";
+#else
+  if (dist::world().size() > 1) GTEST_SKIP() << "runs its own mpiexec (only from a single-process run)";
+  const fs::path root = fs::path(::testing::TempDir()) / "lm_dp_dies";
+  fs::remove_all(root);
+  RunConfig c = tiny::tiny_run(root, (root / "run").string());
+  c.parallel.dp = 2;
+  lm::io::write_file_atomic((root / "run.json").string(), c.to_json().dump());
+  // (LeakSanitizer off in the replicas, as for the other MPI tests: OpenMPI keeps allocations past MPI_Finalize)
+  const std::string mpi = std::string("ASAN_OPTIONS=detect_leaks=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 120 ") +
+                          LONGMOE_MPIEXEC + " -n 2 --oversubscribe " + LONGMOE_BINARY + " --threads 1 train --quiet ";
+  const auto t0 = std::chrono::steady_clock::now();
+  const int rc = std::system(("LONGMOE_CRASH_IN_SAVE_AT_STEP=8 " + mpi + "--config " + (root / "run.json").string() +
+                              " > " + (root / "log").string() + " 2>&1")
+                                 .c_str());
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("[ measure  ] rank 0 aborted at step 8: the job ended after %.1f s with status %d\n", took, rc);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(WEXITSTATUS(rc), 124) << "the job hung until the timeout";
+  EXPECT_LT(took, 100);
+  EXPECT_TRUE(fs::exists(root / "run" / "ckpt" / "step-00000004"));
+  EXPECT_EQ(std::system((mpi + "--resume --config " + (root / "run.json").string() + " > /dev/null 2>&1").c_str()), 0);
+  EXPECT_TRUE(fs::exists(root / "run" / "summary.json"));
+#endif
 }
