@@ -47,9 +47,7 @@ int64_t ParamStore<F>::numel() const {
 template <class F>
 void ParamStore<F>::enable_grads() {
   if (grads_) return;
-  size_t bytes = 0;
-  for (const auto& p : params_) bytes += static_cast<size_t>(p.value.numel()) * sizeof(F);
-  check_host_memory(2 * bytes, "the parameters and their gradients");
+  check_host_memory(2 * static_cast<size_t>(numel()) * sizeof(F), "the parameters and their gradients");
   for (auto& p : params_)
     if (p.spec.trainable) p.grad = Tensor::zeros(p.spec.shape, dtype_of<F>);
   grads_ = true;

@@ -185,8 +185,7 @@ void RunConfig::validate(const std::string& ctx) const {
     LM_CHECK(s.micro_seqs == 0 || s.batch_seqs % s.micro_seqs == 0,
              "{}: stages[{}]: batch_seqs ({}) must be a multiple of micro_seqs ({})", ctx, i, s.batch_seqs,
              s.micro_seqs);
-    const int64_t shard = s.batch_seqs / parallel.dp;  // a replica's sequences, in micro-batches of at most micro_seqs
-    LM_CHECK(s.batch_seqs % parallel.dp == 0 && (s.micro_seqs == 0 || shard % std::min(shard, s.micro_seqs) == 0),
+    LM_CHECK(s.batch_seqs % parallel.dp == 0 && s.replica_seqs(parallel.dp) % s.replica_micro(parallel.dp) == 0,
              "{}: stages[{}]: with parallel.dp {} each replica runs batch_seqs / dp sequences per step, which must "
              "be whole (batch_seqs {}) and a multiple of micro_seqs ({}) when larger",
              ctx, i, parallel.dp, s.batch_seqs, s.micro_seqs);
@@ -453,8 +452,8 @@ StepReport Run::train_step(const Stage& st, int64_t step) {
   std::vector<Batch> mb;
   Batch whole = loader_->next(st.cfg.batch_seqs);
   const int64_t n_valid = whole.predicted();
-  const int64_t shard = st.cfg.batch_seqs / cfg_.parallel.dp, first = comm_.rank() * shard;
-  const int64_t micro = std::min(st.micro, shard);
+  const int64_t shard = st.cfg.replica_seqs(cfg_.parallel.dp), first = comm_.rank() * shard;
+  const int64_t micro = st.cfg.replica_micro(cfg_.parallel.dp);
   if (micro == st.cfg.batch_seqs) {
     mb.push_back(std::move(whole));
   } else {

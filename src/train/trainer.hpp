@@ -37,6 +37,10 @@ struct StageConfig {
   int64_t micro_seqs = 0;   // sequences per forward/backward (0: the whole batch at once)
   ScheduleConfig schedule;
   int64_t steps() const { return std::max<int64_t>(1, tokens / (batch_seqs * seq_len)); }  // optimiser steps
+  // With dp data-parallel replicas: each runs replica_seqs(dp) sequences of every step, in micro-batches of
+  // replica_micro(dp) (micro_seqs, or the whole share when that is smaller or micro_seqs is 0).
+  int64_t replica_seqs(int64_t dp) const { return batch_seqs / dp; }
+  int64_t replica_micro(int64_t dp) const { return std::min(micro_seqs ? micro_seqs : batch_seqs, replica_seqs(dp)); }
 };
 
 // How the processes of a job (`mpirun -np N`) share a run: dp data-parallel replicas, each running batch_seqs / dp

@@ -19,20 +19,35 @@ namespace fs = std::filesystem;
 using namespace lm;
 using namespace lm::train;
 
-TEST(DataParallel, TenStepsEqualOneProcess) {
-  dist::Comm& w = dist::world();
-  const fs::path root = fs::path(::testing::TempDir()) / ("lm_dp_" + std::to_string(w.size()));
+namespace {
+
+// A fresh folder `name` for this world size, with the tiny run's model and corpus (rank 0 writes them before any
+// rank reads them), and the tiny run in `out` below it: its first stage in one piece per replica, 10 steps.
+fs::path shared_root(dist::Comm& w, const std::string& name) {
+  const fs::path root = fs::path(::testing::TempDir()) / (name + "_" + std::to_string(w.size()));
   if (w.rank() == 0) {
     fs::remove_all(root);
-    tiny::tiny_run(root, "");  // the model and corpus files, before any rank reads them
+    tiny::tiny_run(root, "");
   }
   w.barrier();
+  return root;
+}
+RunConfig ten_steps(const fs::path& root, const std::string& out) {
+  RunConfig c = tiny::tiny_run(root, (root / out).string());
+  c.stages[0].micro_seqs = 0;
+  c.max_steps = 10;
+  return c;
+}
+
+}  // namespace
+
+TEST(DataParallel, TenStepsEqualOneProcess) {
+  dist::Comm& w = dist::world();
+  const fs::path root = shared_root(w, "lm_dp");
   TrainOptions o;
   o.quiet = true;
   // The reference: one process, in a folder of its own on every rank.
-  RunConfig one = tiny::tiny_run(root, (root / ("one-" + std::to_string(w.rank()))).string());
-  one.stages[0].micro_seqs = 0;
-  one.max_steps = 10;
+  const RunConfig one = ten_steps(root, "one-" + std::to_string(w.rank()));
   o.comm = &dist::single();
   const TrainResult ref = lm::train::train(one, o);
   RunConfig dp = one;
@@ -83,17 +98,10 @@ TEST(DataParallel, LayoutsThatCannotSplitAreConfigErrors) {
 // a checkpoint does not depend on the layout (the weights, the optimiser state and the stream position are whole).
 TEST(DataParallel, ResumeOnAnotherWorldSizeContinuesExactly) {
   dist::Comm& w = dist::world();
-  const fs::path root = fs::path(::testing::TempDir()) / ("lm_dp_resume_" + std::to_string(w.size()));
-  if (w.rank() == 0) {
-    fs::remove_all(root);
-    tiny::tiny_run(root, "");
-  }
-  w.barrier();
+  const fs::path root = shared_root(w, "lm_dp_resume");
   TrainOptions o;
   o.quiet = true;
-  RunConfig full = tiny::tiny_run(root, (root / ("full-" + std::to_string(w.rank()))).string());
-  full.stages[0].micro_seqs = 0;
-  full.max_steps = 10;
+  const RunConfig full = ten_steps(root, "full-" + std::to_string(w.rank()));
   o.comm = &dist::single();
   const TrainResult ref = lm::train::train(full, o);
   RunConfig part = full;

@@ -44,24 +44,17 @@ void make_passkey_corpus(const fs::path& dir) {
 
 // Two stages (128 then 256 tokens) with a share `fraction` of synthetic passkey documents.
 RunConfig tiny_passkey_run(const fs::path& root, const std::string& out, double fraction) {
-  if (!fs::exists(root / "model.json")) {
-    fs::create_directories(root);
-    std::ofstream(root / "model.json") << kTinyModel;
-    make_passkey_corpus(root / "corpus");
-  }
-  io::json j = io::json::parse(R"({
+  RunConfig c = tiny_config(root, make_passkey_corpus, R"({
     "model": "", "data": {"path": "", "format": "folder", "heldout_fraction": 0.1},
     "tokenizer": {"vocab_size": 512}, "seed": 5,
     "optimizer": {"kind": "muon", "lr_adamw": 3e-3, "lr_muon": 3e-3},
     "balance": {"kind": "qb"},
     "stages": [{"seq_len": 128, "tokens": 2048, "batch_seqs": 4, "micro_seqs": 2},
                {"seq_len": 256, "tokens": 2048, "batch_seqs": 2}],
-    "eval_every": 0, "eval_batches": 1, "save_every": 2 })");
-  j["model"] = (root / "model.json").string();
-  j["data"]["path"] = (root / "corpus").string();
-  j["data"]["passkey_fraction"] = fraction;
-  j["out"] = out;
-  return RunConfig::from_json(j, "tiny passkey run");
+    "eval_every": 0, "eval_batches": 1, "save_every": 2 })", out, "tiny passkey run");
+  c.passkey_fraction = fraction;
+  c.validate("tiny passkey run");
+  return c;
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 #pragma once
 // A tiny K3-shaped training run on a toy corpus, shared by the trainer tests (tests/train) and the data-parallel
 // tests (tests/dist): kTinyModel (4 layers: 3 KDA + 1 MLA, latent MoE of 8 experts, AttnRes), make_corpus (24
-// documents of a toy language) and tiny_run (two stages, Muon, QB).
+// documents of a toy language), tiny_config (a run over them) and tiny_run (two stages, Muon, QB).
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -45,24 +45,32 @@ inline std::string make_corpus(const fs::path& dir) {
   return dir.string();
 }
 
-inline RunConfig tiny_run(const fs::path& root, const std::string& out) {
+// The files of a tiny run under `root` (the model, and the corpus that make_corpus writes), made once, then the run
+// config `run` (JSON) with their paths and `out` filled in.
+template <class MakeCorpus>
+RunConfig tiny_config(const fs::path& root, MakeCorpus make_corpus_in, const char* run, const std::string& out,
+                      const std::string& ctx) {
   if (!fs::exists(root / "model.json")) {
     fs::create_directories(root);
     std::ofstream(root / "model.json") << kTinyModel;
-    make_corpus(root / "corpus");
+    make_corpus_in(root / "corpus");
   }
-  io::json j = io::json::parse(R"({
+  io::json j = io::json::parse(run);
+  j["model"] = (root / "model.json").string();
+  j["data"]["path"] = (root / "corpus").string();
+  j["out"] = out;
+  return RunConfig::from_json(j, ctx);
+}
+
+inline RunConfig tiny_run(const fs::path& root, const std::string& out) {
+  return tiny_config(root, make_corpus, R"({
     "model": "", "data": {"path": "", "format": "folder", "heldout_fraction": 0.1},
     "tokenizer": {"vocab_size": 320}, "seed": 3,
     "optimizer": {"kind": "muon", "lr_adamw": 3e-3, "lr_muon": 3e-3},
     "balance": {"kind": "qb"},
     "stages": [{"seq_len": 32, "tokens": 3072, "batch_seqs": 8, "micro_seqs": 4},
                {"seq_len": 64, "tokens": 2048, "batch_seqs": 4}],
-    "eval_every": 5, "eval_batches": 2, "save_every": 4 })");
-  j["model"] = (root / "model.json").string();
-  j["data"]["path"] = (root / "corpus").string();
-  j["out"] = out;
-  return RunConfig::from_json(j, "tiny run");
+    "eval_every": 5, "eval_batches": 2, "save_every": 4 })", out, "tiny run");
 }
 
 }  // namespace lm::train::tiny
