@@ -47,7 +47,7 @@ int run(const Args& a) {
   std::unique_ptr<model::cuda::GpuModel> gpu;
   std::unique_ptr<infer::SequenceEngine> seq;
   if (a.device == "cuda") {
-    gpu = std::make_unique<model::cuda::GpuModel>(m.config);
+    gpu = std::make_unique<model::cuda::GpuModel>(m.config, model::cuda::GpuModel::Inference{});
     gpu->upload(m.model->params());
     seq = std::make_unique<infer::GpuSequence>(*gpu, infer::context_limit(m.config, a.context));
   } else {

@@ -18,6 +18,8 @@ struct Options {
   // 0 = not given (every one of these must be >= 1 when given)
   int64_t context = 0, gpus = 0, dp = 0, ep = 0, pp = 0, tp = 0;
   int64_t micro_batch = 1;
+  int64_t batch = 1;              // sequences served together (the inference estimate)
+  int64_t prefill_chunk = 16384;  // tokens per prefill chunk on the GPU
   int64_t seq = 8192;
   std::string optimizer = "adamw";
   std::string recompute = "none";
@@ -101,6 +103,9 @@ int run(const Options& o) {
   LM_CHECK(o.cache_bytes == 2 || o.cache_bytes == 4, "--cache-bytes must be 2 or 4, got {}", o.cache_bytes);
   const DecodeMemory dm = decode_memory(c, context, o.cache_bytes);
   const TrainingMemory tm = training_memory(c, plan);
+  LM_CHECK(o.batch >= 1 && o.prefill_chunk >= 1, "--batch {} and --prefill-chunk {} must be >= 1", o.batch,
+           o.prefill_chunk);
+  const InferenceMemory im = inference_memory(c, context, o.batch, o.prefill_chunk);
 
   if (o.json) {
     lm::io::json j;
@@ -132,6 +137,15 @@ int run(const Options& o) {
                           {"conv_state_bytes_per_seq", dm.conv_state_bytes_per_seq},
                           {"total_bytes_per_seq", dm.total_bytes_per_seq},
                           {"weight_bytes_bf16", dm.weight_bytes}};
+    j["inference_memory"] = {{"context", context},
+                             {"batch", o.batch},
+                             {"prefill_chunk", o.prefill_chunk},
+                             {"weight_bytes", im.weights},
+                             {"kda_cache_bytes", im.kda_caches},
+                             {"mla_cache_bytes", im.mla_cache},
+                             {"activation_bytes", im.activations},
+                             {"workspace_bytes", im.workspace},
+                             {"total_bytes", im.total()}};
     j["training_memory"] = {
         {"plan",
          {{"gpus", plan.gpus()},
@@ -203,6 +217,16 @@ int run(const Options& o) {
   line(fmt::format("  {:<34}{:>14}", "total per sequence", bytes_str(static_cast<double>(dm.total_bytes_per_seq))));
   line(fmt::format("  {:<34}{:>14}", "weights (bf16, all parameters)", bytes_str(static_cast<double>(dm.weight_bytes))));
   line("");
+  line(fmt::format("Inference memory on one GPU (--device cuda: bf16 weights, fp32 KDA states, bf16 latent pool): "
+                   "context {}, batch {}, prefill chunk {}", context, o.batch, o.prefill_chunk));
+  line(fmt::format("  {:<34}{:>14}", "weights (bf16 + small fp32)", bytes_str(im.weights)));
+  line(fmt::format("  {:<34}{:>14}", "KDA states and conv inputs", bytes_str(im.kda_caches)));
+  line(fmt::format("  {:<34}{:>14}", "MLA latent pool", bytes_str(im.mla_cache)));
+  line(fmt::format("  {:<34}{:>14}  (one layer's, shared by the layers)", "prefill activations",
+                   bytes_str(im.activations)));
+  line(fmt::format("  {:<34}{:>14}  (CUDA context, cuBLAS workspaces)", "workspace", bytes_str(im.workspace)));
+  line(fmt::format("  {:<34}{:>14}", "total", bytes_str(im.total())));
+  line("");
   line(fmt::format("Training memory per device: {} GPU(s) = dp {} x pp {} x tp {}, ep {}; micro-batch {} x seq {}; {}{}; "
                    "recompute {}",
                    plan.gpus(), plan.dp, plan.pp, plan.tp, plan.ep, plan.micro_batch, plan.seq_len,
@@ -235,6 +259,9 @@ lm::app::Register reg({"params", "Parameter counts, FLOPs per token, decode and 
                          sub.add_option("--pp", o->pp, "pipeline-parallel stages (default 1)");
                          sub.add_option("--tp", o->tp, "tensor-parallel size (default 1)");
                          sub.add_option("--micro-batch", o->micro_batch, "sequences per micro-batch (default 1)");
+                         sub.add_option("--batch", o->batch, "sequences served together, inference estimate (default 1)");
+                         sub.add_option("--prefill-chunk", o->prefill_chunk,
+                                        "tokens per GPU prefill chunk, inference estimate (default 16384)");
                          sub.add_option("--seq", o->seq, "training sequence length (default 8192)");
                          sub.add_option("--optimizer", o->optimizer, "adamw (default) or muon");
                          sub.add_option("--recompute", o->recompute, "activation recomputation: none (default) or full");

@@ -142,13 +142,15 @@ std::vector<float> GpuSequence::prefill(std::span<const int32_t> t) {
   LM_CHECK(!t.empty(), "prefill of no tokens");
   LM_CHECK(pos() + static_cast<int64_t>(t.size()) <= context_,
            "a prompt of {} tokens after {} cached exceeds the context of {} tokens", t.size(), pos(), context_);
-  if (tokens_.empty()) {
-    std::vector<float> lg = g_.prefill(0, t.data(), static_cast<int64_t>(t.size()));
-    tokens_.assign(t.begin(), t.end());
-    return lg;
-  }
+  const int64_t n = static_cast<int64_t>(t.size());
   std::vector<float> lg;
-  for (int32_t x : t) lg = decode(x);
+  try {
+    lg = tokens_.empty() ? g_.prefill(0, t.data(), n) : g_.extend(0, t.data(), n);
+  } catch (...) {
+    tokens_.clear();  // (the model left the slot empty)
+    throw;
+  }
+  tokens_.insert(tokens_.end(), t.begin(), t.end());
   return lg;
 }
 

@@ -1,6 +1,7 @@
 #include "model/accounting.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <fmt/format.h>
 
 namespace lm::model {
@@ -77,6 +78,62 @@ DecodeMemory decode_memory(const ModelConfig& c, int64_t context, int cache_byte
   m.conv_state_bytes_per_seq = 3 * HK * (c.kda_conv_kernel - 1) * cache_bytes * c.num_kda_layers();
   m.total_bytes_per_seq = m.mla_bytes_per_seq + m.kda_state_bytes_per_seq + m.conv_state_bytes_per_seq;
   m.weight_bytes = count_params(c).total * weight_bytes_per_param;
+  return m;
+}
+
+DecodeTraffic decode_traffic(const ModelConfig& c, int64_t context, int64_t batch) {
+  LM_CHECK(context >= 0 && batch >= 1, "decode_traffic: context {} and batch {}", context, batch);
+  const ParamCounts pc = count_params(c);
+  const double routed = double(pc[Component::RoutedExpert].total);
+  DecodeTraffic t;
+  t.weights = 2.0 * (double(pc.total) - double(pc.embedding) - routed) + 2.0 * double(batch * c.hidden_size);
+  if (c.num_experts > 0 && routed > 0) {
+    const double E = double(c.num_experts), k = double(c.num_experts_per_token);
+    t.experts = routed * 2.0 * (1.0 - std::pow(1.0 - k / E, double(batch)));  // (the selected share of every layer)
+  }
+  const DecodeMemory m = decode_memory(c, context, 2, 2);
+  t.kda_states = double(batch) * (2.0 * double(m.kda_state_bytes_per_seq) + 2.0 * double(m.conv_state_bytes_per_seq));
+  t.mla_cache = double(batch) * double(m.mla_bytes_per_seq);
+  return t;
+}
+
+InferenceMemory inference_memory(const ModelConfig& c, int64_t context, int64_t batch, int64_t prefill_chunk,
+                                 int64_t pool_tokens) {
+  LM_CHECK(context >= 1 && batch >= 1 && prefill_chunk >= 1, "inference_memory: context {}, batch {}, chunk {}",
+           context, batch, prefill_chunk);
+  InferenceMemory m;
+  int64_t small = 0;
+  for (const ParamSpec& s : param_specs(c))
+    if (!s.matmul && s.component != Component::Embedding) small += (s.numel() + 63) / 64 * 64;
+  m.weights = 2.0 * double(count_params(c).total) + 4.0 * double(small);
+  const int64_t HK = c.kda_key_dim(), K = c.kda_head_dim, H = c.kda_num_heads;
+  m.kda_caches = double(batch) * double(c.num_kda_layers()) * 4.0 * double(HK * K + 3 * HK * (c.kda_conv_kernel - 1));
+  const double tokens = pool_tokens > 0 ? double((pool_tokens + 63) / 64 * 64) : double(batch * ((context + 63) / 64 * 64));
+  m.mla_cache = double(c.num_mla_layers()) * 2.0 * tokens * double(c.mla_cache_dim());
+  // One layer's prefill activations at n rows (every sublayer kind's buffers: the layers share one set).
+  const double n = double(std::min(prefill_chunk, context)), d = double(c.hidden_size);
+  double a = n * d * (4 + 2 + 2 + 2) + n * 8;  // the stream, the normed inputs xn / yn, hn; rstds
+  if (c.num_kda_layers() > 0)
+    a += n * (2.0 * double(3 * HK + K + H + 8) + 2.0 * 7 * double(HK) + 2.0 * double(K) + 4.0 * double(H));
+  if (c.num_mla_layers() > 0) {
+    const double Hm = double(c.num_attention_heads), Dq = double(c.qk_nope_head_dim + c.qk_rope_head_dim),
+                 Dv = double(c.v_head_dim), R = double(c.kv_lora_rank), RD = double(c.mla_cache_dim()),
+                 Q = double(c.q_lora_rank.value_or(0));
+    a += n * (2 * Hm * Dq + 6 * Q + 4 * RD + 2 * R + 2 * Hm * (Dq + Dv + Dq + Dv + Dv) + 4 * Hm + 4 * Hm * Dv * 2);
+    // a continued chunk's attention partials (o, lse, fp32 merge) and one block of decompressed keys
+    const double nk = double(std::min<int64_t>(16384, context));
+    a += n * Hm * (2 * Dv + 4 + 4 * Dv + 4) + nk * (2 * R + 4 * RD + 2 * Hm * (Dq + Dv) + 2 * Hm * (Dq + Dv));
+  }
+  if (c.num_experts > 0) {
+    const double E = double(c.num_experts), k = double(c.num_experts_per_token), l = double(c.expert_width()),
+                 I = double(c.moe_intermediate_size), Is = double(c.shared_intermediate_size());
+    a += n * (8 * E + 8 * k + 4 + 2 * (l + 2 * Is)) + n * k * (8 + 2 * l + 4 * I + 2 * I + 2 * l) + n * 2 * l * 2 +
+         n * (2 * 2 * Is + 2 * Is);
+  }
+  a += n * 2 * double(c.intermediate_size) * 3;  // a dense FFN's ab and h
+  if (c.has_attn_res()) a += 2.0 * double(c.num_hidden_layers) * n * d * 4;  // AttnRes states per layer
+  m.activations = a + 4.0 * double(batch) * double(c.vocab_size) * 3;  // + the logits (device, pinned twice)
+  m.workspace = 0.75 * 1073741824.0;  // the CUDA context, cuBLAS(Lt) workspaces, the side streams' handles
   return m;
 }
 

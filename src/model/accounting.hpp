@@ -67,6 +67,28 @@ struct DecodeMemory {
 };
 DecodeMemory decode_memory(const ModelConfig& c, int64_t context, int cache_bytes = 2, int weight_bytes_per_param = 2);
 
+// Bytes one decode step of `batch` sequences at `context` cached tokens must read from device memory with bf16
+// weights: every weight but the embedding and the routed experts once, the embedding rows of the batch, in each
+// MoE layer the experts the batch selects (expected distinct ones under uniform routing: E·(1 − (1 − k/E)^batch)),
+// the KDA states read and written (fp32) and conv inputs, and the MLA latent rows (bf16) of each sequence.
+struct DecodeTraffic {
+  double weights = 0, experts = 0, kda_states = 0, mla_cache = 0;
+  double total() const { return weights + experts + kda_states + mla_cache; }
+};
+DecodeTraffic decode_traffic(const ModelConfig& c, int64_t context, int64_t batch);
+
+// Device memory of GPU inference (model/cuda/gpu_model.hpp, an inference-only model): the bf16 weights with the
+// fp32 copy of the small tensors, the slot caches (KDA states and conv inputs fp32 per slot, MLA latent rows bf16
+// in 64-token blocks), and the activations of a prefill chunk (one layer's, shared by the layers) and of a decode
+// step; `workspace` covers what the kernels and libraries keep beside them (cuBLAS workspaces, the CUDA context).
+struct InferenceMemory {
+  double weights = 0, kda_caches = 0, mla_cache = 0, activations = 0, workspace = 0;
+  double total() const { return weights + kda_caches + mla_cache + activations + workspace; }
+};
+// pool_tokens > 0: a latent pool of that many tokens instead of batch × context (slots sharing blocks).
+InferenceMemory inference_memory(const ModelConfig& c, int64_t context, int64_t batch, int64_t prefill_chunk = 16384,
+                                 int64_t pool_tokens = 0);
+
 enum class Optimizer { AdamW, Muon };
 enum class Recompute { None, Full };
 

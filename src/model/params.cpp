@@ -1,5 +1,6 @@
 #include "model/params.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -75,40 +76,55 @@ bool is_output_projection(const std::string& n) {
 
 }  // namespace
 
+double init_normal_sd(const ParamSpec& s, int64_t L, double init_scale) {
+  const std::string& n = s.name;
+  if (ends_with(n, ".A_log") || ends_with(n, ".dt_bias") || ends_with(n, "_res_proj.weight") ||
+      ends_with(n, "e_score_correction_bias"))
+    return 0;
+  if (ends_with(n, "conv1d.weight")) return 1.0 / std::sqrt(static_cast<double>(s.shape.back()));
+  if (n == "model.embed_tokens.weight") return init_scale;
+  if (s.shape.size() == 2 && s.matmul) {
+    double sd = init_scale / std::sqrt(static_cast<double>(s.shape[1]));
+    if (is_output_projection(n)) sd /= std::sqrt(2.0 * static_cast<double>(L));
+    return sd;
+  }
+  return 0;
+}
+
+template <class F>
+void init_fixed(const ParamSpec& s, const Rng& r, F* w) {
+  const std::string& n = s.name;
+  const int64_t N = s.numel();
+  if (ends_with(n, ".A_log")) {
+    for (int64_t i = 0; i < N; ++i) w[i] = static_cast<F>(std::log(1.0 + 15.0 * r.uniform_f64(i)));
+  } else if (ends_with(n, ".dt_bias")) {
+    for (int64_t i = 0; i < N; ++i) {
+      const double dt = std::exp(std::log(1e-3) + (std::log(1e-1) - std::log(1e-3)) * r.uniform_f64(i));
+      w[i] = static_cast<F>(dt + std::log(-std::expm1(-dt)));  // softplus^-1(dt)
+    }
+  } else if (ends_with(n, "_res_proj.weight") || ends_with(n, "e_score_correction_bias")) {
+    std::fill(w, w + N, F(0));  // AttnRes pseudo-queries start at zero: uniform depth attention; router bias 0
+  } else {
+    std::fill(w, w + N, F(1));  // norm gains
+  }
+}
+template void init_fixed<float>(const ParamSpec&, const Rng&, float*);
+template void init_fixed<double>(const ParamSpec&, const Rng&, double*);
+
 template <class F>
 void ParamStore<F>::init(uint64_t seed, double init_scale) {
   int64_t L = 1;
   for (const auto& p : params_) L = std::max<int64_t>(L, p.spec.layer + 1);
   for (size_t ti = 0; ti < params_.size(); ++ti) {
     Param<F>& p = params_[ti];
-    const std::string& n = p.spec.name;
     const Rng r = Rng{seed, 0}.fork(ti);
     F* w = p.w();
     const int64_t N = p.value.numel();
-    auto normal = [&](double sd) {  // counter-based draws: the same values for any thread count
+    if (const double sd = init_normal_sd(p.spec, L, init_scale); sd > 0) {
+      // counter-based draws: the same values for any thread count
       parallel_for(N, [&](int64_t i) { w[i] = static_cast<F>(sd * r.normal_f64(static_cast<uint64_t>(i))); }, 4096);
-    };
-    if (ends_with(n, ".A_log")) {
-      for (int64_t i = 0; i < N; ++i) w[i] = static_cast<F>(std::log(1.0 + 15.0 * r.uniform_f64(i)));
-    } else if (ends_with(n, ".dt_bias")) {
-      for (int64_t i = 0; i < N; ++i) {
-        const double dt = std::exp(std::log(1e-3) + (std::log(1e-1) - std::log(1e-3)) * r.uniform_f64(i));
-        w[i] = static_cast<F>(dt + std::log(-std::expm1(-dt)));  // softplus^-1(dt)
-      }
-    } else if (ends_with(n, "_res_proj.weight")) {
-      p.value.zero();  // AttnRes pseudo-queries start at zero: uniform depth attention
-    } else if (ends_with(n, "e_score_correction_bias")) {
-      p.value.zero();
-    } else if (ends_with(n, "conv1d.weight")) {
-      normal(1.0 / std::sqrt(static_cast<double>(p.spec.shape.back())));
-    } else if (n == "model.embed_tokens.weight") {
-      normal(init_scale);
-    } else if (p.spec.shape.size() == 2 && p.spec.matmul) {
-      double sd = init_scale / std::sqrt(static_cast<double>(p.spec.shape[1]));
-      if (is_output_projection(n)) sd /= std::sqrt(2.0 * static_cast<double>(L));
-      normal(sd);
     } else {
-      p.value.fill(1.0);  // norm gains
+      init_fixed(p.spec, r, w);
     }
   }
 }

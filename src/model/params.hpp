@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "core/rng.hpp"
 #include "core/tensor.hpp"
 #include "io/checkpoint.hpp"
 #include "model/config.hpp"
@@ -24,6 +25,12 @@ struct Param {
 // The checks of ParamStore::load from the checkpoint's headers alone, before anything is allocated: every tensor
 // of `specs` present with its shape and a float dtype, and no tensor the specs do not name (param_specs(config)).
 void check_checkpoint(const std::vector<ParamSpec>& specs, const io::Checkpoint& ckpt);
+
+// ParamStore::init's rule for one tensor: the standard deviation of its normal draws, or 0 for a tensor it fills
+// by init_fixed (A_log, dt_bias, zeros, norm gains). L layers.
+double init_normal_sd(const ParamSpec& s, int64_t L, double init_scale = 1.0);
+template <class F>
+void init_fixed(const ParamSpec& s, const Rng& r, F* w);  // (float and double)
 
 template <class F>
 class ParamStore {

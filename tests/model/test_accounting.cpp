@@ -5,6 +5,7 @@
 #include <map>
 #include <set>
 
+#include "core/error.hpp"
 #include "io/safetensors.hpp"
 #include "model/accounting.hpp"
 #include "model/config.hpp"
@@ -122,6 +123,28 @@ TEST(Accounting, KimiLinearParams) {
   EXPECT_NEAR(static_cast<double>(pc.activated) / 1e9, 3.1, 0.05);
   EXPECT_EQ(pc[Component::LatentProj].total, 0);
   EXPECT_EQ(pc[Component::AttnRes].total, 0);
+}
+
+// GPU inference memory and decode traffic of the 48B shape (model::inference_memory, decode_traffic): the parts
+// that follow from the tensor list exactly, and the limits of the expert term. (The H200 run of
+// `bench decode --device cuda` prints the measured memory beside the prediction.)
+TEST(Accounting, InferenceMemoryAndDecodeTraffic) {
+  REQUIRE_CONFIGS(dir);
+  const ModelConfig c = ModelConfig::load(dir + "/kimi-linear-48b-a3b.json");
+  const ParamCounts pc = count_params(c);
+  const InferenceMemory m = inference_memory(c, 1048576, 1);
+  EXPECT_EQ(m.mla_cache, 7.0 * 576 * 2 * 1048576);  // 7 MLA layers of bf16 [R | k_r] rows
+  EXPECT_EQ(m.kda_caches, 20.0 * 4 * (32 * 128 * 128 + 3 * 4096 * 3));
+  EXPECT_GE(m.weights, 2.0 * double(pc.total));
+  EXPECT_LT(m.weights, 2.0 * double(pc.total) + 4.0 * 1e7);  // + the small fp32 tensors
+  EXPECT_EQ(inference_memory(c, 1000, 4, 16384, 64 * 100).mla_cache, 7.0 * 576 * 2 * 64 * 100);  // a shared pool
+  EXPECT_THROW(inference_memory(c, 0, 1), lm::Error);
+  const double routed = double(pc[Component::RoutedExpert].total);
+  const DecodeTraffic one = decode_traffic(c, 8192, 1), many = decode_traffic(c, 8192, 4096);
+  EXPECT_NEAR(one.experts, 2.0 * routed * 8 / 256, 1.0);  // batch 1: its k experts per layer
+  EXPECT_NEAR(many.experts / (2.0 * routed), 1.0, 1e-6);  // a large batch reads every expert
+  EXPECT_EQ(one.mla_cache, 7.0 * 576 * 2 * 8192);
+  EXPECT_EQ(many.weights - one.weights, 2.0 * 4095 * 2304);  // only the embedding rows grow with the batch
 }
 
 TEST(Accounting, CountsEqualTheTensorList) {

@@ -209,6 +209,67 @@ TEST_P(GpuInfer, MatchesTheCpuEngine) {
   EXPECT_LE(off, allowed_off(GetParam(), G + 1) + (GetParam().sparse ? 1 : 0));
 }
 
+// One answer however the prompt arrives: a prompt prefilled whole, in chunks of 37 (the chunks attend to the cached
+// latents block by block and continue the cached KDA states and conv inputs), and in pieces through extend (1, 150,
+// 49 tokens after 100) give the same logits at every position (relative RMS <= 1e-2) and the same greedy tokens
+// for 16 steps after it (or ties within the rounding).
+TEST_P(GpuInfer, ChunkedPrefillMatchesWhole) {
+  REQUIRE_GPU();
+  const ModelConfig c = config(GetParam());
+  const int64_t V = c.vocab_size, P = 300, G = 16;
+  Models mo(c, 28);
+  cuda::GpuModel& gpu = mo.gpu;
+  gpu.reserve_caches(3, P + G + 8);
+  const auto p = prompt(P, V, 50);
+  std::vector<float> whole, chunked, pieces;
+  gpu.prefill(0, p.data(), P, &whole);
+  gpu.prefill_chunk = 37;
+  gpu.prefill(1, p.data(), P, &chunked);
+  gpu.prefill_chunk = 16384;
+  std::vector<float> part;
+  gpu.prefill(2, p.data(), 100, &pieces);
+  for (auto [b, n] : {std::pair<int64_t, int64_t>{100, 1}, {101, 150}, {251, 49}}) {
+    gpu.extend(2, p.data() + b, n, &part);
+    pieces.insert(pieces.end(), part.begin(), part.end());
+  }
+  ASSERT_EQ(chunked.size(), whole.size());
+  ASSERT_EQ(pieces.size(), whole.size());
+  int64_t off = 0;
+  double worst = 0;
+  for (int64_t t = 0; t < P; ++t) {
+    const auto ref = row(whole, t, V);
+    for (const auto* x : {&chunked, &pieces}) {
+      const double e = lm::testing::rel_rms_vec(ref, row(*x, t, V));
+      if (e > 1e-2) ++off;
+      else worst = std::max(worst, e);
+    }
+  }
+  // Greedy continuations from the three slots.
+  int64_t same = 0;
+  std::vector<int32_t> tok(3);
+  for (int s = 0; s < 3; ++s) tok[size_t(s)] = argmax(whole.data() + (P - 1) * V, V);
+  for (int64_t g = 0; g < G; ++g) {
+    std::vector<std::vector<float>> lg;
+    for (int s = 0; s < 3; ++s) lg.push_back(gpu.decode(s, 1, &tok[size_t(s)]));
+    for (int s = 1; s < 3; ++s) {
+      const int32_t a = argmax(lg[0].data(), V), b = argmax(lg[size_t(s)].data(), V);
+      float diff = 0;
+      for (int64_t v = 0; v < V; ++v) diff = std::max(diff, std::abs(lg[0][size_t(v)] - lg[size_t(s)][size_t(v)]));
+      same += a == b || lg[0][size_t(a)] - lg[0][size_t(b)] <= 2 * diff;
+    }
+    for (int s = 0; s < 3; ++s) tok[size_t(s)] = argmax(lg[0].data(), V);  // (all follow the whole prefill's choice)
+  }
+  std::printf("[ measure  ] chunked / pieces vs whole prefill: %lld of %lld rows beyond 1e-2, worst of the others "
+              "%.2e; %lld/%lld greedy choices equal or tied\n",
+              static_cast<long long>(off), static_cast<long long>(2 * P), worst, static_cast<long long>(same),
+              static_cast<long long>(2 * G));
+  // With sparse routing, chunks of 37 rows give every GEMM other shapes than the whole prompt's, so a near-tied top-2
+  // choice flips at more positions than in decode (H200: 41 of 600 rows in both sparse configs, the dense ones 0):
+  // twice the decode test's allowance there.
+  EXPECT_LE(off, 4 * allowed_off(GetParam(), P));
+  EXPECT_GE(same, 2 * (G - allowed_off(GetParam(), G)));
+}
+
 INSTANTIATE_TEST_SUITE_P(Configs, GpuInfer,
                          ::testing::Values(Case{true, true, true, false}, Case{false, false, false, false},
                                            Case{false, true, false, false}, Case{true, false, false, false},
@@ -218,6 +279,88 @@ INSTANTIATE_TEST_SUITE_P(Configs, GpuInfer,
                                   (i.param.bounded ? "Bounded" : "Softplus") + (i.param.q_lora ? "QLora" : "") +
                                   (i.param.sparse ? "Sparse" : "");
                          });
+
+// A decode step replayed from its CUDA graph gives the eager step's logits bit for bit: two slots of different
+// lengths for 90 steps (across latent block boundaries), against the same weights with graphs off.
+TEST(GpuInferGraphs, ReplaysEqualTheEagerSteps) {
+  REQUIRE_GPU();
+  const ModelConfig c = config(Case{true, true, true, true});
+  const int64_t V = c.vocab_size, G = 90;
+  Models mo(c, 25);
+  cuda::GpuModel eager(c);
+  eager.upload(mo.cpu.params());
+  eager.set_decode_graphs(false);
+  cuda::GpuModel& graphed = mo.gpu;
+  std::vector<int32_t> next(2);
+  for (cuda::GpuModel* g : {&graphed, &eager}) {
+    g->reserve_caches(2, 256);
+    for (int s = 0; s < 2; ++s) {
+      const auto p = prompt(s ? 63 : 40, V, 30 + s);
+      next[size_t(s)] = argmax(g->prefill(s, p.data(), int64_t(p.size())).data(), V);
+    }
+  }
+  int64_t differ = 0;
+  for (int64_t t = 0; t < G; ++t) {
+    const std::vector<float> a = graphed.decode(0, 2, next.data()), b = eager.decode(0, 2, next.data());
+    differ += a != b;
+    for (int s = 0; s < 2; ++s) next[size_t(s)] = argmax(b.data() + s * V, V);
+  }
+  EXPECT_TRUE(graphed.decode_graphs());  // (every capture succeeded)
+  EXPECT_EQ(differ, 0) << "steps whose logits differ between the graph and the eager walk";
+}
+
+// copy_slot shares the latent blocks; the first write into a shared block copies it. Three slots continuing one
+// prompt (each with its own next token) give bit for bit what three separately prefilled slots give, and the pool
+// holds the blocks that the sharing predicts.
+TEST(GpuInferPaged, SharedBlocksAreCopiedOnWrite) {
+  REQUIRE_GPU();
+  const ModelConfig c = config(Case{false, true, false, false});
+  const int64_t V = c.vocab_size, P = 100, G = 40;  // 100 = one full block + 36 rows
+  Models mo(c, 26);
+  cuda::GpuModel separate(c);
+  separate.upload(mo.cpu.params());
+  cuda::GpuModel& shared = mo.gpu;
+  const auto p = prompt(P, V, 40);
+  shared.reserve_caches(3, 256), separate.reserve_caches(3, 256);
+  const int64_t pool = shared.free_cache_tokens();
+  shared.prefill(0, p.data(), P);
+  shared.copy_slot(0, 1), shared.copy_slot(0, 2);
+  EXPECT_EQ(shared.free_cache_tokens(), pool - 2 * 64);
+  for (int s = 0; s < 3; ++s) separate.prefill(s, p.data(), P);
+  int64_t differ = 0;
+  for (int64_t t = 0; t < G; ++t)
+    for (int s : {1, 2, 0}) {  // (slot 0, the last holder of the shared block, writes it in place)
+      const int32_t tok = int32_t((t * 7 + s * 101) % V);
+      differ += shared.decode(s, 1, &tok) != separate.decode(s, 1, &tok);
+    }
+  EXPECT_EQ(differ, 0);
+  // the shared first block, slot 0's second, the copies of slots 1 and 2, and a third block each from position 128
+  EXPECT_EQ(shared.free_cache_tokens(), pool - (1 + 1 + 2 + 3) * 64);
+  EXPECT_EQ(shared.slot_tokens(1), P + G);
+}
+
+// A latent pool smaller than slots x max_tokens: a prompt that does not fit is a clear error, its slot stays empty,
+// and the other slots go on.
+TEST(GpuInferPaged, AFullPoolIsAClearError) {
+  REQUIRE_GPU();
+  const ModelConfig c = config(Case{false, true, false, false});
+  Models mo(c, 27);
+  cuda::GpuModel& gpu = mo.gpu;
+  gpu.reserve_caches(2, 256, 128);
+  const auto p = prompt(100, c.vocab_size, 41);
+  gpu.prefill(0, p.data(), 100);
+  try {
+    gpu.prefill(1, p.data(), 10);
+    ADD_FAILURE() << "a prompt beyond the latent pool was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("latent cache is full"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(gpu.slot_tokens(1), 0);
+  const int32_t t = 3;
+  for (int i = 0; i < 28; ++i) gpu.decode(0, 1, &t);  // up to 128 tokens: its own two blocks
+  EXPECT_THROW(gpu.decode(0, 1, &t), Error);             // the 129th needs a third
+  EXPECT_EQ(gpu.slot_tokens(0), 128);
+}
 
 TEST(GpuInferChecks, BadCallsAreClearErrorsAndChangeNothing) {
   REQUIRE_GPU();

@@ -14,6 +14,7 @@
 
 #include "model/cuda/glue_cuda.hpp"
 #include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
 
 namespace lm::model::cuda {
 
@@ -23,7 +24,7 @@ using bf16 = __nv_bfloat16;
 
 constexpr cu::Checker check{"model cuda"};
 [[noreturn]] void fail(const std::string& m) { check.fail(m); }
-cudaStream_t st(void* s) { return static_cast<cudaStream_t>(s); }
+cudaStream_t st(void* s) { return lm::cu::stream(s); }
 unsigned blocks_for(int64_t n, int per = 256) {
   const int64_t b = (n + per - 1) / per;
   return static_cast<unsigned>(b < 65535 * 16 ? b : 65535 * 16);
@@ -72,6 +73,25 @@ __global__ void cast_kernel(const float* x, bf16* y, int64_t n, int64_t nv) {
   }
   for (int64_t i = 8 * nv + t; i < n; i += step) y[i] = __float2bfloat16(x[i]);
 }
+__global__ void add_bf16_kernel(float* y, const float* base, const bf16* x, int64_t n) {
+  const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = t; i < n; i += step) y[i] = base[i] + __bfloat162float(x[i]);
+}
+
+__device__ __forceinline__ uint64_t mix64(uint64_t z) {  // splitmix64's finaliser
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+__global__ void normal_bf16_kernel(bf16* w, int64_t n, float sd, uint64_t seed) {
+  const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = t; i < n; i += step) {
+    const uint64_t h = mix64(seed ^ mix64(uint64_t(i) + 0x9e3779b97f4a7c15ull));
+    const float u1 = (float((h >> 40) & 0xffffff) + 0.5f) * (1.f / 16777216.f), u2 = float(h & 0xffffff) * (1.f / 16777216.f);
+    w[i] = __float2bfloat16(sd * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));  // Box-Muller
+  }
+}
+
 __global__ void add_kernel(float* y, const float* x, int64_t n, int64_t nv) {
   const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = t; i < nv; i += step) {
@@ -280,14 +300,28 @@ __global__ void sum_parts_kernel(double* part, int n) {
   }
 }
 
-__global__ void latent_rows_kernel(const bf16* cn, const float* ckr, bf16* dst, int64_t ld_dst, int64_t rows, int R,
-                                   int Dr) {
+__global__ void latent_rows_kernel(const bf16* cn, const float* ckr, bf16* pool, const int32_t* table, int64_t table_ld,
+                                   const int32_t* lens, int64_t pos0, int64_t rows, int R, int Dr) {
   const int RD = R + Dr;
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * RD) return;
   const int64_t r = i / RD;
   const int j = int(i % RD);
-  dst[r * ld_dst + j] = j < R ? cn[r * R + j] : __float2bfloat16(ckr[r * RD + j]);
+  const int64_t seq = lens ? r : 0, p = lens ? lens[r] : pos0 + r;
+  bf16* row = pool + (int64_t(table[seq * table_ld + p / 64]) * 64 + p % 64) * RD;
+  row[j] = j < R ? cn[r * R + j] : __float2bfloat16(ckr[r * RD + j]);
+}
+
+__global__ void latent_gather_kernel(const bf16* pool, const int32_t* table, int64_t pos0, int64_t rows, int R, int Dr,
+                                     bf16* cn, float* ckr) {
+  const int RD = R + Dr;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * RD) return;
+  const int64_t r = i / RD, p = pos0 + r;
+  const int j = int(i % RD);
+  const bf16 x = pool[(int64_t(table[p / 64]) * 64 + p % 64) * RD + j];
+  if (j < R) cn[r * R + j] = x;
+  else ckr[r * RD + j] = __bfloat162float(x);
 }
 
 void launched(const char* what) { check(cudaGetLastError(), what); }
@@ -305,6 +339,16 @@ void add_f32(float* y, const float* x, int64_t n, void* s) {
   const int64_t nv = aligned(y, 16) && aligned(x, 16) ? n / 4 : 0;
   add_kernel<<<blocks_for(nv ? nv : n), 256, 0, st(s)>>>(y, x, n, nv);
   launched("add_f32");
+}
+void add_bf16(float* y, const float* base, const void* x, int64_t n, void* s) {
+  if (n <= 0) return;
+  add_bf16_kernel<<<blocks_for(n), 256, 0, st(s)>>>(y, base, static_cast<const bf16*>(x), n);
+  launched("add_bf16");
+}
+void fill_normal_bf16(void* w, int64_t n, float sd, uint64_t seed, void* s) {
+  if (n <= 0) return;
+  normal_bf16_kernel<<<blocks_for(n), 256, 0, st(s)>>>(static_cast<bf16*>(w), n, sd, seed);
+  launched("fill_normal_bf16");
 }
 void mla_split_kv(const void* kv, const float* ckr, void* k, void* v, int64_t rows, int64_t H, int64_t Dn, int64_t Dr,
                   int64_t Dv, int64_t R, void* s) {
@@ -343,13 +387,21 @@ void mla_merge_dkv(const void* dk, const void* dv, void* dkv, void* dckr, int64_
   }
   launched("mla_merge_dkv");
 }
-void mla_latent_rows(const void* cn, const float* ckr, void* dst, int64_t ld_dst, int64_t rows, int64_t R, int64_t Dr,
-                     void* s) {
+void mla_latent_rows(const void* cn, const float* ckr, void* pool, const int32_t* table, int64_t table_ld,
+                     const int32_t* lens, int64_t pos0, int64_t rows, int64_t R, int64_t Dr, void* s) {
   if (rows == 0) return;
   const int64_t n = rows * (R + Dr);
-  latent_rows_kernel<<<unsigned((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(s)>>>(
-      static_cast<const bf16*>(cn), ckr, static_cast<bf16*>(dst), ld_dst, rows, int(R), int(Dr));
+  latent_rows_kernel<<<unsigned((n + 255) / 256), 256, 0, st(s)>>>(
+      static_cast<const bf16*>(cn), ckr, static_cast<bf16*>(pool), table, table_ld, lens, pos0, rows, int(R), int(Dr));
   launched("mla_latent_rows");
+}
+void mla_latent_gather(const void* pool, const int32_t* table, int64_t pos0, int64_t rows, int64_t R, int64_t Dr,
+                       void* cn, float* ckr, void* s) {
+  if (rows == 0) return;
+  const int64_t n = rows * (R + Dr);
+  latent_gather_kernel<<<unsigned((n + 255) / 256), 256, 0, st(s)>>>(
+      static_cast<const bf16*>(pool), table, pos0, rows, int(R), int(Dr), static_cast<bf16*>(cn), ckr);
+  launched("mla_latent_gather");
 }
 void sigmoid_gate_forward(const void* o, const void* g, void* og, int64_t n, void* s) {
   if (n <= 0) return;

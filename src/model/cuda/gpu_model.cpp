@@ -16,7 +16,12 @@ bool available() { return false; }
 bool built_with_cuda() { return false; }
 struct GpuModel::Impl {};
 [[noreturn]] static void no_cuda() { throw Error("longmoe was built without CUDA (nvcc was not found at build time)"); }
+size_t device_memory_used() { no_cuda(); }
+double device_copy_bandwidth() { no_cuda(); }
 GpuModel::GpuModel(const ModelConfig&, std::function<bool(const ParamSpec&)>) { no_cuda(); }
+GpuModel::GpuModel(const ModelConfig&, Inference) { no_cuda(); }
+bool GpuModel::inference_only() const { no_cuda(); }
+void GpuModel::init_random(uint64_t, double) { no_cuda(); }
 GpuModel::~GpuModel() = default;
 const ModelConfig& GpuModel::config() const { no_cuda(); }
 int64_t GpuModel::num_params() const { no_cuda(); }
@@ -35,13 +40,18 @@ double GpuModel::grad_norm() const { no_cuda(); }
 std::vector<int64_t> GpuModel::expert_loads(int64_t) const { no_cuda(); }
 std::vector<float> GpuModel::final_hidden() const { no_cuda(); }
 std::vector<std::pair<std::string, double>> GpuModel::detail_profile() const { no_cuda(); }
-void GpuModel::reserve_caches(int64_t, int64_t) { no_cuda(); }
+void GpuModel::reserve_caches(int64_t, int64_t, int64_t) { no_cuda(); }
+int64_t GpuModel::free_cache_tokens() const { no_cuda(); }
+void GpuModel::set_decode_graphs(bool) { no_cuda(); }
+bool GpuModel::decode_graphs() const { no_cuda(); }
 int64_t GpuModel::cache_slots() const { no_cuda(); }
 int64_t GpuModel::slot_tokens(int64_t) const { no_cuda(); }
 size_t GpuModel::cache_bytes() const { no_cuda(); }
 std::vector<float> GpuModel::prefill(int64_t, const int32_t*, int64_t, std::vector<float>*) { no_cuda(); }
+std::vector<float> GpuModel::extend(int64_t, const int32_t*, int64_t, std::vector<float>*) { no_cuda(); }
 std::vector<float> GpuModel::decode(int64_t, int64_t, const int32_t*) { no_cuda(); }
 void GpuModel::copy_slot(int64_t, int64_t) { no_cuda(); }
+void GpuModel::release_slot(int64_t) { no_cuda(); }
 }  // namespace lm::model::cuda
 
 #else
@@ -52,6 +62,7 @@ void GpuModel::copy_slot(int64_t, int64_t) { no_cuda(); }
 #include <vector>
 
 #include "core/half.hpp"
+#include "core/rng.hpp"
 #include "model/cuda/glue_cuda.hpp"
 #include "model/cuda/gpu_model_impl.hpp"
 #include "ops/cross_entropy/cuda/cross_entropy_cuda.hpp"
@@ -61,10 +72,67 @@ namespace lm::model::cuda {
 
 bool available() { return kc::device_count() > 0; }
 bool built_with_cuda() { return true; }
+size_t device_memory_used() {
+  size_t free = 0, total = 0;
+  ck(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  return total - free;
+}
+double device_copy_bandwidth() {
+  const size_t n = size_t(1) << 30;
+  DBuf a, b;
+  a.ensure(n), b.ensure(n);
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  ck(cudaEventCreate(&e0), "event"), ck(cudaEventCreate(&e1), "event");
+  ck(cudaMemcpy(b.p, a.p, n, cudaMemcpyDeviceToDevice), "copy");  // warm-up
+  constexpr int kReps = 10;
+  ck(cudaEventRecord(e0, nullptr), "event");
+  for (int r = 0; r < kReps; ++r) ck(cudaMemcpyAsync(b.p, a.p, n, cudaMemcpyDeviceToDevice, nullptr), "copy");
+  ck(cudaEventRecord(e1, nullptr), "event");
+  ck(cudaEventSynchronize(e1), "event");
+  float ms = 0;
+  ck(cudaEventElapsedTime(&ms, e0, e1), "event");
+  cudaEventDestroy(e0), cudaEventDestroy(e1);
+  return 2.0 * double(n) * kReps / (double(ms) * 1e-3);
+}
 
 GpuModel::GpuModel(const ModelConfig& c, std::function<bool(const ParamSpec&)> decays)
-    : p_(std::make_unique<Impl>(c, decays)) {
+    : p_(std::make_unique<Impl>(c, decays, false)) {
   p_->prof = &profile;
+}
+GpuModel::GpuModel(const ModelConfig& c, Inference) : p_(std::make_unique<Impl>(c, nullptr, true)) {
+  p_->prof = &profile;
+}
+bool GpuModel::inference_only() const { return p_->infer_only; }
+
+void GpuModel::init_random(uint64_t seed, double init_scale) {
+  Impl& m = *p_;
+  LM_CHECK(m.infer_only, "gpu model: init_random is for inference-only models (a training run starts from "
+           "ParamStore::init and upload)");
+  int64_t L = 1;
+  for (const ParamSpec& s : m.specs) L = std::max<int64_t>(L, s.layer + 1);
+  std::vector<float> h;
+  std::vector<uint16_t> hb;
+  for (size_t ti = 0; ti < m.specs.size(); ++ti) {
+    const ParamSpec& s = m.specs[ti];
+    const Rng r = Rng{seed, 0}.fork(ti);
+    const double sd = init_normal_sd(s, L, init_scale);
+    void* wb = m.W(s.name);
+    if (!Impl::fp32_read(s) && sd > 0) {  // the big matrices: drawn on the device
+      fill_normal_bf16(wb, s.numel(), float(sd), (seed << 20) ^ ti);
+      continue;
+    }
+    h.resize(size_t(s.numel()));
+    if (sd > 0) {
+      for (int64_t i = 0; i < s.numel(); ++i) h[size_t(i)] = float(sd * r.normal_f64(uint64_t(i)));
+    } else {
+      init_fixed(s, r, h.data());
+    }
+    hb.resize(h.size());
+    for (size_t i = 0; i < h.size(); ++i) hb[i] = f32_to_bf16(h[i]);
+    ck(cudaMemcpy(wb, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice), "init");
+    ck(cudaMemcpy(m.M(s.name), h.data(), h.size() * 4, cudaMemcpyHostToDevice), "init");
+  }
+  ck(cudaDeviceSynchronize(), "init");
 }
 GpuModel::~GpuModel() = default;
 const ModelConfig& GpuModel::config() const { return p_->c; }
@@ -73,9 +141,24 @@ int64_t GpuModel::num_params() const {
   for (const auto& s : p_->specs) n += s.numel();
   return n;
 }
-size_t GpuModel::device_bytes() const { return p_->P * (2 * 4 + 2) + p_->wT.bytes + p_->act_bytes(); }
+size_t GpuModel::device_bytes() const {
+  return p_->master.bytes + p_->grad.bytes + p_->wbf.bytes + p_->small.bytes + p_->wT.bytes + p_->act_bytes();
+}
 
 void GpuModel::upload(const ParamStore<float>& ps) {
+  if (p_->infer_only) {  // bf16 on the host, one tensor at a time; the small ones in fp32 too
+    std::vector<uint16_t> hb;
+    for (const auto& prm : ps.all()) {
+      const int64_t n = p_->slot(prm.spec.name).numel;
+      hb.resize(size_t(n));
+      for (int64_t i = 0; i < n; ++i) hb[size_t(i)] = f32_to_bf16(prm.w()[i]);
+      ck(cudaMemcpy(p_->W(prm.spec.name), hb.data(), size_t(n) * 2, cudaMemcpyHostToDevice), "upload");
+      if (Impl::fp32_read(prm.spec))
+        ck(cudaMemcpy(p_->M(prm.spec.name), prm.w(), size_t(n) * 4, cudaMemcpyHostToDevice), "upload");
+    }
+    ck(cudaDeviceSynchronize(), "upload");
+    return;
+  }
   for (const auto& prm : ps.all()) {
     const auto& s = p_->slot(prm.spec.name);
     ck(cudaMemcpy(p_->M(prm.spec.name), prm.w(), size_t(s.numel) * 4, cudaMemcpyHostToDevice), "upload");
@@ -85,6 +168,7 @@ void GpuModel::upload(const ParamStore<float>& ps) {
   ck(cudaDeviceSynchronize(), "upload");
 }
 void GpuModel::download(ParamStore<float>& ps) const {
+  LM_CHECK(!p_->infer_only, "gpu model: an inference-only model has no fp32 weights to download");
   ck(cudaDeviceSynchronize(), "download");
   for (auto& prm : ps.all())
     ck(cudaMemcpy(prm.w(), p_->M(prm.spec.name), size_t(p_->slot(prm.spec.name).numel) * 4, cudaMemcpyDeviceToHost),
@@ -99,12 +183,13 @@ void GpuModel::download_grads(ParamStore<float>& ps) const {
                     cudaMemcpyDeviceToHost),
          "download grads");
 }
-void GpuModel::zero_grads() { ck(cudaMemsetAsync(p_->grad.p, 0, p_->P * 4, nullptr), "zero grads"); }
+void GpuModel::zero_grads() { ck(cudaMemsetAsync(p_->grad.p, 0, p_->P * 4, p_->walk()), "zero grads"); }
 
 GpuModel::LossStats GpuModel::forward_backward(const int32_t* ids, const int32_t* targets, const Seqs& s,
                                                int64_t n_valid_total) {
   LM_CHECK(targets, "forward_backward: targets are required");
   Impl& m = *p_;
+  LM_CHECK(!m.infer_only, "gpu model: an inference-only model cannot train (it holds bf16 weights only)");
   m.profiling = profiling;
   m.training = true;
   const int64_t n_here = m.forward(ids, targets, s);
@@ -136,6 +221,7 @@ GpuModel::LossStats GpuModel::loss(const int32_t* ids, const int32_t* targets, c
 
 GpuModel::Flat GpuModel::flat() const {
   const Impl& m = *p_;
+  LM_CHECK(!m.infer_only, "gpu model: an inference-only model has no optimiser view");
   return Flat{as<float>(m.master.p), as<float>(m.grad.p), m.wbf.p, m.P, m.decay_end, m.train_end};
 }
 ParamSlot GpuModel::slot(const std::string& name) const { return p_->slot(name); }

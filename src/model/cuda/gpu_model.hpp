@@ -31,6 +31,11 @@ namespace lm::model::cuda {
 bool available();
 // True when longmoe was built with CUDA (nvcc found at build time).
 bool built_with_cuda();
+// Device memory in use now (total − free, as cudaMemGetInfo reports: this process's allocations, the CUDA context).
+size_t device_memory_used();
+// Device-to-device copy bandwidth in bytes/s (bytes read + written, 1 GiB copies timed with events): the physical
+// limit a bandwidth-bound kernel is measured against in the same run.
+double device_copy_bandwidth();
 
 // Where a parameter lies in the flat arrays.
 struct ParamSlot {
@@ -42,6 +47,15 @@ class GpuModel {
  public:
   // `decays` says which trainable parameters get weight decay (null: every tensor with ndim >= 2).
   explicit GpuModel(const ModelConfig& c, std::function<bool(const ParamSpec&)> decays = nullptr);
+  // Inference only: the bf16 weights (and an fp32 copy of the small tensors the forward reads in fp32: norms, convs,
+  // A_log, dt_bias, biases), no master weights, gradients, optimiser view or backward operands: 2 bytes per
+  // parameter, so a 48B model fits one H200. Training calls are errors.
+  struct Inference {};
+  GpuModel(const ModelConfig& c, Inference);
+  bool inference_only() const;
+  // Random weights made on the device, for shapes whose weights cannot be fetched (inference-only models): the
+  // distributions of ParamStore::init (model/params.hpp: init_normal_sd, init_fixed), not its values.
+  void init_random(uint64_t seed, double init_scale = 1.0);
   ~GpuModel();
   GpuModel(const GpuModel&) = delete;
   GpuModel& operator=(const GpuModel&) = delete;
@@ -92,21 +106,33 @@ class GpuModel {
 
   // ---- inference (model/cuda/infer.cpp) ----
   // Caches for `slots` sequences of up to `max_tokens` tokens each, laid out as each mixer's cache_spec
-  // (model/cache.hpp: KDA states and conv inputs fp32, MLA latent rows bf16); every slot starts empty. Replaces
+  // (model/cache.hpp: KDA states and conv inputs fp32 per slot; MLA latent rows bf16 in a pool of 64-token blocks
+  // shared by the slots, `pool_tokens` in all, 0 meaning slots × max_tokens); every slot starts empty. Replaces
   // earlier caches. The weights are the bf16 copy (upload first).
-  void reserve_caches(int64_t slots, int64_t max_tokens);
+  void reserve_caches(int64_t slots, int64_t max_tokens, int64_t pool_tokens = 0);
   int64_t cache_slots() const;
   int64_t slot_tokens(int64_t slot) const;  // tokens cached in `slot`
+  int64_t free_cache_tokens() const;        // latent pool tokens no slot holds
   size_t cache_bytes() const;               // the caches and the inference scratch now allocated
   // A fresh sequence in `slot` (what it held is dropped): runs the n prompt tokens and returns the logits after the
-  // last one [V] (with all_logits, every token's [n, V]). lm::Error for a bad slot, ids outside the vocabulary or
-  // n above max_tokens; the slot is then unchanged.
+  // last one [V] (with all_logits, every token's [n, V]). lm::Error for a bad slot, ids outside the vocabulary,
+  // n above max_tokens or a full latent pool (the slot is then empty). Prompts run prefill_chunk tokens at a time:
+  // activations stay within a chunk's, whatever the context.
   std::vector<float> prefill(int64_t slot, const int32_t* ids, int64_t n, std::vector<float>* all_logits = nullptr);
+  // The same n tokens after what `slot` holds (a continued conversation, a prompt that arrives in pieces): the
+  // chunks attend to the cached latents and continue the cached states. Same checks; on an error the slot is empty.
+  std::vector<float> extend(int64_t slot, const int32_t* ids, int64_t n, std::vector<float>* all_logits = nullptr);
+  int64_t prefill_chunk = 16384;
   // One token for each of the S slots [first, first + S), each after what it holds: logits [S, V]. Same checks
-  // (and a slot that is full or empty); on an error no slot changes.
+  // (and a slot that is full or empty); on an error no slot changes. The second step of a (first, S) is captured
+  // into a CUDA graph, replayed by the later ones (set_decode_graphs(false): every step eager).
   std::vector<float> decode(int64_t first, int64_t S, const int32_t* ids);
-  // Slot `to` continues exactly as `from` would (a copy of its caches).
+  void set_decode_graphs(bool on);
+  bool decode_graphs() const;  // false also once a capture failed (steps then run eagerly)
+  // Slot `to` continues exactly as `from` would: a copy of its states, its latent blocks shared (copied on write).
   void copy_slot(int64_t from, int64_t to);
+  // Drops the sequence of `slot`: its latent blocks go back to the pool (those no other slot shares).
+  void release_slot(int64_t slot);
 
   // Seconds per finer section ("kda.core.bwd", "moe.experts.fwd", ...) accumulated while profiling.
   std::vector<std::pair<std::string, double>> detail_profile() const;

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
 #include "core/error.hpp"
 #include "model/cuda/gpu_model.hpp"
 #include "model/layers.hpp"
@@ -49,6 +50,11 @@ constexpr double kLoraEps = 1e-6;  // the MLA q_a / kv_a norms (as mla.cpp)
 
 // A device buffer that only grows (activations are reused between steps of the same shape).
 struct DBuf {
+  // Counts reallocations of any DBuf: a CUDA graph that captured buffer addresses is stale once it moves.
+  static uint64_t& epoch() {
+    static uint64_t e = 0;
+    return e;
+  }
   void* p = nullptr;
   size_t bytes = 0;
   DBuf() = default;
@@ -60,6 +66,7 @@ struct DBuf {
   }
   void* ensure(size_t n) {
     if (n > bytes) {
+      ++epoch();
       if (p) ck(cudaFree(p), "cudaFree");
       p = nullptr;
       ck(cudaMalloc(&p, n), fmt::format("cudaMalloc of {:.1f} MiB", n / 1048576.0).c_str());
@@ -220,18 +227,51 @@ struct Scratch {
 
 // Inference (infer.cpp): the per-sequence caches of `slots` sequences, laid out as each layer's cache_spec (the CPU
 // layers' own description, model/cache.hpp): KDA state fp32 [slots, H, K, K] and conv inputs fp32 [slots, 3, HK, W-1],
-// MLA latent rows bf16 [slots, max_tokens, R + Dr]. While `mode` is Prefill or Decode, the walk's mixers read and
-// write them instead of keeping activations for a backward (kda_forward, mla_forward).
+// and the MLA latent rows bf16 in a paged pool per MLA layer [blocks, kBlock, R + Dr]. A block id names the same
+// block in every MLA layer's pool; each slot lists its blocks (table_h, mirrored on the device in `table`), and a
+// block may serve several slots (copy_slot shares them; refs counts the slots, and the first write into a shared
+// block copies it). While `mode` is Prefill or Decode, the walk's mixers read and write the caches instead of
+// keeping activations for a backward (kda_forward, mla_forward).
+// The walk runs on `stream` (cu::StreamScope), so that a decode step can be captured into a CUDA graph and replayed:
+// its inputs (ids, lengths) come from pinned host arrays and its logits go to one, all copied inside the graph.
 struct InferState {
   enum class Mode { Off, Prefill, Decode };
+  static constexpr int64_t kBlock = 64;  // tokens per latent block (the decode kernel's tile)
   Mode mode = Mode::Off;
   int64_t slots = 0, max_tokens = 0;
   int64_t first = 0, S = 0;   // the slots of the call: prefill one (S = 1), decode [first, first + S)
+  int64_t start = 0;          // prefill: tokens the slot already held (a continued sequence)
   std::vector<DBuf> state, conv, latent;  // [L] (only the buffers of the layer's own kind are allocated)
   std::vector<int64_t> pos;              // [slots] tokens cached
-  DBuf beta, q_lat, q_rope, o_lat;       // decode scratch: β dense [S, H]; [S, Hm, R], [S, Hm, Dr], [S, Hm, R]
-  DBuf logits;                           // fp32 [rows, V]
+  // the paged latent pool
+  int64_t blocks = 0, table_ld = 0;           // pool blocks; blocks per slot at most (ceil(max_tokens / kBlock))
+  std::vector<std::vector<int32_t>> table_h;  // [slots] each slot's blocks
+  std::vector<int32_t> refs, free_blocks;     // [blocks] slots holding each block; the unused ones
+  DBuf table;                                 // int32 [slots, table_ld]
+  DBuf lens;                                  // int32 [slots] positions cached before a decode step
+  int32_t *ids_pin = nullptr, *lens_pin = nullptr;  // pinned [slots]: a decode step's inputs
+  float* logits_pin = nullptr;                      // pinned [slots, V]: its logits
+  DBuf beta, q_lat, q_rope, o_lat, dec_ws;  // decode scratch: β dense [S, H]; [S, Hm, R], [S, Hm, Dr], [S, Hm, R];
+                                            // the paged decode's workspace
+  DBuf logits;                              // fp32 [rows, V]
+  // A continued prefill's scratch (n chunk rows, nk <= 16384 cached keys at a time): the attention partials and
+  // their merge, bf16 [n, Hm, Dv] + fp32 [n, Hm], fp32 [n, Hm, Dv] + [n, Hm]; a key block's latent rows cn bf16
+  // [nk, R] and ckr fp32 [nk, R + Dr], kv [nk, Hm, Dkv], k [nk, Hm, Dq], v [nk, Hm, Dv]; KDA's initial state.
+  struct Prefill {
+    DBuf o_part, lse_part, o_acc, lse_acc, cn, ckr, kv, k, v, h0;
+    size_t bytes() const;
+  } pre;
+  cudaStream_t stream = nullptr;
+  // Decode graphs by (first, S), valid while no activation buffer has been reallocated since their capture.
+  struct Graph {
+    cudaGraphExec_t exec = nullptr;
+    uint64_t epoch = 0;
+  };
+  std::map<std::pair<int64_t, int64_t>, Graph> graphs;
+  bool use_graphs = true;
   size_t bytes() const;
+  void drop_graphs();
+  ~InferState();
 };
 
 struct GpuModel::Impl {
@@ -245,12 +285,23 @@ struct GpuModel::Impl {
   size_t P = 0;                     // elements (with alignment gaps)
   size_t decay_end = 0, train_end = 0;  // [0, decay_end) decays, [decay_end, train_end) trains without decay
   DBuf master, grad, wbf;           // fp32 [P], fp32 [P], bf16 [P] (the optimiser's moments: train/cuda/adamw.hpp)
+  // Inference only (GpuModel::Inference): no master weights, gradients or transposed experts; the bf16 copy [P]
+  // holds every tensor, and the ones read in fp32 (norm gains, convs, A_log, dt_bias, biases, AttnRes queries: all
+  // but the GEMM and embedding matrices) also lie in `small`.
+  bool infer_only = false;
+  DBuf small;
+  std::map<std::string, size_t> small_off;
+  static bool fp32_read(const ParamSpec& s) { return !s.matmul && s.component != Component::Embedding; }
   // Transposed bf16 expert weights per MoE layer, W13ᵀ [E, l, 2I] then W2ᵀ [E, I, l], for the backward's
   // grouped products dxs = dab · W13_e and dh = d_eo · W2_e (refreshed with the bf16 copy).
   DBuf wT;
   std::vector<size_t> wT_off;  // per layer, elements into wT (MoE layers only)
   // ---- activations ---------------------------------------------------------------------------
   std::vector<LayerActs> acts;  // [L]
+  // Without a backward to follow (inference, loss) every layer's internals share one set of buffers: activation
+  // memory is one layer's, not L layers' (AttnRes's block states stay per layer, in acts).
+  LayerActs acts_shared;
+  LayerActs& layer_acts(int64_t i) { return training ? acts[size_t(i)] : acts_shared; }
   StackActs top;
   Scratch scratch;
   DBuf ids_d, tgt_d;
@@ -275,19 +326,21 @@ struct GpuModel::Impl {
   // fork(): core waits for everything queued on the default stream; join(): the default stream waits for core.
   // Both within one KDA layer, so no scratch buffer is reused across them. LONGMOE_OVERLAP=0: one stream.
   cudaStream_t core = nullptr;
+  // The stream the walk runs on: the legacy default stream, or inference's (InferState::stream, cu::StreamScope).
+  static cudaStream_t walk() { return cu::stream(nullptr); }
   cudaEvent_t fork_ev = nullptr, join_ev = nullptr, started = nullptr;
   void after_start() {
-    if (core) ck(cudaStreamWaitEvent(nullptr, started, 0), "wait");
+    if (core) ck(cudaStreamWaitEvent(walk(), started, 0), "wait");
   }
   void fork() {
     if (!core) return;
-    ck(cudaEventRecord(fork_ev, nullptr), "cudaEventRecord");
+    ck(cudaEventRecord(fork_ev, walk()), "cudaEventRecord");
     ck(cudaStreamWaitEvent(core, fork_ev, 0), "wait");
   }
   void join() {
     if (!core) return;
     ck(cudaEventRecord(join_ev, core), "cudaEventRecord");
-    ck(cudaStreamWaitEvent(nullptr, join_ev, 0), "wait");
+    ck(cudaStreamWaitEvent(walk(), join_ev, 0), "wait");
   }
   int64_t rows = 0;
   Seqs seqs;
@@ -305,7 +358,7 @@ struct GpuModel::Impl {
   InferState inf;
 
   // layout.cpp
-  Impl(const ModelConfig& cfg, const std::function<bool(const ParamSpec&)>& decays);
+  Impl(const ModelConfig& cfg, const std::function<bool(const ParamSpec&)>& decays, bool inference_only);
   ~Impl();
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
@@ -320,8 +373,16 @@ struct GpuModel::Impl {
     return it->second;
   }
   bool has(const std::string& n) const { return slots.count(n) != 0; }
-  float* M(const std::string& n) const { return as<float>(master.p) + slot(n).off; }
-  float* G(const std::string& n) const { return as<float>(grad.p) + slot(n).off; }
+  float* M(const std::string& n) const {
+    if (!infer_only) return as<float>(master.p) + slot(n).off;
+    auto it = small_off.find(n);
+    LM_CHECK(it != small_off.end(), "gpu model: '{}' has no fp32 copy in an inference-only model", n);
+    return as<float>(small.p) + it->second;
+  }
+  float* G(const std::string& n) const {
+    LM_CHECK(!infer_only, "gpu model: an inference-only model has no gradients ('{}')", n);
+    return as<float>(grad.p) + slot(n).off;
+  }
   void* W(const std::string& n) const { return as<uint16_t>(wbf.p) + slot(n).off; }
   // KDA layer i's q, k, v, f_a and β projections as one [3·H·K + K + H, d] matrix (layout() places them back to
   // back, then zero rows up to kda_in_ld()); its output and input-gradient rows are kda_in_ld() wide.
@@ -381,6 +442,7 @@ struct GpuModel::Impl {
   // form over its latent cache (mla_decode_step).
   void mla_forward(int64_t i, const void* xn, float* y, const float* base);
   void mla_decode_step(int64_t i, const void* q, const void* cn, const float* ckr, void* o);
+  void mla_prefill_attend(int64_t i, const void* q, const void* k, const void* v, void* o);
   void mla_backward(int64_t i, const void* dy, float* dxn);
 
   // ---- GLU FFN (ffn.cpp): a's activation names are "L<i>.<key>.ab", "L<i>.<key>.h" ---------------
@@ -422,9 +484,19 @@ struct GpuModel::Impl {
   void backward(const float* d_hn);
 
   // ---- inference (infer.cpp) --------------------------------------------------------------------------
-  void reserve_caches(int64_t slots, int64_t max_tokens);
+  void reserve_caches(int64_t slots, int64_t max_tokens, int64_t pool_tokens);
+  std::vector<float> prefill_chunks(int64_t slot, const int32_t* ids, int64_t n, int64_t chunk,
+                                    std::vector<float>* all_logits);
   // Runs the walk over `rows` tokens in inference mode and returns the logits of the last `out_rows` rows.
   std::vector<float> infer(const int32_t* ids, const Seqs& s, int64_t out_rows);
+  // The decode walk of slots [first, first + S) with its inputs in ids_pin / lens_pin, up to the logits in
+  // logits_pin (not synchronised): eager, or captured into inf.graphs and replayed.
+  void decode_walk(int64_t first, int64_t S);
+  void decode_walk_eager(int64_t first, int64_t S);
+  // The latent blocks of `slot` cover positions [0, upto), and the block holding position `from` (and later) is
+  // the slot's own (copied first when shared); lm::Error when the pool has no free block left.
+  void claim_blocks(int64_t slot, int64_t from, int64_t upto);
+  void release_blocks(int64_t slot);
 };
 
 }  // namespace lm::model::cuda

@@ -57,7 +57,7 @@ kc::ConvShape GpuModel::Impl::conv_shape(int64_t C, int64_t ldx) const {
 void GpuModel::Impl::kda_forward(int64_t i, const void* xn, float* y, const float* base) {
   const int64_t H = c.kda_num_heads, Kd = c.kda_head_dim, HK = H * Kd, n = rows;
   const std::string A = P_(i) + ".self_attn.";
-  KdaActs& a = acts[i].kda;
+  KdaActs& a = layer_acts(i).kda;
   auto bf = [&](DBuf& b, int64_t w) { return grow(b, size_t(n) * w * 2); };
   // qkvp [n, LF]: the q, k, v (before their convolutions), f_a and β_raw projections side by side (their
   // weights are one matrix, see layout())
@@ -78,9 +78,14 @@ void GpuModel::Impl::kda_forward(int64_t i, const void* xn, float* y, const floa
   float* state = inf.mode == Mode::Off ? nullptr : as<float>(inf.state[i].p) + inf.first * H * Kd * Kd;
   void* post[3] = {qc, kc_, vc};
   const char* conv_w[3] = {"q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"};
+  const bool cont = inf.mode == Mode::Prefill && inf.start > 0;  // a chunk continuing a cached sequence
   for (int j = 0; j < 3; ++j) {
     if (inf.mode == Mode::Decode) {
       kc::short_conv_step(pre + j * HK, LF, M(A + conv_w[j]), conv + j * HK * (taps - 1), conv_ld, post[j], n, HK, taps);
+    } else if (cont) {  // from the cached inputs, which then move on by the chunk
+      kc::short_conv_forward_cached(pre + j * HK, LF, M(A + conv_w[j]), conv + j * HK * (taps - 1), post[j], n, HK,
+                                    taps);
+      kc::short_conv_cache_append(pre + j * HK, LF, n, conv + j * HK * (taps - 1), HK, taps);
     } else {
       kc::short_conv_forward(pre + j * HK, M(A + conv_w[j]), post[j], cs);  // (a prefill starts from zeros)
       if (conv) kc::short_conv_cache(pre + j * HK, LF, n, conv + j * HK * (taps - 1), HK, taps);
@@ -108,6 +113,11 @@ void GpuModel::Impl::kda_forward(int64_t i, const void* xn, float* y, const floa
     if (core) ck(cudaEventRecord(started, core), "cudaEventRecord");  // the output gate's projections run beside it
     kc::decode_step(state, in, o, n, H, Kd, Kd, kp.gate, 0.f, kc::GateDType::BF16, core);
   } else {
+    if (cont) {  // the state continues from the cache (copied: the operator writes its final state there)
+      float* h0 = grow<float>(inf.pre.h0, size_t(H) * Kd * Kd * 4);
+      ck(cudaMemcpyAsync(h0, state, size_t(H) * Kd * Kd * 4, cudaMemcpyDeviceToDevice, core ? core : walk()), "h0");
+      in.h0 = h0;
+    }
     kc::forward(kp, in, o, state, core, kda_saved[i], started);
   }
   sec.emplace(section("kda.proj.fwd"));
@@ -141,7 +151,7 @@ void GpuModel::Impl::kda_backward(int64_t i, const void* dy, float* dxn) {
   auto* dp = static_cast<uint16_t*>(grow(scratch.dp, size_t(n) * LF * 2));
   const int64_t NF = kda_in_cols();
   if (LF > NF)
-    ck(cudaMemset2DAsync(dp + NF, size_t(LF) * 2, 0, size_t(LF - NF) * 2, size_t(n), nullptr), "memset");
+    ck(cudaMemset2DAsync(dp + NF, size_t(LF) * 2, 0, size_t(LF - NF) * 2, size_t(n), walk()), "memset");
   float* orstd = got<float>(a.orstd, i, "orstd");
   float* d_on = grow<float>(scratch.d_on, size_t(n) * HK * 4);
   std::optional<Timed> sec(std::in_place, section("kda.proj.bwd"));

@@ -18,8 +18,8 @@
 
 namespace lm::model::cuda {
 
-GpuModel::Impl::Impl(const ModelConfig& cfg, const std::function<bool(const ParamSpec&)>& decays)
-    : c(cfg), d(cfg.hidden_size), V(cfg.vocab_size), L(cfg.num_hidden_layers) {
+GpuModel::Impl::Impl(const ModelConfig& cfg, const std::function<bool(const ParamSpec&)>& decays, bool inference_only)
+    : c(cfg), d(cfg.hidden_size), V(cfg.vocab_size), L(cfg.num_hidden_layers), infer_only(inference_only) {
   c.validate("model config");
   plan = StackPlan::build(c);
   LM_CHECK(available(), "no usable CUDA device");
@@ -33,16 +33,24 @@ GpuModel::Impl::Impl(const ModelConfig& cfg, const std::function<bool(const Para
   }
   specs = param_specs(c);
   layout(decays);
-  master.ensure(P * 4), grad.ensure(P * 4), wbf.ensure(P * 2);
-  ck(cudaMemset(master.p, 0, P * 4), "memset"), ck(cudaMemset(grad.p, 0, P * 4), "memset");
-  ck(cudaMemset(wbf.p, 0, P * 2), "memset");
+  if (infer_only) {
+    size_t n = 0;
+    for (const ParamSpec& s : specs)
+      if (fp32_read(s)) small_off[s.name] = n, n += (size_t(s.numel()) + 63) / 64 * 64;
+    ck(cudaMemset(small.ensure(std::max<size_t>(n, 1) * 4), 0, std::max<size_t>(n, 1) * 4), "memset");
+  } else {
+    master.ensure(P * 4), grad.ensure(P * 4);
+    ck(cudaMemset(master.p, 0, P * 4), "memset"), ck(cudaMemset(grad.p, 0, P * 4), "memset");
+  }
+  wbf.ensure(P * 2);
+  ck(cudaMemset(wbf.p, 0, P * 2), "memset");  // (the zero rows of the fused matrices stay zero)
   acts.resize(size_t(L));
   size_t t = 0;
   wT_off.assign(L, 0);
   const size_t per = static_cast<size_t>(c.num_experts) * 3 * c.moe_intermediate_size * c.expert_width();
   for (int64_t i = 0; i < L; ++i)
     if (plan[i].moe()) wT_off[i] = t, t += per;
-  if (t) wT.ensure(t * 2);
+  if (t && !infer_only) wT.ensure(t * 2);
   offsets_h.resize(L);
   for (int64_t i = 0; i < L; ++i) {
     if (!plan[i].moe()) continue;
@@ -68,6 +76,7 @@ GpuModel::Impl::~Impl() {
 }
 // W13ᵀ, W2ᵀ of every MoE layer from the bf16 copy.
 void GpuModel::Impl::refresh_transposed() {
+  if (infer_only) return;  // (the backward's operands)
   const int64_t E = c.num_experts, I = c.moe_intermediate_size, l = c.expert_width();
   for (int64_t i = 0; i < L; ++i) {
     if (!plan[i].moe()) continue;
@@ -203,7 +212,7 @@ size_t Scratch::bytes() const {
          bytes_of(d_block) + bytes_of(ar_delta) + bytes_of(ar_coef) + bytes_of(ar_q);
 }
 size_t GpuModel::Impl::act_bytes() const {
-  size_t b = top.bytes() + scratch.bytes();
+  size_t b = top.bytes() + scratch.bytes() + acts_shared.bytes();
   for (const LayerActs& a : acts) b += a.bytes();
   return b;
 }

@@ -38,7 +38,7 @@ void GpuModel::Impl::mla_forward(int64_t i, const void* xn, float* y, const floa
                 R = c.kv_lora_rank, Q = c.q_lora_rank.value_or(0), Dq = Dn + Dr, Dkv = Dn + Dv, RD = R + Dr,
                 n = rows;
   const std::string A = P_(i) + ".self_attn.";
-  MlaActs& a = acts[i].mla;
+  MlaActs& a = layer_acts(i).mla;
   void* q = grow(a.q, size_t(n) * H * Dq * 2);
   if (Q) {
     float* qa = grow<float>(a.qa, size_t(n) * Q * 4);
@@ -59,14 +59,16 @@ void GpuModel::Impl::mla_forward(int64_t i, const void* xn, float* y, const floa
   if (inf.mode == InferState::Mode::Decode) {
     mla_decode_step(i, q, cn, ckr, o);
   } else {
-    if (inf.mode == InferState::Mode::Prefill)  // a fresh sequence: its latent rows from row 0
-      mla_latent_rows(cn, ckr, as<uint16_t>(inf.latent[i].p) + inf.first * inf.max_tokens * RD, RD, n, R, Dr);
+    if (inf.mode == InferState::Mode::Prefill)  // the prompt's latent rows, from position inf.start
+      mla_latent_rows(cn, ckr, inf.latent[i].p, as<int32_t>(inf.table.p) + inf.first * inf.table_ld, inf.table_ld,
+                      nullptr, inf.start, n, R, Dr);
     void* kv = grow(a.kv, size_t(n) * H * Dkv * 2);
     oc::linear_fwd(cn, W(A + "kv_b_proj.weight"), kv, DType::BF16, n, R, H * Dkv);
     void *k = grow(a.k, size_t(n) * H * Dq * 2), *v = grow(a.v, size_t(n) * H * Dv * 2);
     mla_split_kv(kv, ckr, k, v, n, H, Dn, Dr, Dv, R);
     float* lse = grow<float>(a.lse, size_t(n) * H * 4);
-    oc::attention_forward(attn_shape(), q, k, v, o, lse);
+    if (inf.mode == InferState::Mode::Prefill && inf.start > 0) mla_prefill_attend(i, q, k, v, o);
+    else oc::attention_forward(attn_shape(), q, k, v, o, lse);
   }
   const void* o_in = o;
   if (c.mla_use_output_gate) {
@@ -80,15 +82,15 @@ void GpuModel::Impl::mla_forward(int64_t i, const void* xn, float* y, const floa
 
 // One token for each of the S decode slots: its latent row [cn | k_r] appended to the slot's cache, then absorbed
 // attention over the cache (as model::GatedMla::decode): q̃_h = q_nope,h W_UK,h (W_kvb's first Dn rows of head h,
-// one grouped GEMM over the heads), ō = mla_decode(q̃, q_rope, cache), o_h = ō_h W_UV,hᵀ (its next Dv rows).
+// one grouped GEMM over the heads), ō = mla_decode_paged(q̃, q_rope, the slots' blocks), o_h = ō_h W_UV,hᵀ (its next
+// Dv rows). The slots' lengths and block tables are read on the device (inf.lens, inf.table), so the step has one
+// launch sequence whatever the lengths (a CUDA graph).
 void GpuModel::Impl::mla_decode_step(int64_t i, const void* q, const void* cn, const float* ckr, void* o) {
   const int64_t H = c.num_attention_heads, Dn = c.qk_nope_head_dim, Dr = c.qk_rope_head_dim, Dv = c.v_head_dim,
                 R = c.kv_lora_rank, Dq = Dn + Dr, Dkv = Dn + Dv, RD = R + Dr, S = inf.S;
-  auto* lat = as<uint16_t>(inf.latent[i].p);
-  auto slot_rows = [&](int64_t s) { return lat + (inf.first + s) * inf.max_tokens * RD; };
-  for (int64_t s = 0; s < S; ++s)
-    mla_latent_rows(static_cast<const uint16_t*>(cn) + s * R, ckr + s * RD,
-                    slot_rows(s) + inf.pos[size_t(inf.first + s)] * RD, RD, 1, R, Dr);
+  const int32_t* table = as<int32_t>(inf.table.p) + inf.first * inf.table_ld;
+  const int32_t* lens = as<int32_t>(inf.lens.p) + inf.first;
+  mla_latent_rows(cn, ckr, inf.latent[i].p, table, inf.table_ld, lens, 0, S, R, Dr);
   auto* Wkvb = static_cast<const uint16_t*>(W(P_(i) + ".self_attn.kv_b_proj.weight"));
   auto* q_lat = grow<uint16_t>(inf.q_lat, size_t(S) * H * R * 2);
   auto* q_rope = grow<uint16_t>(inf.q_rope, size_t(S) * H * Dr * 2);
@@ -99,17 +101,55 @@ void GpuModel::Impl::mla_decode_step(int64_t i, const void* q, const void* cn, c
     g[size_t(h)] = {S, R, Dn, qb + h * Dq, H * Dq, Wkvb + h * Dkv * R, R, q_lat + h * R, H * R};
   oc::gemm_bf16_grouped(false, false, g, 1.f, 0.f, DType::BF16);
   ck(cudaMemcpy2DAsync(q_rope, size_t(Dr) * 2, qb + Dn, size_t(Dq) * 2, size_t(Dr) * 2, size_t(S * H),
-                       cudaMemcpyDeviceToDevice, nullptr),
+                       cudaMemcpyDeviceToDevice, walk()),
      "q_rope");
-  for (int64_t s = 0; s < S; ++s) {
-    oc::DecodeShape ds;
-    ds.H = H, ds.Tc = inf.pos[size_t(inf.first + s)] + 1, ds.R = R, ds.Dr = Dr, ds.ldc = RD;
-    ds.scale = float(1.0 / std::sqrt(double(Dq)));
-    oc::mla_decode(ds, q_lat + s * H * R, q_rope + s * H * Dr, slot_rows(s), o_lat + s * H * R, nullptr);
-  }
+  oc::PagedDecodeShape ps;
+  ps.S = S, ps.H = H, ps.R = R, ps.Dr = Dr, ps.ldc = RD, ps.max_tokens = inf.max_tokens, ps.table_ld = inf.table_ld;
+  ps.len_add = 1;  // (lens: the positions before this token, whose row was just written)
+  ps.scale = float(1.0 / std::sqrt(double(Dq)));
+  void* ws = grow(inf.dec_ws, oc::mla_decode_paged_workspace(ps));
+  oc::mla_decode_paged(ps, q_lat, q_rope, inf.latent[i].p, table, lens, o_lat, ws);
   for (int64_t h = 0; h < H; ++h)
     g[size_t(h)] = {S, Dv, R, o_lat + h * R, H * R, Wkvb + (h * Dkv + Dn) * R, R, as<uint16_t>(o) + h * Dv, H * Dv};
   oc::gemm_bf16_grouped(false, true, g, 1.f, 0.f, DType::BF16);
+}
+
+// A prefill chunk of n tokens at positions [start, start + n) of a cached sequence: attention to its own keys (k, v
+// [n, H, Dq | Dv], causal) and to the cached positions [0, start), whose keys and values are decompressed from the
+// latent pool block by block (kPrefillKeys rows at a time: K/V never exist for the whole context), each block's
+// partial output merged by log-sum-exp. The decompression is the training forward's (cn W_kvbᵀ, then the split with
+// k_r), on the same bf16 rows.
+void GpuModel::Impl::mla_prefill_attend(int64_t i, const void* q, const void* k, const void* v, void* o) {
+  const int64_t H = c.num_attention_heads, Dn = c.qk_nope_head_dim, Dr = c.qk_rope_head_dim, Dv = c.v_head_dim,
+                R = c.kv_lora_rank, Dq = Dn + Dr, Dkv = Dn + Dv, RD = R + Dr, n = rows, start = inf.start;
+  constexpr int64_t kPrefillKeys = 16384;
+  const std::string A = P_(i) + ".self_attn.";
+  InferState::Prefill& w = inf.pre;
+  void* o_part = grow(w.o_part, size_t(n) * H * Dv * 2);
+  float* lse_part = grow<float>(w.lse_part, size_t(n) * H * 4);
+  float* o_acc = grow<float>(w.o_acc, size_t(n) * H * Dv * 4);
+  float* lse_acc = grow<float>(w.lse_acc, size_t(n) * H * 4);
+  oc::BlockShape bs;
+  bs.H = H, bs.Dk = Dq, bs.Dv = Dv, bs.Tq = n, bs.q_pos0 = start;
+  bs.Tk = n, bs.k_pos0 = start;
+  oc::attention_forward_block(bs, q, k, v, o_part, lse_part);
+  oc::attention_merge(n, H, Dv, o_part, lse_part, o_acc, lse_acc, true);
+  const int64_t kb_max = std::min(kPrefillKeys, start);
+  auto* cn = grow<uint16_t>(w.cn, size_t(kb_max) * R * 2);
+  float* ckr = grow<float>(w.ckr, size_t(kb_max) * RD * 4);
+  void* kv = grow(w.kv, size_t(kb_max) * H * Dkv * 2);
+  void *kb_k = grow(w.k, size_t(kb_max) * H * Dq * 2), *kb_v = grow(w.v, size_t(kb_max) * H * Dv * 2);
+  const int32_t* table = as<int32_t>(inf.table.p) + inf.first * inf.table_ld;
+  for (int64_t p0 = 0; p0 < start; p0 += kPrefillKeys) {
+    const int64_t nk = std::min(kPrefillKeys, start - p0);
+    mla_latent_gather(inf.latent[i].p, table, p0, nk, R, Dr, cn, ckr);
+    oc::linear_fwd(cn, W(A + "kv_b_proj.weight"), kv, DType::BF16, nk, R, H * Dkv);
+    mla_split_kv(kv, ckr, kb_k, kb_v, nk, H, Dn, Dr, Dv, R);
+    bs.Tk = nk, bs.k_pos0 = p0;
+    oc::attention_forward_block(bs, q, kb_k, kb_v, o_part, lse_part);
+    oc::attention_merge(n, H, Dv, o_part, lse_part, o_acc, lse_acc, false);
+  }
+  oc::attention_merge_finish(n, H, Dv, o_acc, o);
 }
 
 void GpuModel::Impl::mla_backward(int64_t i, const void* dy, float* dxn) {

@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "core/env.hpp"
+#include "model/cuda/glue_cuda.hpp"
 #include "ops/gemm/cuda/gemm_cuda.hpp"
 #include "ops/glu/cuda/glu_cuda.hpp"
 #include "ops/moe/cuda/moe_cuda.hpp"
@@ -32,7 +33,7 @@ void GpuModel::Impl::moe_forward(int64_t i, const void* yn, float* y, const floa
                 n = rows, Mr = n * k;
   const bool latent = c.has_latent_moe();
   const std::string B = P_(i) + ".block_sparse_moe.";
-  MoeActs& a = acts[i].moe;
+  MoeActs& a = layer_acts(i).moe;
   float* logits = grow<float>(a.logits, size_t(n) * E * 4);
   std::optional<Timed> sec(std::in_place, section("moe.route.fwd"));
   oc::linear_fwd(yn, W(B + "gate.weight"), logits, DType::F32, n, d, E);
@@ -61,12 +62,16 @@ void GpuModel::Impl::moe_forward(int64_t i, const void* yn, float* y, const floa
   int32_t *off = grow<int32_t>(a.offsets, size_t(E + 1) * 4), *prow = grow<int32_t>(a.prow, size_t(Mr) * 4),
           *ppos = grow<int32_t>(a.ppos, size_t(Mr) * 4);
   sec.emplace(section("moe.route.fwd"));
-  ck(cudaStreamWaitEvent(nullptr, offsets_h[i].done, 0), "wait");  // the last copy of `off` has left
-  oc::moe_permute(topk_idx, n, k, E, off, prow, ppos);
-  ck(cudaEventRecord(permuted, nullptr), "cudaEventRecord");
-  ck(cudaStreamWaitEvent(side, permuted, 0), "wait");
-  ck(cudaMemcpyAsync(offsets_h[i].p, off, size_t(E + 1) * 4, cudaMemcpyDeviceToHost, side), "offsets to host");
-  ck(cudaEventRecord(offsets_h[i].done, side), "cudaEventRecord");
+  if (inf.mode == InferState::Mode::Off) {  // (inference needs no loads on the host: expert_loads, the wgrad fallback)
+    ck(cudaStreamWaitEvent(walk(), offsets_h[i].done, 0), "wait");  // the last copy of `off` has left
+    oc::moe_permute(topk_idx, n, k, E, off, prow, ppos);
+    ck(cudaEventRecord(permuted, walk()), "cudaEventRecord");
+    ck(cudaStreamWaitEvent(side, permuted, 0), "wait");
+    ck(cudaMemcpyAsync(offsets_h[i].p, off, size_t(E + 1) * 4, cudaMemcpyDeviceToHost, side), "offsets to host");
+    ck(cudaEventRecord(offsets_h[i].done, side), "cudaEventRecord");
+  } else {
+    oc::moe_permute(topk_idx, n, k, E, off, prow, ppos);
+  }
   void *xs = grow(a.xs, size_t(Mr) * l * 2), *ab = grow(a.eab, size_t(Mr) * 2 * I * 2),
        *h = grow(a.eh, size_t(Mr) * I * 2), *eo = grow(a.eo, size_t(Mr) * l * 2);
   oc::moe_gather(z, prow, xs, n, k, l, nullptr, ldz);
@@ -91,8 +96,8 @@ void GpuModel::Impl::moe_forward(int64_t i, const void* yn, float* y, const floa
       un = unb;
     }
     oc::linear_fwd(un, W(B + "routed_expert_up_proj.weight"), y, DType::F32, n, l, d, false, nullptr, 0, 0, base);
-  } else {
-    throw Error("gpu model: MoE without a latent projection (Kimi Linear) is not supported on the GPU yet");
+  } else {  // Kimi Linear: the experts work in d itself
+    add_bf16(y, base, u, n * d);
   }
   sec.emplace(section("moe.shared.fwd"));
   if (fused) {  // the shared expert from its ab columns of zs
@@ -104,6 +109,8 @@ void GpuModel::Impl::moe_forward(int64_t i, const void* yn, float* y, const floa
 }
 
 void GpuModel::Impl::moe_backward(int64_t i, const void* dy, float* dyn) {
+  LM_CHECK(c.has_latent_moe(), "gpu model: training an MoE without a latent projection (Kimi Linear) is not supported "
+           "on the GPU yet (inference is)");
   const int64_t E = c.num_experts, k = c.num_experts_per_token, I = c.moe_intermediate_size, l = c.expert_width(),
                 n = rows, Mr = n * k;
   const std::string B = P_(i) + ".block_sparse_moe.";
@@ -169,7 +176,7 @@ void GpuModel::Impl::moe_backward(int64_t i, const void* dy, float* dyn) {
   auto* dcat = fused ? static_cast<uint16_t*>(grow(scratch.moe_dcat, size_t(n) * LB * 2)) : nullptr;
   const int64_t EP = fused ? moe_in_epad() : E;
   if (fused && EP > E)
-    ck(cudaMemset2DAsync(dcat + E, size_t(LB) * 2, 0, size_t(EP - E) * 2, size_t(n), nullptr), "memset");
+    ck(cudaMemset2DAsync(dcat + E, size_t(LB) * 2, 0, size_t(EP - E) * 2, size_t(n), walk()), "memset");
   sec.emplace(section("moe.route.bwd"));
   void* d_logits = fused ? static_cast<void*>(dcat) : grow(scratch.d_logits, size_t(n) * E * 2);
   oc::router_backward(got<float>(a.logits, i, "logits"), got<int32_t>(a.topk_idx, i, "topk_idx"), d_topk_w, d_logits,

@@ -40,7 +40,7 @@ void GpuModel::Impl::ffn_fwd(int64_t i, const void* yn, float* y, const float* b
     moe_forward(i, yn, y, base);
   } else {
     Timed t(part(Profile::DenseFfn, false));
-    ffn_forward(acts[i].mlp, P_(i) + ".mlp", yn, rows, d, c.intermediate_size, y, base);
+    ffn_forward(layer_acts(i).mlp, P_(i) + ".mlp", yn, rows, d, c.intermediate_size, y, base);
   }
 }
 void GpuModel::Impl::norm_fwd(const float* x, const std::string& w, DBuf& y, DBuf& rstd) {
@@ -57,7 +57,7 @@ void GpuModel::Impl::read_norm(const std::vector<const float*>& src, const std::
                            grow(y, size_t(rows) * d * 2), grow<float>(rstd, size_t(rows) * 4));
 }
 void GpuModel::Impl::copy(float* dst, const float* src) {
-  ck(cudaMemcpyAsync(dst, src, size_t(rows) * d * 4, cudaMemcpyDeviceToDevice, nullptr), "copy");
+  ck(cudaMemcpyAsync(dst, src, size_t(rows) * d * 4, cudaMemcpyDeviceToDevice, walk()), "copy");
 }
 
 // Returns the number of targets >= 0 (0 without targets).
@@ -76,7 +76,10 @@ int64_t GpuModel::Impl::forward(const int32_t* ids, const int32_t* targets, cons
   }
   seqs = s;
   ids_h.assign(ids, ids + rows);
-  ck(cudaMemcpy(ids_d.ensure(size_t(rows) * 4), ids, size_t(rows) * 4, cudaMemcpyHostToDevice), "ids");
+  if (inf.mode == InferState::Mode::Decode)  // ids from the pinned inputs of a decode step (a graph replays the copy)
+    ck(cudaMemcpyAsync(ids_d.ensure(size_t(rows) * 4), ids, size_t(rows) * 4, cudaMemcpyHostToDevice, walk()), "ids");
+  else
+    ck(cudaMemcpy(ids_d.ensure(size_t(rows) * 4), ids, size_t(rows) * 4, cudaMemcpyHostToDevice), "ids");
   if (targets)
     ck(cudaMemcpy(tgt_d.ensure(size_t(rows) * 4), targets, size_t(rows) * 4, cudaMemcpyHostToDevice), "targets");
   const size_t RD4 = size_t(rows) * d * 4;
@@ -100,7 +103,7 @@ int64_t GpuModel::Impl::forward(const int32_t* ids, const int32_t* targets, cons
     for (int64_t i = 0; i < L; ++i) {
       const LayerPlan& lp = plan[i];
       const std::string Pi = P_(i);
-      LayerActs& la = acts[i];
+      LayerActs& la = layer_acts(i);
       state_in[i] = cur;
       if (lp.attn_closed == 0)
         norm_fwd(cur, Pi + ".input_layernorm.weight", la.xn, la.rstd1);
@@ -108,11 +111,11 @@ int64_t GpuModel::Impl::forward(const int32_t* ids, const int32_t* targets, cons
         read_norm(with(lp.attn_closed, cur), Pi + ".self_attention_res_proj.weight",
                   Pi + ".self_attention_res_norm.weight", Pi + ".input_layernorm.weight", la.xn, la.rstd1);
       if (lp.opens_block) blocks.push_back(cur);
-      float* mid = grow<float>(la.pmid, RD4);
+      float* mid = grow<float>(acts[i].pmid, RD4);  // (the states: per layer, the blocks are among them)
       mixer_forward(i, got(la.xn, i, "xn"), mid, lp.opens_block ? nullptr : cur);
       read_norm(with(lp.mlp_closed, mid), Pi + ".mlp_res_proj.weight", Pi + ".mlp_res_norm.weight",
                 Pi + ".post_attention_layernorm.weight", la.yn, la.rstd2);
-      float* out = grow<float>(la.pout, RD4);
+      float* out = grow<float>(acts[i].pout, RD4);
       ffn_fwd(i, got(la.yn, i, "yn"), out, mid);
       cur = out;
     }
@@ -123,18 +126,20 @@ int64_t GpuModel::Impl::forward(const int32_t* ids, const int32_t* targets, cons
   } else {
     for (int64_t i = 0; i < L; ++i) {
       const std::string Pi = P_(i);
-      LayerActs& la = acts[i];
-      float* x_in = grow<float>(la.x_in, RD4);
-      copy(x_in, prefix);
+      LayerActs& la = layer_acts(i);
+      // the residual before each part, kept for the backward (without one the norms read the stream itself)
+      float* x_in = prefix;
+      if (training) copy(x_in = grow<float>(la.x_in, RD4), prefix);
       norm_fwd(x_in, Pi + ".input_layernorm.weight", la.xn, la.rstd1);
       mixer_forward(i, got(la.xn, i, "xn"), prefix, prefix);
-      float* y_in = grow<float>(la.y_in, RD4);
-      copy(y_in, prefix);
+      float* y_in = prefix;
+      if (training) copy(y_in = grow<float>(la.y_in, RD4), prefix);
       norm_fwd(y_in, Pi + ".post_attention_layernorm.weight", la.yn, la.rstd2);
       ffn_fwd(i, got(la.yn, i, "yn"), prefix, prefix);
     }
-    copy(grow<float>(top.h_final, RD4), prefix);
-    norm_fwd(got<float>(top.h_final, "h_final"), "model.norm.weight", top.hn, top.rstd_f);
+    const float* h_final = prefix;
+    if (training) copy(grow<float>(top.h_final, RD4), prefix), h_final = got<float>(top.h_final, "h_final");
+    norm_fwd(h_final, "model.norm.weight", top.hn, top.rstd_f);
   }
   return n_valid;
 }
@@ -188,13 +193,13 @@ void GpuModel::Impl::backward(const float* d_hn) {
   float* d_prefix = grow<float>(scratch.d_prefix, RD4);
   void* dyb = grow(scratch.dy_bf, size_t(rows) * d * 2);  // (the buffer to_bf16 writes)
   if (plan.attn_res) {
-    ck(cudaMemsetAsync(d_prefix, 0, RD4, nullptr), "memset");
+    ck(cudaMemsetAsync(d_prefix, 0, RD4, walk()), "memset");
     std::vector<float*> d_blocks;
     const auto nblocks = static_cast<int64_t>(block_src.size());
     if (scratch.d_block.size() < size_t(nblocks)) scratch.d_block.resize(size_t(nblocks));
     for (int64_t j = 0; j < nblocks; ++j) {
       float* db = grow<float>(scratch.d_block[j], RD4);
-      ck(cudaMemsetAsync(db, 0, RD4, nullptr), "memset");
+      ck(cudaMemsetAsync(db, 0, RD4, walk()), "memset");
       d_blocks.push_back(db);
     }
     // The first nb closed blocks and a last source, with their gradients (d_prefix for the last).

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
 #include "train/cuda/adamw.hpp"
 
 namespace lm::train::cuda {
@@ -59,7 +60,7 @@ void adamw_update(float* w, const float* g, float* m, float* v, void* wb, int64_
   const int64_t nv = aligned(w, 16) && aligned(g, 16) && aligned(m, 16) && aligned(v, 16) && aligned(wb, 8) ? n / 4 : 0;
   const int64_t blocks = ((nv ? nv : n) + 255) / 256;  // of 256 threads, at most 65535 · 16 (grid-stride loops)
   const unsigned grid = static_cast<unsigned>(blocks < 65535 * 16 ? blocks : 65535 * 16);
-  adamw_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(s)>>>(w, g, m, v, static_cast<bf16*>(wb), n, nv, a);
+  adamw_kernel<<<grid, 256, 0, lm::cu::stream(s)>>>(w, g, m, v, static_cast<bf16*>(wb), n, nv, a);
   constexpr cu::Checker check{"model cuda"};
   check(cudaGetLastError(), "adamw_update");
 }

@@ -189,3 +189,51 @@ TEST(AttentionCuda, MlaDecodeAbsorbed) {
     EXPECT_LE(el, 1e-3) << "H " << dc.H << " Tc " << dc.Tc;
   }
 }
+
+// The batched decode over a paged cache (mla_decode_paged): S sequences of different lengths whose 64-row blocks lie
+// shuffled in one pool, lengths read on the device (+ len_add), against the float reference per sequence.
+TEST(AttentionCuda, MlaDecodePagedBatch) {
+  REQUIRE_GPU();
+  const int64_t R = 512, Dr = 64, ld = R + Dr, B = 64;
+  for (const int64_t H : {16, 64}) {
+    const std::vector<int32_t> lens = {1, 63, 64, 65, 700, 3000};  // tokens cached before the step
+    const int64_t S = int64_t(lens.size()), max_tokens = 4096, table_ld = max_tokens / B;
+    int64_t blocks = 0;
+    for (int32_t l : lens) blocks += (l + 1 + B - 1) / B;
+    // block ids: a fixed shuffle of the pool
+    std::vector<int32_t> ids(static_cast<size_t>(blocks));
+    for (int64_t b = 0; b < blocks; ++b) ids[size_t(b)] = int32_t((b * 37 + 11) % blocks);
+    std::vector<int32_t> table(size_t(S * table_ld), 0);
+    int64_t next = 0;
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t j = 0; j < (lens[size_t(s)] + 1 + B - 1) / B; ++j) table[size_t(s * table_ld + j)] = ids[size_t(next++)];
+    const Vec pool = round_bf16(lm::testing::randn<float>(size_t(blocks * B * ld), uint64_t(H) + 5));
+    const Vec ql = round_bf16(lm::testing::randn<float>(size_t(S * H * R), uint64_t(H) + 6, 0.5));
+    const Vec qr = round_bf16(lm::testing::randn<float>(size_t(S * H * Dr), uint64_t(H) + 7, 0.5));
+    const float scale = float(1.0 / std::sqrt(192.0));
+    Dev gp(pool.size() * 2), gql(ql.size() * 2), gqr(qr.size() * 2), go(ql.size() * 2), gt(table.size() * 4),
+        gl(lens.size() * 4);
+    up_bf16(gp, pool), up_bf16(gql, ql), up_bf16(gqr, qr), up(gt, table), up(gl, lens);
+    oc::PagedDecodeShape ps;
+    ps.S = S, ps.H = H, ps.max_tokens = max_tokens, ps.table_ld = table_ld, ps.len_add = 1, ps.scale = scale;
+    Dev ws(oc::mla_decode_paged_workspace(ps));
+    oc::mla_decode_paged(ps, gql.p, gqr.p, gp.p, gt.i(), gl.i(), go.p, ws.p);
+    kc::synchronize();
+    const Vec o = down_bf16(go, ql.size());
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t Tc = lens[size_t(s)] + 1;
+      Vec cache(size_t(Tc * ld));  // the sequence's rows gathered through its table
+      for (int64_t t = 0; t < Tc; ++t) {
+        const int64_t b = table[size_t(s * table_ld + t / B)];
+        std::copy_n(pool.begin() + (b * B + t % B) * ld, ld, cache.begin() + t * ld);
+      }
+      Vec o_ref(static_cast<size_t>(H * R)), lse_ref(static_cast<size_t>(H));
+      ops::DecodeDims dd;
+      dd.H = H, dd.Tc = Tc, dd.R = R, dd.Dr = Dr, dd.ldc = ld, dd.ldkr = ld;
+      ops::mla_decode_absorbed(ql.data() + s * H * R, qr.data() + s * H * Dr, cache.data(), cache.data() + R,
+                               o_ref.data(), lse_ref.data(), dd, scale);
+      const double e = err(o_ref, Vec(o.begin() + s * H * R, o.begin() + (s + 1) * H * R));
+      EXPECT_LE(e, 5e-3) << "H " << H << " sequence " << s << " of " << Tc << " positions";
+    }
+  }
+}

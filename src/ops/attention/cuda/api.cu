@@ -17,6 +17,7 @@
 
 #include "core/cuda/check.hpp"
 #include "core/cuda/device.hpp"
+#include "core/cuda/stream.hpp"
 #include "core/env.hpp"
 #include "ops/attention/cuda/attention_cuda.hpp"
 #include "ops/attention/cuda/kernels.hpp"
@@ -119,10 +120,10 @@ void attention_forward(const AttnShape& s, const void* q, const void* k, const v
   p.head_group = std::min(head_group(false), p.H);
   p.sq = s.H * s.Dk, p.sk = Hkv * s.Dk, p.sv = Hkv * s.Dv, p.so = s.H * s.Dv;
   p.scale_log2 = scale_of(s) * 1.4426950408889634f;
-  auto st = static_cast<cudaStream_t>(stream);
+  auto st = cu::stream(stream);
   if (tb.ntiles > 0) {
     if (s.fwd_kernel == FwdKernel::Mma) detail::launch_fwd(p, int(s.Dk), int(s.Dv), tb.ntiles, st);
-    else detail::launch_fwd_wgmma(p, int(s.Dk), s.B * s.T, int(Hkv), tb.ntiles, st);
+    else detail::launch_fwd_wgmma(p, int(s.Dk), s.B * s.T, s.B * s.T, int(Hkv), tb.ntiles, st);
   }
   check(cudaGetLastError(), "attention forward launch");
 }
@@ -136,7 +137,7 @@ void attention_backward(const AttnShape& s_in, const void* q, const void* k, con
   if (rows == 0) return;
   cu::keep_freed_memory_in_pool();  // scratch freed below stays in the pool for the next call
   const int64_t Hkv = s.Hkv > 0 ? s.Hkv : s.H;
-  auto st = static_cast<cudaStream_t>(stream);
+  auto st = cu::stream(stream);
   const bool wide = s.bwd_kernel == BwdKernel::Wgmma;  // 128-key blocks (the mma.sync kernel takes 64)
   const Tables& tb = tables(s, wide ? 128 : 64, true);
   // Scratch: lse2, D [H, rows] (+64: the statistics loads of a tile may run past the last row), and the fp32
@@ -172,7 +173,7 @@ void mla_decode(const DecodeShape& s, const void* q_lat, const void* q_rope, con
   if (s.H < 1 || s.Tc < 1 || ldc < s.R + s.Dr || ldc % 8) check.fail("bad decode shape");
   cu::keep_freed_memory_in_pool();
   const int sms = cu::sm_count();
-  auto st = static_cast<cudaStream_t>(stream);
+  auto st = cu::stream(stream);
   const int MH = s.H >= 32 ? 32 : 16, HG = int((s.H + MH - 1) / MH);
   const int ntiles = int((s.Tc + 63) / 64);
   int splits = s.splits > 0 ? s.splits : std::max(1, sms / HG);
@@ -192,6 +193,37 @@ void mla_decode(const DecodeShape& s, const void* q_lat, const void* q_rope, con
   detail::launch_decode_combine(p, o_lat, lse, st);
   check(cudaGetLastError(), "decode launch");
   check(cudaFreeAsync(base, st), "decode scratch free");
+}
+
+int mla_decode_paged_splits(const PagedDecodeShape& s) {
+  if (s.splits > 0) return s.splits;
+  const int HG = int((s.H + (s.H >= 32 ? 31 : 15)) / (s.H >= 32 ? 32 : 16));
+  const int64_t want = (2 * cu::sm_count() + HG * s.S - 1) / (HG * s.S);  // two waves of blocks
+  return int(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, (s.max_tokens + 63) / 64)));
+}
+
+size_t mla_decode_paged_workspace(const PagedDecodeShape& s) {
+  return size_t(s.S) * mla_decode_paged_splits(s) * s.H * (512 + 2) * sizeof(float);
+}
+
+void mla_decode_paged(const PagedDecodeShape& s, const void* q_lat, const void* q_rope, const void* pool,
+                      const int32_t* table, const int32_t* lens, void* o_lat, void* workspace, void* stream) {
+  if (s.R != 512 || s.Dr != 64) check.fail("decode supports R = 512, Dr = 64 only");
+  const int64_t ldc = s.ldc > 0 ? s.ldc : s.R + s.Dr;
+  if (s.S < 1 || s.H < 1 || s.max_tokens < 1 || s.table_ld < (s.max_tokens + 63) / 64 || ldc < s.R + s.Dr || ldc % 8)
+    check.fail("bad paged decode shape");
+  if (!table || !lens || !workspace) check.fail("paged decode needs a block table, lengths and a workspace");
+  detail::DecParams p{};
+  p.q_lat = q_lat, p.q_rope = q_rope, p.cache = pool;
+  p.H = int(s.H), p.ldc = int(ldc), p.splits = mla_decode_paged_splits(s);
+  p.scale_log2 = (s.scale > 0 ? s.scale : float(1.0 / std::sqrt(192.0))) * 1.4426950408889634f;
+  p.S = int(s.S), p.table = table, p.table_ld = s.table_ld, p.lens = lens, p.len_add = s.len_add;
+  p.part_o = static_cast<float*>(workspace);
+  p.part_ml = p.part_o + size_t(s.S) * p.splits * s.H * 512;
+  auto st = cu::stream(stream);
+  detail::launch_decode(p, st);
+  detail::launch_decode_combine(p, o_lat, nullptr, st);
+  check(cudaGetLastError(), "paged decode launch");
 }
 
 }  // namespace lm::ops::cuda

@@ -51,4 +51,50 @@ struct DecodeShape {
 void mla_decode(const DecodeShape& s, const void* q_lat, const void* q_rope, const void* cache, void* o_lat,
                 float* lse, void* stream = nullptr);
 
+// The same for S sequences at once over a paged latent cache (a batched decode step): q_lat [S, H, R],
+// q_rope [S, H, Dr], o_lat [S, H, R] bf16. Sequence s's positions [64j, 64j + 64) lie in block table[s·table_ld + j]
+// of `pool` [blocks, 64, ldc] bf16, and it attends to its first lens[s] + len_add positions. table and lens are
+// DEVICE int32 arrays read when the kernel runs, so one launch (or one CUDA graph) serves caches that grow; the
+// launch shape depends only on the PagedDecodeShape (splits position ranges per sequence, chosen from S, H and
+// max_tokens when 0). workspace: mla_decode_paged_workspace() bytes of device memory.
+struct PagedDecodeShape {
+  int64_t S = 1, H = 1, R = 512, Dr = 64, ldc = 0;  // ldc 0 means R + Dr
+  int64_t max_tokens = 0;  // the longest a sequence may be (table_ld >= ceil(max_tokens / 64))
+  int64_t table_ld = 0;
+  int len_add = 0;
+  float scale = 0.f;  // 0 means 192^-1/2
+  int splits = 0;
+};
+int mla_decode_paged_splits(const PagedDecodeShape& s);
+size_t mla_decode_paged_workspace(const PagedDecodeShape& s);
+void mla_decode_paged(const PagedDecodeShape& s, const void* q_lat, const void* q_rope, const void* pool,
+                      const int32_t* table, const int32_t* lens, void* o_lat, void* workspace, void* stream = nullptr);
+
+// ---- chunked prefill: a query chunk against one key block, and the log-sum-exp merge of the partials ----
+// Legend: Tq queries of a chunk at absolute positions [q_pos0, q_pos0 + Tq), Tk keys of a block of the same
+//         sequence at [k_pos0, k_pos0 + Tk), rows = Tq (the rows of a merge).
+// Key j is visible to query i iff k_pos0 + j <= q_pos0 + i: a block wholly before the queries is fully visible
+// (its tiles skip the mask), the chunk's own block (k_pos0 == q_pos0, Tk == Tq) is the causal case, a block at
+// or after some query rows hides itself from them; key tiles that no row of a query tile sees are skipped.
+// q [Tq, H, Dk], k [Tk, Hkv, Dk], v [Tk, Hkv, Dv] bf16 dense, 16-byte aligned; o [Tq, H, Dv] bf16 and lse [Tq, H]
+// fp32 (required; natural log of the softmax denominator of the scaled scores, as attention_forward). A row that
+// sees no key gets o = 0, lse = −inf. (Dk, Dv) = (192, 128) or (128, 128); Hopper wgmma kernel only. Positions
+// and counts < 2^30. One call may cover many blocks: [0, q_pos0 + Tq) at k_pos0 = 0 is a whole chunk's causal
+// attention in one launch (no merge); split the keys only where they live in separate buffers.
+struct BlockShape {
+  int64_t Tq = 0, Tk = 0, q_pos0 = 0, k_pos0 = 0, H = 1, Dk = 192, Dv = 128;
+  float scale = 0.f;  // 0 means Dk^-1/2
+  int64_t Hkv = 0;    // 0 means H (MLA)
+};
+void attention_forward_block(const BlockShape& s, const void* q, const void* k, const void* v, void* o, float* lse,
+                             void* stream = nullptr);
+// Merges one block's partial into fp32 accumulators: o_part [rows, H, Dv] bf16, lse_part [rows, H] fp32 (as
+// written by attention_forward_block), o_acc [rows, H, Dv] fp32 (16-byte aligned), lse_acc [rows, H] fp32.
+// first: o_acc = o_part, lse_acc = lse_part; else both become the log-sum-exp merge of (o_acc, lse_acc) and
+// (o_part, lse_part) (a side with lse = −inf weighs 0; both: lse −inf, o_acc unchanged). Dv % 4 == 0.
+void attention_merge(int64_t rows, int64_t H, int64_t Dv, const void* o_part, const float* lse_part, float* o_acc,
+                     float* lse_acc, bool first, void* stream = nullptr);
+// o [rows, H, Dv] bf16 = o_acc fp32 (the merged lse is lse_acc itself).
+void attention_merge_finish(int64_t rows, int64_t H, int64_t Dv, const float* o_acc, void* o, void* stream = nullptr);
+
 }  // namespace lm::ops::cuda

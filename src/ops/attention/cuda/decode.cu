@@ -1,7 +1,11 @@
 // Absorbed MLA decode over the latent cache (SPEC §3) on mma.sync bf16 tensor cores, split-K over positions.
 //
-// Legend: H heads, Tc cached positions, R = 512 latent (kv_lora_rank), Dr = 64 rope dims, D = R + Dr = 576,
-//         MH = 16·MT heads per block, Bt = 64 positions per step, splits = position ranges (split-K).
+// Legend: S sequences, H heads, Tc cached positions (per sequence), R = 512 latent (kv_lora_rank), Dr = 64 rope
+//         dims, D = R + Dr = 576, MH = 16·MT heads per block, Bt = 64 positions per step (= one block of a paged
+//         cache), splits = position ranges (split-K). Grid (splits, head groups, S).
+// The cache of sequence s is dense (rows cache + s·seq_stride) or paged: its tile j is block table[s][j] of the
+// pool [blocks, Bt, ldc]. Tc is p.Tc, or lens[s] + len_add read on the device (a CUDA graph replays one launch
+// while the caches grow), when each sequence splits its own tiles evenly over the grid's splits.
 // Every head reads the same cache rows, so the heads form the M side of two products per step:
 //   S [MH, Bt] = [q_lat | q_rope] · cacheᵀ (K = 576; warp w takes positions 16w..16w+15),
 //   O [MH, R] += P · c (K = Bt; warp w takes latent columns 128w..128w+127),
@@ -40,24 +44,31 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const DecParams
   float* sM = reinterpret_cast<float*>(smem + L::oM);
   float* sL = reinterpret_cast<float*>(smem + L::oL);
 
-  const int split = blockIdx.x, h0 = blockIdx.y * MH, nh = min(MH, p.H - h0);
-  const int ntiles = (p.Tc + kBt - 1) / kBt;
-  const int tb = split * p.tiles_per_split, te = min(tb + p.tiles_per_split, ntiles);
+  const int split = blockIdx.x, h0 = blockIdx.y * MH, nh = min(MH, p.H - h0), seq = blockIdx.z;
+  const int Tc = p.lens ? p.lens[seq] + p.len_add : p.Tc;
+  const int ntiles = (Tc + kBt - 1) / kBt;
+  const int tps = p.lens ? (ntiles + p.splits - 1) / p.splits : p.tiles_per_split;
+  const int tb = split * tps, te = min(tb + tps, ntiles);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const bf16* cache = static_cast<const bf16*>(p.cache);
+  const int* table = p.table ? p.table + int64_t(seq) * p.table_ld : nullptr;
+  if (!table) cache += int64_t(seq) * p.seq_stride;
+  const int64_t qo = int64_t(seq) * p.H;  // this sequence's head rows of q_lat, q_rope, o_lat
+  float* part_o = p.part_o + int64_t(seq) * p.splits * p.H * kR;
+  float* part_ml = p.part_ml + int64_t(seq) * p.splits * 2 * p.H;
 
   // [q_lat | q_rope] rows of this head group; rows >= nh zero.
   for (int idx = tid; idx < MH * (kD / 8); idx += kThreads) {
     const int r = idx / (kD / 8), c = (idx % (kD / 8)) * 8;
     const bool ok = r < nh;
-    const bf16* src = c < kR ? static_cast<const bf16*>(p.q_lat) + int64_t(h0 + (ok ? r : 0)) * kR + c
-                             : static_cast<const bf16*>(p.q_rope) + int64_t(h0 + (ok ? r : 0)) * kDr + (c - kR);
+    const bf16* src = c < kR ? static_cast<const bf16*>(p.q_lat) + (qo + h0 + (ok ? r : 0)) * kR + c
+                             : static_cast<const bf16*>(p.q_rope) + (qo + h0 + (ok ? r : 0)) * kDr + (c - kR);
     cp_async16(sQ + r * kLDC + c, src, ok);
   }
   auto load_tile = [&](int tile, int buf) {
     const int p0 = tile * kBt;
-    load_rows<kBt, kD, kLDC, kThreads>(sC + buf * kBt * kLDC, cache + int64_t(p0) * p.ldc, p.ldc, min(kBt, p.Tc - p0),
-                                       tid);
+    const bf16* rows = table ? cache + int64_t(table[tile]) * kBt * p.ldc : cache + int64_t(p0) * p.ldc;
+    load_rows<kBt, kD, kLDC, kThreads>(sC + buf * kBt * kLDC, rows, p.ldc, min(kBt, Tc - p0), tid);
   };
   if (tb < te) load_tile(tb, 0);
   cp_commit();
@@ -102,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const DecParams
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = mt * 16 + g + (e >> 1) * 8, c = warp * 16 + n * 8 + 2 * t + (e & 1);
-          sS[r * kLDS + c] = it * kBt + c < p.Tc ? s[mt][n][e] * p.scale_log2 : -INFINITY;
+          sS[r * kLDS + c] = it * kBt + c < Tc ? s[mt][n][e] * p.scale_log2 : -INFINITY;
         }
     __syncthreads();
 
@@ -166,28 +177,32 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const DecParams
     for (int hr = 0; hr < 2; ++hr) {
       const int r = mt * 16 + g + hr * 8;
       if (r < nh) {
-        float* out = p.part_o + (int64_t(split) * p.H + h0 + r) * kR + warp * 128;
+        float* out = part_o + (int64_t(split) * p.H + h0 + r) * kR + warp * 128;
 #pragma unroll
         for (int n = 0; n < 16; ++n)
           *reinterpret_cast<float2*>(out + n * 8 + 2 * t) = make_float2(acc[mt][n][2 * hr], acc[mt][n][2 * hr + 1]);
       }
     }
   if (tid < nh) {
-    p.part_ml[(int64_t(split) * 2) * p.H + h0 + tid] = sM[tid];
-    p.part_ml[(int64_t(split) * 2 + 1) * p.H + h0 + tid] = sL[tid];
+    part_ml[(int64_t(split) * 2) * p.H + h0 + tid] = sM[tid];
+    part_ml[(int64_t(split) * 2 + 1) * p.H + h0 + tid] = sL[tid];
   }
 }
 
-// One block per head: o_lat = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s.
+// One block per (head, sequence): o_lat = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s.
 __global__ void mla_decode_combine_kernel(const DecParams p, bf16* o_lat, float* lse) {
-  const int h = blockIdx.x, c = threadIdx.x * 4;
+  const int h = blockIdx.x, seq = blockIdx.y, c = threadIdx.x * 4;
+  const float* part_o = p.part_o + int64_t(seq) * p.splits * p.H * kR;
+  const float* part_ml = p.part_ml + int64_t(seq) * p.splits * 2 * p.H;
+  o_lat += (int64_t(seq) * p.H) * kR;
+  if (lse) lse += int64_t(seq) * p.H;
   float M = -INFINITY;
-  for (int s = 0; s < p.splits; ++s) M = fmaxf(M, p.part_ml[int64_t(s) * 2 * p.H + h]);
+  for (int s = 0; s < p.splits; ++s) M = fmaxf(M, part_ml[int64_t(s) * 2 * p.H + h]);
   float Lsum = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
   for (int s = 0; s < p.splits; ++s) {
-    const float w = exp2f(p.part_ml[int64_t(s) * 2 * p.H + h] - M);  // empty splits: m = -inf, w = 0
-    Lsum += w * p.part_ml[(int64_t(s) * 2 + 1) * p.H + h];
-    const float4 a = *reinterpret_cast<const float4*>(p.part_o + (int64_t(s) * p.H + h) * kR + c);
+    const float w = M == -INFINITY ? 0.f : exp2f(part_ml[int64_t(s) * 2 * p.H + h] - M);  // empty splits: w = 0
+    Lsum += w * part_ml[(int64_t(s) * 2 + 1) * p.H + h];
+    const float4 a = *reinterpret_cast<const float4*>(part_o + (int64_t(s) * p.H + h) * kR + c);
     o[0] += w * a.x, o[1] += w * a.y, o[2] += w * a.z, o[3] += w * a.w;
   }
   const float inv = Lsum > 0.f ? 1.f / Lsum : 0.f;
@@ -206,7 +221,7 @@ void launch_t(const DecParams& p, cudaStream_t s) {
            cudaSuccess;
   }();
   (void)attr;
-  const dim3 grid(p.splits, (p.H + 16 * MT - 1) / (16 * MT));
+  const dim3 grid(p.splits, (p.H + 16 * MT - 1) / (16 * MT), p.S);
   mla_decode_kernel<MT><<<grid, kThreads, bytes, s>>>(p);
 }
 
@@ -218,7 +233,7 @@ void launch_decode(const DecParams& p, cudaStream_t s) {
 }
 
 void launch_decode_combine(const DecParams& p, void* o_lat, float* lse, cudaStream_t s) {
-  mla_decode_combine_kernel<<<p.H, kR / 4, 0, s>>>(p, static_cast<bf16*>(o_lat), lse);
+  mla_decode_combine_kernel<<<dim3(p.H, p.S), kR / 4, 0, s>>>(p, static_cast<bf16*>(o_lat), lse);
 }
 
 }  // namespace lm::ops::cuda::detail

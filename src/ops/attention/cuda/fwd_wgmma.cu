@@ -17,6 +17,12 @@
 // for V). The TMA maps view q, k, v as 3-D tensors [rows][heads][D], so one map serves every head; rows past
 // the sequence (the next sequence's, or zero fill past the end) are masked as keys and never stored as rows.
 // Key tiles run from the diagonal down (the masked tile first).
+// Block mode (p.tiles == null; attention_forward_block): one chunk of q_len query rows against k_len keys whose
+// positions are offset by delta = q_pos0 − k_pos0 (query row r sees key j iff j ≤ r + delta); grid tile b is
+// query tile ntiles − 1 − b (work grows with the tile index, so that is heaviest first). A tile that sees no key
+// writes o = 0, lse = −inf and exits; a row that sees none gets the same through m = −inf, l = 0. Keys past
+// k_len are the map's zero fill, masked. It is a separate instance (BLOCK, default schedule only), so the
+// sequence path compiles to the code it had before.
 #include <cuda.h>
 
 #include <cstdlib>
@@ -39,7 +45,7 @@ struct WgSmem {
   static constexpr int oQ = 0, oK = Q, oV = oK + 2 * K, oBar = oV + 2 * V, bytes = oBar + 16 * 8 + 1024;
 };
 
-template <int DK, bool OVERLAP, bool PINGPONG>
+template <int DK, bool OVERLAP, bool PINGPONG, bool BLOCK>
 __global__ void __launch_bounds__(kThreads, 1)
     attn_fwd_wgmma_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
                           const __grid_constant__ CUtensorMap tmV, const FwdParams p) {
@@ -50,13 +56,32 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + L::oBar);
   uint64_t *fullQ = bar, *fullK = bar + 1, *fullV = bar + 3, *emptyK = bar + 5, *emptyV = bar + 7;
 
-  const int2 ht = head_and_tile(blockIdx.x, p.H, gridDim.x / p.H, p.head_group);
-  const int h = ht.x;
-  const int2 tl = p.tiles[ht.y];
-  const int s0 = p.seq_start[tl.x], len = p.seq_start[tl.x + 1] - s0;
-  const int q0 = tl.y * kBq, hk = h / p.G;
-  const int nkt = (min(q0 + kBq, len) + kBk - 1) / kBk;
+  const int ntiles = gridDim.x / p.H;
+  const int2 ht = head_and_tile(blockIdx.x, p.H, ntiles, p.head_group);
+  const int h = ht.x, hk = h / p.G;
+  // This tile: rows [q0, q0 + 128) of the sequence at row s0 (len query rows, klen keys, key rows also from s0),
+  // query row r at key position r + delta.
+  // (BLOCK is a template parameter so that the sequence path compiles to exactly the code it had before.)
+  int s0, len, klen, delta, q0, nkt;
+  if constexpr (!BLOCK) {
+    const int2 tl = p.tiles[ht.y];
+    s0 = p.seq_start[tl.x], len = p.seq_start[tl.x + 1] - s0, klen = len, delta = 0, q0 = tl.y * kBq;
+    nkt = (min(q0 + kBq, len) + kBk - 1) / kBk;
+  } else {
+    s0 = 0, len = p.q_len, klen = p.k_len, delta = p.delta, q0 = (ntiles - 1 - ht.y) * kBq;
+    const int kend = min(q0 + kBq + delta, klen);  // keys [0, kend) are visible to some row of the tile
+    nkt = kend > 0 ? (kend + kBk - 1) / kBk : 0;
+  }
   const int tid = threadIdx.x, wg = tid / 128;
+  if (BLOCK && nkt == 0) {  // no row of the tile sees a key (uniform over the block, before any barrier)
+    bf16* Og = static_cast<bf16*>(p.o) + int64_t(h) * kDv;
+    const int nr = min(kBq, len - q0);
+    for (int i = tid; i < nr * (kDv / 8); i += kThreads)
+      *reinterpret_cast<uint4*>(Og + int64_t(q0 + i / (kDv / 8)) * p.so + 8 * (i % (kDv / 8))) = make_uint4(0, 0, 0, 0);
+    if (p.lse)
+      for (int i = tid; i < nr; i += kThreads) p.lse[int64_t(q0 + i) * p.H + h] = -INFINITY;
+    return;
+  }
 
   if (tid == 0) {
     mbar_init(fullQ, 1);
@@ -89,6 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
   const int c = wg - 1, ltid = tid - 128 * wg, warp = ltid >> 5, lane = ltid & 31, g = lane >> 2, t = lane & 3;
   const int wq0 = q0 + 64 * c;  // first row of this warpgroup inside the sequence
+  const int wp0 = wq0 + delta;  // its key position (the last key its first row sees)
   float o[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
@@ -110,15 +136,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Mask, online softmax in place (sc becomes P in fp32), running max and sum; alpha rescales O.
   auto softmax = [&](float (&sc)[64], int it, float (&alpha)[2]) {
     const int k0 = (nkt - 1 - it) * kBk;
-    const bool need_mask = (k0 + kBk - 1 > wq0) || (k0 + kBk > len);
+    const bool need_mask = (k0 + kBk - 1 > wp0) || (k0 + kBk > klen);
 #pragma unroll
     for (int n = 0; n < 16; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = sc[4 * n + e] * p.scale_log2;
         if (need_mask) {
-          const int key = k0 + 8 * n + 2 * t + (e & 1), row = wq0 + 16 * warp + g + 8 * (e >> 1);
-          if (key > row || key >= len) x = -INFINITY;
+          const int key = k0 + 8 * n + 2 * t + (e & 1), pos = wp0 + 16 * warp + g + 8 * (e >> 1);
+          if (key > pos || key >= klen) x = -INFINITY;
         }
         sc[4 * n + e] = x;
       }
@@ -253,17 +279,17 @@ CUtensorMap qkv_map(const void* base, int64_t rows, int64_t heads, int64_t D, in
   return bf16_tensor_map(base, 3, dims, strides, box);
 }
 
-template <int DK, bool OVERLAP, bool PINGPONG>
-void launch_t(const FwdParams& p, int64_t rows, int Hkv, int ntiles, cudaStream_t s) {
+template <int DK, bool OVERLAP, bool PINGPONG, bool BLOCK = false>
+void launch_t(const FwdParams& p, int64_t q_rows, int64_t k_rows, int Hkv, int ntiles, cudaStream_t s) {
   constexpr int bytes = WgSmem<DK>::bytes;
   static bool attr = [] {
-    return cudaFuncSetAttribute(attn_fwd_wgmma_kernel<DK, OVERLAP, PINGPONG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                bytes) == cudaSuccess;
+    return cudaFuncSetAttribute(attn_fwd_wgmma_kernel<DK, OVERLAP, PINGPONG, BLOCK>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess;
   }();
   (void)attr;
-  const CUtensorMap tq = qkv_map(p.q, rows, p.H, DK, kBq), tk = qkv_map(p.k, rows, Hkv, DK, kBk),
-                    tv = qkv_map(p.v, rows, Hkv, kDv, kBk);
-  attn_fwd_wgmma_kernel<DK, OVERLAP, PINGPONG><<<ntiles * p.H, kThreads, bytes, s>>>(tq, tk, tv, p);
+  const CUtensorMap tq = qkv_map(p.q, q_rows, p.H, DK, kBq), tk = qkv_map(p.k, k_rows, Hkv, DK, kBk),
+                    tv = qkv_map(p.v, k_rows, Hkv, kDv, kBk);
+  attn_fwd_wgmma_kernel<DK, OVERLAP, PINGPONG, BLOCK><<<ntiles * p.H, kThreads, bytes, s>>>(tq, tk, tv, p);
 }
 
 // LONGMOE_ATTN_FWD_MODE (A/B runs): bit 0 intra-warpgroup overlap, bit 1 ping-pong.
@@ -272,20 +298,22 @@ int fwd_mode() {
   return v;
 }
 template <int DK>
-void launch_mode(const FwdParams& p, int64_t rows, int Hkv, int ntiles, cudaStream_t s) {
+void launch_mode(const FwdParams& p, int64_t q_rows, int64_t k_rows, int Hkv, int ntiles, cudaStream_t s) {
+  // Block mode: the default schedule only (overlap and ping-pong; LONGMOE_ATTN_FWD_MODE does not apply).
+  if (!p.tiles) return launch_t<DK, true, true, true>(p, q_rows, k_rows, Hkv, ntiles, s);
   switch (fwd_mode()) {
-    case 0: return launch_t<DK, false, false>(p, rows, Hkv, ntiles, s);
-    case 1: return launch_t<DK, true, false>(p, rows, Hkv, ntiles, s);
-    case 2: return launch_t<DK, false, true>(p, rows, Hkv, ntiles, s);
-    default: return launch_t<DK, true, true>(p, rows, Hkv, ntiles, s);
+    case 0: return launch_t<DK, false, false>(p, q_rows, k_rows, Hkv, ntiles, s);
+    case 1: return launch_t<DK, true, false>(p, q_rows, k_rows, Hkv, ntiles, s);
+    case 2: return launch_t<DK, false, true>(p, q_rows, k_rows, Hkv, ntiles, s);
+    default: return launch_t<DK, true, true>(p, q_rows, k_rows, Hkv, ntiles, s);
   }
 }
 
 }  // namespace
 
-void launch_fwd_wgmma(const FwdParams& p, int Dk, int64_t rows, int Hkv, int ntiles, cudaStream_t s) {
-  if (Dk == 192) return launch_mode<192>(p, rows, Hkv, ntiles, s);
-  launch_mode<128>(p, rows, Hkv, ntiles, s);
+void launch_fwd_wgmma(const FwdParams& p, int Dk, int64_t q_rows, int64_t k_rows, int Hkv, int ntiles, cudaStream_t s) {
+  if (Dk == 192) return launch_mode<192>(p, q_rows, k_rows, Hkv, ntiles, s);
+  launch_mode<128>(p, q_rows, k_rows, Hkv, ntiles, s);
 }
 
 }  // namespace lm::ops::cuda::detail

@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
 #include "core/cuda/device.hpp"
 #include "core/cuda/reduce.cuh"
 #include "ops/attnres/cuda/attnres_cuda.hpp"
@@ -935,7 +936,7 @@ void attnres_forward(const float* const* v, int64_t N, int64_t T, int64_t d, con
   check_args("attnres_forward", v, N, T, d, w, gamma, eps);
   if (T == 0) return;
   if (!h) check.fail("attnres_forward: h is required");
-  forward_impl(v, N, T, d, w, gamma, eps, h, nullptr, static_cast<cudaStream_t>(stream));
+  forward_impl(v, N, T, d, w, gamma, eps, h, nullptr, lm::cu::stream(stream));
 }
 
 void attnres_backward(const float* const* v, int64_t N, int64_t T, int64_t d, const float* w, const float* gamma,
@@ -943,7 +944,7 @@ void attnres_backward(const float* const* v, int64_t N, int64_t T, int64_t d, co
   check_args("attnres_backward", v, N, T, d, w, gamma, eps);
   if (T == 0) return;
   if (!dh) check.fail("attnres_backward: dh is required");
-  backward_impl(v, N, T, d, w, gamma, eps, dh, dv, dw, dgamma, nullptr, nullptr, static_cast<cudaStream_t>(stream));
+  backward_impl(v, N, T, d, w, gamma, eps, dh, dv, dw, dgamma, nullptr, nullptr, lm::cu::stream(stream));
 }
 
 void attnres_norm_forward(const float* const* v, int64_t N, int64_t T, int64_t d, const float* w, const float* gamma,
@@ -952,7 +953,7 @@ void attnres_norm_forward(const float* const* v, int64_t N, int64_t T, int64_t d
   check_norm_args("attnres_norm_forward", gn, eps_n);
   if (T == 0) return;
   if (!y || !rstd) check.fail("attnres_norm_forward: y and rstd are required");
-  auto s = static_cast<cudaStream_t>(stream);
+  auto s = lm::cu::stream(stream);
   NormFwd nf;
   nf.gn = gn, nf.eps = eps_n, nf.y = static_cast<__nv_bfloat16*>(y), nf.rstd = rstd;
   if (forward_impl(v, N, T, d, w, gamma, eps, h, &nf, s)) return;
@@ -973,7 +974,7 @@ void attnres_norm_backward(const float* const* v, int64_t N, int64_t T, int64_t 
   if (T == 0) return;
   if (!rstd || !dy) check.fail("attnres_norm_backward: rstd and dy are required");
   if (dlast && (!dv || !dv[N - 1])) check.fail("attnres_norm_backward: dlast needs the last source's gradient dv[N-1]");
-  auto s = static_cast<cudaStream_t>(stream);
+  auto s = lm::cu::stream(stream);
   NormBwd nb;
   nb.gn = gn, nb.rstd = rstd, nb.dy = dy, nb.dlast = static_cast<__nv_bfloat16*>(dlast);
   if (defer) {
@@ -1033,7 +1034,7 @@ void attnres_flush(const float* const* v, int64_t C, int64_t T, int64_t d, const
     vec = vec && aligned8(a.delta) && aligned16(a.q);
   }
   if (T == 0 || R == 0) return;
-  auto s = static_cast<cudaStream_t>(stream);
+  auto s = lm::cu::stream(stream);
   cudaError_t err = cudaSuccess;
   with_vec(vec, [&](auto vv) {
     constexpr int V = decltype(vv)::value;

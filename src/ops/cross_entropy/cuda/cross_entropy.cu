@@ -20,6 +20,7 @@
 #include <string>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
 #include "ops/cross_entropy/cuda/cross_entropy_cuda.hpp"
 #include "ops/gemm/cuda/gemm_cuda.hpp"
 
@@ -169,7 +170,7 @@ CeResult run(const void* h, const void* W, const int32_t* targets, int64_t T, in
   if (token_block < 0) check.fail(std::string(who) + ": token_block must be >= 0");
   if (T == 0) return CeResult{};
   if (!h || !W || !targets || (grad && !dh)) check.fail(std::string(who) + ": null argument");
-  const auto s = static_cast<cudaStream_t>(stream);
+  const auto s = lm::cu::stream(stream);
   const int64_t ld = (V + 7) / 8 * 8;
   int64_t Bt = token_block;
   if (Bt == 0) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
 #include "ops/embedding/cuda/embedding_cuda.hpp"
 
 namespace lm::ops::cuda {
@@ -89,7 +90,7 @@ void embedding_forward(const int32_t* ids, int64_t T, const void* table, int64_t
     check.fail("forward: need T >= 0 and 0 < d < 2^30, got T=" + std::to_string(T) + " d=" + std::to_string(d));
   if (T == 0) return;
   if (!ids || !table || !out) check.fail("forward: ids, table and out are required");
-  auto s = static_cast<cudaStream_t>(stream);
+  auto s = lm::cu::stream(stream);
   const bool vec = d % 8 == 0 && aligned16(table) && aligned16(out);
   const int64_t items = T * (vec ? d / 8 : d);
   const unsigned grid = unsigned(std::max<int64_t>(1, std::min<int64_t>((items + 255) / 256, 132 * 32)));
@@ -126,7 +127,7 @@ void embedding_backward(const int32_t* host_ids, int64_t T, const float* dout, i
   std::copy(seg_id.begin(), seg_id.end(), buf.begin() + T + S + 1);
   const size_t bytes = size_t(T + 2 * S + 1) * sizeof(int32_t);
 
-  auto s = static_cast<cudaStream_t>(stream);
+  auto s = lm::cu::stream(stream);
   int32_t* dbuf = nullptr;
   check(cudaMallocAsync(reinterpret_cast<void**>(&dbuf), bytes, s), "backward scratch");
   // Pageable source: the copy is staged before cudaMemcpyAsync returns, so `buf` may go out of scope.

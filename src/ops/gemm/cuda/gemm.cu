@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
 #include "core/env.hpp"
 #include "ops/gemm/cuda/gemm_cuda.hpp"
 
@@ -53,7 +54,7 @@ thread_local cudaStream_t side_streams[kSide] = {};
 // The handle bound to a side stream of gemm_bf16_grouped, or null for any other stream.
 cublasHandle_t side_handle(void* stream) {
   for (int i = 0; i < kSide; ++i)
-    if (side_streams[i] && side_streams[i] == static_cast<cudaStream_t>(stream)) return side_handles[i];
+    if (side_streams[i] && side_streams[i] == lm::cu::stream(stream)) return side_handles[i];
   return nullptr;
 }
 
@@ -176,7 +177,7 @@ LtPlan make_plan(Lt& lt, bool ta, bool tb, int64_t M, int64_t N, int64_t K, cons
 
 void* blas_handle(void* stream) {
   thread_local Handle handle;
-  cublasSetStream(handle.h, static_cast<cudaStream_t>(stream));
+  cublasSetStream(handle.h, lm::cu::stream(stream));
   return handle.h;
 }
 
@@ -197,7 +198,7 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
   auto copy_c_src = [&] {
     if (!c_src) return;
     if (cudaMemcpy2DAsync(C, ldc * esz, c_src, ldc * esz, N * esz, M, cudaMemcpyDeviceToDevice,
-                          static_cast<cudaStream_t>(stream)) != cudaSuccess)
+                          lm::cu::stream(stream)) != cudaSuccess)
       check.fail("cudaMemcpy2DAsync failed");
     c_src = nullptr;
   };
@@ -205,7 +206,7 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
     copy_c_src();  // C = beta·C without a product (cuBLAS rejects k = 0 on some paths)
     if (beta == 0.f) {
       const size_t es = c_type == DType::F32 ? 4 : 2;
-      if (cudaMemset2DAsync(C, ldc * es, 0, N * es, M, static_cast<cudaStream_t>(stream)) != cudaSuccess)
+      if (cudaMemset2DAsync(C, ldc * es, 0, N * es, M, lm::cu::stream(stream)) != cudaSuccess)
         check.fail("cudaMemset2DAsync failed");
       return;
     }
@@ -219,7 +220,7 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
     const uint32_t al[3] = {alignment(A, lda * 2), alignment(B, ldb * 2), ac};
     const LtKey key{ta, tb, M, N, K, lda, ldb, ldc, int(c_type), beta == 0.f, al[0], al[1], al[2]};
     auto it = lt.plans.find(key);
-    auto cs = static_cast<cudaStream_t>(stream);
+    auto cs = lm::cu::stream(stream);
     if (it == lt.plans.end()) {
       if (lt.plans.size() >= Lt::kMaxPlans) lt.clear();
       it = lt.plans.emplace(key, make_plan(lt, ta, tb, M, N, K, A, lda, B, ldb, beta, ldc, c_type, al, cs)).first;
@@ -269,7 +270,7 @@ void gemm_bf16_grouped(bool ta, bool tb, const std::vector<GemmGroup>& groups, f
                        void* stream) {
   if (c_type != DType::F32 && c_type != DType::BF16) check.fail("C must be F32 or BF16");
   thread_local SidePool pool;
-  auto main = static_cast<cudaStream_t>(stream);
+  auto main = lm::cu::stream(stream);
   if (cudaEventRecord(pool.fork, main) != cudaSuccess) check.fail("cudaEventRecord failed");
   for (int i = 0; i < kSide; ++i) cudaStreamWaitEvent(pool.s[i], pool.fork, 0);
   int next = 0;

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
 #include "ops/glu/cuda/glu_cuda.hpp"
 
 namespace lm::ops::cuda {
@@ -194,7 +195,7 @@ void glu_forward(const void* ab, void* h, int64_t rows, int64_t I, const GluPara
   const auto* a = static_cast<const bf16*>(ab);
   auto* o = static_cast<bf16*>(h);
   const Consts c = consts_of(p);
-  const auto s = static_cast<cudaStream_t>(stream);
+  const auto s = lm::cu::stream(stream);
   switch (mode_of(p)) {
     case kSwiGLU: launch_fwd<kSwiGLU>(a, o, rows, I, ldab, c, s); break;
     case kSituCap: launch_fwd<kSituCap>(a, o, rows, I, ldab, c, s); break;
@@ -215,7 +216,7 @@ void glu_backward(const void* ab, const void* dh, DType dh_type, void* dab, int6
   const auto* a = static_cast<const bf16*>(ab);
   auto* o = static_cast<bf16*>(dab);
   const Consts c = consts_of(p);
-  const auto s = static_cast<cudaStream_t>(stream);
+  const auto s = lm::cu::stream(stream);
   const int mode = mode_of(p);
   if (dh_type == DType::F32) {
     const auto* g = static_cast<const float*>(dh);

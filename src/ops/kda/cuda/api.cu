@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
 #include "core/cuda/device.hpp"
 #include "core/half.hpp"
 #include "ops/kda/cuda/kda_cuda.hpp"
@@ -199,7 +200,7 @@ void forward(const Problem& p, const Inputs& in, void* o, float* ht, void* strea
   check_inputs(in);
   if (!o) check.fail("o is required");
   const Plan pl = make_plan(p);
-  auto s = static_cast<cudaStream_t>(stream);
+  auto s = lm::cu::stream(stream);
   cu::keep_freed_memory_in_pool();  // the workspace freed below stays in the pool for the next call
   const Part part = saved ? Part::Kept : Part::Forward;
   char* base = saved ? static_cast<char*>(saved) : alloc_async(layout(pl, p, part, nullptr, nullptr), s);
@@ -222,7 +223,7 @@ void backward(const Problem& p, const Inputs& in, const void* do_, const float* 
   if (!do_ || !gr.dq || !gr.dk || !gr.dv || !gr.dg_raw || !gr.dbeta_raw || !gr.dA_log || !gr.ddt_bias)
     check.fail("do and every gradient except dh0 are required");
   const Plan pl = make_plan(p);
-  auto s = static_cast<cudaStream_t>(stream);
+  auto s = lm::cu::stream(stream);
   cu::keep_freed_memory_in_pool();  // the workspace freed below stays in the pool for the next call
   // One allocation: the kept part (unless the forward left it in `saved`), then the backward's own.
   const size_t kept = saved ? 0 : layout(pl, p, Part::Kept, nullptr, nullptr);
@@ -278,14 +279,14 @@ void decode_step(float* state, const Inputs& in, void* o, int64_t S, int64_t H, 
   op.lb = float(gate.lower_bound);
   op.softplus = gate.form == GateForm::Softplus ? 1 : 0;
   op.o = static_cast<detail::bf16*>(o);
-  detail::launch_decode(state, op, S, K <= 64 ? 64 : 128, gate_dtype == GateDType::F32, static_cast<cudaStream_t>(stream));
+  detail::launch_decode(state, op, S, K <= 64 ? 64 : 128, gate_dtype == GateDType::F32, lm::cu::stream(stream));
   check(cudaGetLastError(), "decode kernel launch");
 }
 
 void run_forward_stage(const Problem& p, const Inputs& in, void* o, Stage st, void* stream) {
   check_inputs(in);
   const Plan pl = make_plan(p);
-  auto s = static_cast<cudaStream_t>(stream);
+  auto s = lm::cu::stream(stream);
   const size_t bytes = layout(pl, p, Part::Forward, nullptr, nullptr);
   if (g_bench.bytes < bytes) {
     if (g_bench.base) check(cudaFree(g_bench.base), "free");

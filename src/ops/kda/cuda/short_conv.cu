@@ -3,7 +3,8 @@
 // Legend: rows = B·T packed tokens, C channels, W taps (<= 8), N sequences (B, or varlen cu_seqlens),
 //         TT tokens per thread, VEC channels per thread (4 when C % 4 == 0, else 1).
 //         x, dx bf16 [rows, C] with row stride ldx (>= C: a column block of a wider matrix), y, dy bf16 [rows, C];
-//         w fp32 [C, W]; dw fp32 [C, W] (+=); partial fp32 [P, C, W] scratch.
+//         w fp32 [C, W]; dw fp32 [C, W] (+=); partial fp32 [P, C, W] scratch; cache fp32 [C, W−1] (inference:
+//         the W−1 inputs before the chunk, oldest first).
 //   pre[t, c] = Σ_k w[c, k] · x[t − (W−1) + k, c] (zero before the sequence start), y = silu(pre)
 //   dpre = dy · silu'(pre);  dx[τ] = Σ_k w[k] · dpre[τ + (W−1) − k] (same sequence);  dw[k] = Σ_t dpre[t] · x[t − (W−1) + k]
 // Each thread walks TT consecutive tokens of VEC channels with the last W inputs in a register ring, so every
@@ -14,6 +15,9 @@
 // grid row P, then the P partials summed in order per (c, k): deterministic, no atomics.
 // Sequences: a thread finds its sequence by binary search over cu_seqlens (copied to the device) and
 // re-searches when it crosses a boundary, zeroing the input ring (the new sequence starts from zeros).
+// Chunked prefill (short_conv_forward_cached): the forward kernel over one sequence, the ring of its first
+// thread seeded from the cache instead of zeros; short_conv_cache_append then moves the cache on (a second
+// launch: the forward's first thread must read the old cache before anything overwrites it).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -22,6 +26,7 @@
 #include <string>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
 #include "ops/kda/cuda/short_conv_cuda.hpp"
 
 namespace lm::kda::cuda {
@@ -84,14 +89,20 @@ __device__ __forceinline__ void store_vec(bf16* p, const float* f) {
 __device__ __forceinline__ float sigmoidf_(float z) { return __fdividef(1.f, 1.f + __expf(-z)); }  // MUFU reciprocal
 
 // Ring xr[k] = inputs at t − (W−1) + k; fills slots 0..W−2 for a walk starting at t0 in sequence sg.
+// Positions before the sequence start read cache [C, W−1] (the W−1 inputs before it, oldest first: position
+// sg.begin − (W−1) + j is slot j), or are zeros without one (null).
 template <int W, int VEC>
 __device__ __forceinline__ void preload(const bf16* x, int64_t ldx, int c0, int64_t t0, const Seg& sg,
-                                        float (&xr)[W][VEC]) {
+                                        float (&xr)[W][VEC], const float* cache = nullptr) {
 #pragma unroll
   for (int k = 0; k < W - 1; ++k) {
     const int64_t p = t0 - (W - 1) + k;
     if (p >= sg.begin) {
       load_vec<VEC>(x + p * ldx + c0, xr[k]);
+    } else if (cache) {
+      const int64_t j = (W - 1) + (p - sg.begin);  // in [0, W−1): p >= t0 − (W−1) >= sg.begin − (W−1)
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) xr[k][v] = cache[int64_t(c0 + v) * (W - 1) + j];
     } else {
 #pragma unroll
       for (int v = 0; v < VEC; ++v) xr[k][v] = 0.f;
@@ -99,10 +110,11 @@ __device__ __forceinline__ void preload(const bf16* x, int64_t ldx, int c0, int6
   }
 }
 
+// cache (nullable; only with one sequence, rows == T): [C, W−1], the inputs before row 0.
 template <int W, int VEC>
 __global__ void __launch_bounds__(kBX* kBY) conv_fwd_kernel(const bf16* x, const float* w, bf16* y, int64_t rows,
                                                               int C, int64_t ldx, int64_t T, const int64_t* cu, int N,
-                                                              int silu) {
+                                                              int silu, const float* cache) {
   const int c0 = (blockIdx.x * kBX + threadIdx.x) * VEC;
   if (c0 >= C) return;
   float wr[VEC][W];
@@ -117,7 +129,7 @@ __global__ void __launch_bounds__(kBX* kBY) conv_fwd_kernel(const bf16* x, const
     const int64_t t1 = min(t0 + kTT, rows);
     Seg sg = seg_of(t0, T, cu, N);
     float xr[W][VEC];
-    preload<W, VEC>(x, ldx, c0, t0, sg, xr);
+    preload<W, VEC>(x, ldx, c0, t0, sg, xr, cache);
     // One token with its input in xr[W-1]: output, then the ring moves on.
     auto step = [&](int64_t t) {
       float out[VEC];
@@ -321,9 +333,9 @@ dim3 grid_of(int64_t rows, int64_t C, int vec) {
 
 template <int W, int VEC>
 void launch_fwd(const bf16* x, const float* w, bf16* y, int64_t rows, const ConvShape& s, const int64_t* cu, bool silu,
-                cudaStream_t st) {
+                const float* cache, cudaStream_t st) {
   conv_fwd_kernel<W, VEC><<<grid_of(rows, s.C, VEC), dim3(kBX, kBY), 0, st>>>(x, w, y, rows, int(s.C), ldx_of(s),
-                                                                              s.T, cu, int(s.N), silu);
+                                                                              s.T, cu, int(s.N), silu, cache);
 }
 
 template <int W, int VEC>
@@ -373,6 +385,16 @@ __global__ void conv_step_kernel(const bf16* x, int64_t ldx, const float* w, flo
   for (int k = 0; k + 1 < W - 1; ++k) h[k] = h[k + 1];
   if (W > 1) h[W - 2] = xn;
 }
+// One thread per channel, slots in increasing order: slot k reads the old slot k + n (> k, not yet written).
+__global__ void conv_cache_append_kernel(const bf16* x, int64_t ldx, int64_t n, float* cache, int C, int W) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  float* h = cache + c * (W - 1);
+  for (int k = 0; k < W - 1; ++k) {
+    const int64_t t = n - (W - 1) + k;  // chunk position of the input slot k holds afterwards
+    h[k] = t >= 0 ? __bfloat162float(x[t * ldx + c]) : h[k + n];  // t < 0: k + n < W − 1
+  }
+}
 __global__ void conv_cache_kernel(const bf16* x, int64_t ldx, int64_t n, float* cache, int C, int W) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= int64_t(C) * (W - 1)) return;
@@ -389,7 +411,7 @@ void short_conv_step(const void* x, int64_t ldx, const float* w, float* cache, i
   if (!x || !w || !cache || !y) check.fail("short_conv_step: null argument");
   if (C < 1 || W < 1 || W > kMaxW || ldx < C || cache_ld < C * (W - 1)) check.fail("short_conv_step: bad shape");
   const int64_t n = S * C;
-  conv_step_kernel<<<unsigned((n + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+  conv_step_kernel<<<unsigned((n + 255) / 256), 256, 0, lm::cu::stream(stream)>>>(
       static_cast<const bf16*>(x), ldx, w, cache, cache_ld, static_cast<bf16*>(y), S, int(C), int(W), silu);
   check(cudaGetLastError(), "short_conv_step launch");
 }
@@ -399,9 +421,20 @@ void short_conv_cache(const void* x, int64_t ldx, int64_t n, float* cache, int64
   if (!x || !cache) check.fail("short_conv_cache: null argument");
   if (C < 1 || W > kMaxW || ldx < C || n < 0) check.fail("short_conv_cache: bad shape");
   const int64_t m = C * (W - 1);
-  conv_cache_kernel<<<unsigned((m + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+  conv_cache_kernel<<<unsigned((m + 255) / 256), 256, 0, lm::cu::stream(stream)>>>(
       static_cast<const bf16*>(x), ldx, n, cache, int(C), int(W));
   check(cudaGetLastError(), "short_conv_cache launch");
+}
+
+void short_conv_cache_append(const void* x, int64_t ldx, int64_t n, float* cache, int64_t C, int64_t W,
+                             void* stream) {
+  if (n < 0 || C < 1 || W < 1 || W > kMaxW || ldx < C || C > (int64_t(1) << 30))
+    check.fail("short_conv_cache_append: bad shape");
+  if (W < 2 || n == 0) return;  // no cache, or nothing new
+  if (!x || !cache) check.fail("short_conv_cache_append: null argument");
+  conv_cache_append_kernel<<<unsigned((C + 255) / 256), 256, 0, lm::cu::stream(stream)>>>(
+      static_cast<const bf16*>(x), ldx, n, cache, int(C), int(W));
+  check(cudaGetLastError(), "short_conv_cache_append launch");
 }
 
 void short_conv_forward(const void* x, const float* w, void* y, const ConvShape& s, bool silu, void* stream) {
@@ -409,13 +442,31 @@ void short_conv_forward(const void* x, const float* w, void* y, const ConvShape&
   if (rows == 0) return;
   if (!x || !w || !y) check.fail("short_conv_forward: null argument");
   if (x == y) check.fail("short_conv_forward: y must not alias x");
-  const auto st = static_cast<cudaStream_t>(stream);
+  const auto st = lm::cu::stream(stream);
   const int vec = (s.C % 4 == 0 && ldx_of(s) % 4 == 0 && aligned8(x) && aligned8(y)) ? 4 : 1;
   int64_t* cu = upload_cu(s, st);
   const int W = int(s.W);
-  LM_CONV_DISPATCH(launch_fwd, W, vec, static_cast<const bf16*>(x), w, static_cast<bf16*>(y), rows, s, cu, silu, st);
+  LM_CONV_DISPATCH(launch_fwd, W, vec, static_cast<const bf16*>(x), w, static_cast<bf16*>(y), rows, s, cu, silu,
+                   nullptr, st);
   check(cudaGetLastError(), "short_conv_forward launch");
   if (cu) check(cudaFreeAsync(cu, st), "cu_seqlens free");
+}
+
+void short_conv_forward_cached(const void* x, int64_t ldx, const float* w, const float* cache, void* y, int64_t n,
+                               int64_t C, int64_t W, bool silu, void* stream) {
+  if (n < 0 || C < 1 || W < 1 || W > kMaxW || ldx < C || C > (int64_t(1) << 30))
+    check.fail("short_conv_forward_cached: bad shape");
+  if (n == 0) return;
+  if (!x || !w || !y) check.fail("short_conv_forward_cached: null argument");
+  if (x == y) check.fail("short_conv_forward_cached: y must not alias x");
+  ConvShape s;  // one sequence of n tokens: the same kernel as short_conv_forward, its ring seeded from the cache
+  s.B = 1, s.T = n, s.C = C, s.W = W, s.ldx = ldx;
+  const auto st = lm::cu::stream(stream);
+  const int vec = (C % 4 == 0 && ldx % 4 == 0 && aligned8(x) && aligned8(y)) ? 4 : 1;
+  const int Wi = int(W);
+  LM_CONV_DISPATCH(launch_fwd, Wi, vec, static_cast<const bf16*>(x), w, static_cast<bf16*>(y), n, s, nullptr, silu,
+                   W > 1 ? cache : nullptr, st);
+  check(cudaGetLastError(), "short_conv_forward_cached launch");
 }
 
 void short_conv_backward(const void* x, const float* w, const void* dy, void* dx, float* dw, const ConvShape& s,
@@ -424,7 +475,7 @@ void short_conv_backward(const void* x, const float* w, const void* dy, void* dx
   if (rows == 0) return;
   if (!x || !w || !dy || !dx) check.fail("short_conv_backward: null argument");
   if (dx == x) check.fail("short_conv_backward: dx must not alias x (it is re-read)");
-  const auto st = static_cast<cudaStream_t>(stream);
+  const auto st = lm::cu::stream(stream);
   const int vec = (s.C % 4 == 0 && ldx_of(s) % 4 == 0 && aligned8(x) && aligned8(dy) && aligned8(dx)) ? 4 : 1;
   const dim3 grid = grid_of(rows, s.C, vec);
   const int64_t CW = s.C * s.W;

@@ -31,8 +31,22 @@ void short_conv_backward(const void* x, const float* w, const void* dy, void* dx
 void short_conv_step(const void* x, int64_t ldx, const float* w, float* cache, int64_t cache_ld, void* y, int64_t S,
                      int64_t C, int64_t W, bool silu = true, void* stream = nullptr);
 // After a prefill of n tokens of one sequence from an empty cache (x [n, C], row stride ldx): cache = its last
-// W−1 inputs (zeros before the sequence start).
+// W−1 inputs (zeros before the sequence start; whatever the cache held is ignored, see short_conv_cache_append).
 void short_conv_cache(const void* x, int64_t ldx, int64_t n, float* cache, int64_t C, int64_t W,
                       void* stream = nullptr);
+
+// Chunked prefill: n more tokens of ONE sequence whose cache [C, W−1] holds its previous W−1 inputs (zeros for a
+// fresh sequence). x [n, C] bf16 (row stride ldx >= C), y [n, C] bf16 dense, w fp32 [C, W].
+//   y[t, c] = silu(Σ_{i<W} w[c, i] · x̃[t − (W−1) + i, c]),  x̃[τ] = x[τ] for τ >= 0, cache[c, W−1+τ] for τ < 0
+// The outputs of short_conv_forward over the whole sequence at these positions, bit for bit (same kernel and
+// order of the taps; the cache holds the bf16 inputs exactly). cache is only read (null or W == 1: zeros).
+// ORDER: this reads the OLD cache, so run it before short_conv_cache_append of the same chunk (one stream).
+void short_conv_forward_cached(const void* x, int64_t ldx, const float* w, const float* cache, void* y, int64_t n,
+                               int64_t C, int64_t W, bool silu = true, void* stream = nullptr);
+// Then the cache moves on by the chunk (x [n, C], row stride ldx): cache = the last W−1 inputs of the sequence so
+// far. For n < W−1 the older cached inputs shift towards slot 0 and the last W−1−n of them stay; n == 0 or W == 1:
+// nothing. From an all-zero cache the result equals short_conv_cache's.
+void short_conv_cache_append(const void* x, int64_t ldx, int64_t n, float* cache, int64_t C, int64_t W,
+                             void* stream = nullptr);
 
 }  // namespace lm::kda::cuda

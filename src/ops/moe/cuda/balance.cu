@@ -12,6 +12,7 @@
 #include <string>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
 #include "ops/moe/cuda/moe_cuda.hpp"
 
 namespace lm::ops::cuda {
@@ -59,7 +60,7 @@ __global__ void seg_offsets_kernel(int* off, int n, int m) {
 void qb_update(const float* s, const float* alpha, float* b_new, int64_t m, int64_t n, int64_t k, void* stream) {
   if (m <= 0 || n <= 0 || k <= 0 || k >= n) qb_check.fail("qb_update: needs m > 0 and 0 < k < n");
   if (m * n > (int64_t(1) << 31)) qb_check.fail("qb_update: m·n too large");
-  cudaStream_t t = static_cast<cudaStream_t>(stream);
+  cudaStream_t t = lm::cu::stream(stream);
   float *r = nullptr, *sorted = nullptr;
   int* off = nullptr;
   void* tmp = nullptr;

@@ -22,6 +22,7 @@
 #include <string>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
 #include "core/cuda/device.hpp"
 #include "core/cuda/tensor_map.hpp"
 #include "core/cuda/wgmma.cuh"
@@ -295,9 +296,9 @@ void grouped_gemm(const void* x, const void* w, void* y, const int32_t* offsets,
   // 192-row weight tiles where they pad N less than 256-row ones (LONGMOE_GG_BN=256 keeps 256, benchmarks)
   const int64_t pad256 = (N + 255) / 256 * 256, pad192 = (N + 191) / 192 * 192;
   if (pad192 < pad256 && !env::gg_bn256())
-    detail::launch<false, 192>(x, w, p, M, static_cast<cudaStream_t>(stream));
+    detail::launch<false, 192>(x, w, p, M, lm::cu::stream(stream));
   else
-    detail::launch<false>(x, w, p, M, static_cast<cudaStream_t>(stream));
+    detail::launch<false>(x, w, p, M, lm::cu::stream(stream));
 }
 
 void grouped_gemm_glu(const void* x, const void* w13, void* h, void* ab, const int32_t* offsets, int64_t M, int64_t I,
@@ -309,13 +310,13 @@ void grouped_gemm_glu(const void* x, const void* w13, void* h, void* ab, const i
   p.E = int(E), p.N = int(I), p.K = int(K), p.Nw = int(2 * I);
   p.glu_swiglu = g.swiglu ? 1 : 0, p.beta1 = g.beta1, p.beta2 = std::isfinite(g.beta2) && g.beta2 > 0 ? g.beta2 : 0.f;
   p.inv_beta1 = 1.f / g.beta1, p.inv_beta2 = p.beta2 > 0 ? 1.f / p.beta2 : 0.f;
-  detail::launch<true>(x, w13, p, M, static_cast<cudaStream_t>(stream));
+  detail::launch<true>(x, w13, p, M, lm::cu::stream(stream));
 }
 
 void moe_expert_ffn(const void* xs, const void* w13, const void* w2, void* eo, const int32_t* offsets, int64_t M,
                     int64_t d, int64_t I, int64_t E, const GluArgs& g, void* h, void* stream) {
   if (M == 0) return;
-  auto s = static_cast<cudaStream_t>(stream);
+  auto s = lm::cu::stream(stream);
   void* hbuf = h;
   if (!hbuf) detail::check(cudaMallocAsync(&hbuf, size_t(M) * I * 2, s), "expert ffn scratch");
   grouped_gemm_glu(xs, w13, hbuf, nullptr, offsets, M, I, d, E, g, stream);

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
 #include "ops/moe/cuda/moe_cuda.hpp"
 
 namespace lm::ops::cuda {
@@ -150,7 +151,7 @@ void router_forward(const float* logits, const float* bias, int64_t m, int64_t n
   if (n < 1 || n > 1024 || k < 1 || k > n || k >= 32 || m < 0) check.fail("router: need 1 <= k < 32, k <= n <= 1024");
   if (!out.topk_idx || !out.topk_w) check.fail("router: topk_idx and topk_w are required");
   if (m == 0) return;
-  auto s = static_cast<cudaStream_t>(stream);
+  auto s = lm::cu::stream(stream);
   const int blocks = int((m + 7) / 8);
   const int npl = int((n + 31) / 32);
 #define LM_ROUTER(NPL) router_kernel<NPL><<<blocks, 256, 0, s>>>(logits, bias, int(m), int(n), int(k), renormalize, scaling, out)
@@ -168,7 +169,7 @@ void moe_permute(const int32_t* topk_idx, int64_t m, int64_t k, int64_t n, int32
                  int32_t* pos, void* stream) {
   const int64_t M = m * k;
   if (M >= (int64_t(1) << 31) || n < 1) check.fail("permute: bad sizes");
-  auto s = static_cast<cudaStream_t>(stream);
+  auto s = lm::cu::stream(stream);
   int end_bit = 1;
   while ((int64_t(1) << end_bit) <= n) ++end_bit;
   size_t temp = 0;
@@ -197,7 +198,7 @@ void moe_gather(const void* x, const int32_t* rows, void* xs, int64_t m, int64_t
   if (ldx < d || ldx % 8) check.fail("gather: ldx must be a multiple of 8, at least d");
   const int64_t M = m * k;
   if (M == 0) return;
-  gather_kernel<<<grid_for(M * d / 8, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+  gather_kernel<<<grid_for(M * d / 8, 256), 256, 0, lm::cu::stream(stream)>>>(
       static_cast<const bf16*>(x), rows, static_cast<bf16*>(xs), M, int(k), int(d), ldx);
   check(cudaGetLastError(), "gather launch");
 }
@@ -206,7 +207,7 @@ void moe_combine(const void* eo, const float* topk_w, const int32_t* pos, void* 
                  void* stream) {
   if (d % 8) check.fail("combine: d must be a multiple of 8");
   if (m == 0) return;
-  combine_kernel<<<grid_for(m * d / 8, 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+  combine_kernel<<<grid_for(m * d / 8, 256), 256, 0, lm::cu::stream(stream)>>>(
       static_cast<const bf16*>(eo), topk_w, pos, static_cast<bf16*>(y), m, int(k), int(d));
   check(cudaGetLastError(), "combine launch");
 }

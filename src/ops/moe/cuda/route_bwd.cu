@@ -16,6 +16,7 @@
 #include <string>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
 #include "core/cuda/reduce.cuh"
 #include "ops/moe/cuda/moe_cuda.hpp"
 
@@ -153,7 +154,7 @@ void moe_combine_backward(const void* eo, const float* topk_w, const int32_t* po
   if (!eo || !topk_w || !pos || !dy || !d_eo) check.fail("combine backward: null argument");
   if (m * k >= (int64_t(1) << 31)) check.fail("combine backward: m·k must fit int32");
   const int64_t M = m * k;
-  const auto s = static_cast<cudaStream_t>(stream);
+  const auto s = lm::cu::stream(stream);
   const int blocks = grid_for(M * 32, kThreads);
   if (dy_bf16)
     combine_bwd_kernel<bf16><<<blocks, kThreads, 0, s>>>(static_cast<const bf16*>(eo), topk_w, pos,
@@ -175,7 +176,7 @@ void moe_gather_backward(const void* dxs, const int32_t* pos, void* dx, bool dx_
   if (accumulate && dx_bf16) check.fail("gather backward: accumulate needs an F32 dx");
   if (m == 0 || d == 0) return;
   if (!dxs || !pos || !dx) check.fail("gather backward: null argument");
-  const auto s = static_cast<cudaStream_t>(stream);
+  const auto s = lm::cu::stream(stream);
   const int blocks = grid_for(m * d / 8, kThreads);
   if (dx_bf16)
     gather_bwd_kernel<bf16><<<blocks, kThreads, 0, s>>>(static_cast<const bf16*>(dxs), pos, static_cast<bf16*>(dx), m,
@@ -194,7 +195,7 @@ void router_backward(const float* logits, const int32_t* topk_idx, const float* 
   if (ld < n) check.fail("router backward: ld must be at least n");
   if (m == 0) return;
   if (!logits || !topk_idx || !d_topk_w || !d_logits) check.fail("router backward: null argument");
-  const auto s = static_cast<cudaStream_t>(stream);
+  const auto s = lm::cu::stream(stream);
   const int blocks = grid_for(m * 32, kThreads);
   if (out_bf16)
     router_bwd_kernel<bf16><<<blocks, kThreads, 0, s>>>(logits, topk_idx, d_topk_w, static_cast<bf16*>(d_logits), m,

@@ -21,6 +21,7 @@
 #include <string>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
 #include "core/cuda/device.hpp"
 #include "core/cuda/tensor_map.hpp"
 #include "core/cuda/wgmma.cuh"
@@ -201,7 +202,7 @@ void grouped_gemm_wgrad(const void* dy, const void* x, float* dw, const int32_t*
   if (M < 0 || N < 8 || K < 8 || E < 1 || N % 8 || K % 8) detail::check.fail("bad grouped wgrad shape");
   if (M >= (int64_t(1) << 31) || E * N * K >= (int64_t(1) << 40) || E * ((N + 127) / 128) * ((K + 127) / 128) >= (1 << 30))
     detail::check.fail("grouped wgrad too large");
-  auto s = static_cast<cudaStream_t>(stream);
+  auto s = lm::cu::stream(stream);
   if (M == 0) {  // no rows at all: dw stays, or becomes zeros
     if (!accumulate && cudaMemsetAsync(dw, 0, size_t(E * N * K) * 4, s) != cudaSuccess)
       detail::check.fail("grouped wgrad memset");

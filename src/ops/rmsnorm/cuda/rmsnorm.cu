@@ -27,6 +27,7 @@
 #include <type_traits>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
 #include "core/cuda/reduce.cuh"
 #include "ops/rmsnorm/cuda/rmsnorm_cuda.hpp"
 
@@ -523,7 +524,7 @@ void rmsnorm_forward(const void* x, DType x_type, const float* w, void* y, float
   if (!x || !w || !y) check.fail("rmsnorm_forward: x, w and y are required");
   const bool vec = D % 4 == 0 && vec_ok(x, xbf, ldx) && vec_ok(y, true, ldy) && aligned(w, 16);
   launch_forward<false>(x, xbf, nullptr, w, static_cast<bf16*>(y), rstd, rows, D, ldx, ldy, eps, vec,
-                        static_cast<cudaStream_t>(stream));
+                        lm::cu::stream(stream));
 }
 
 void rmsnorm_backward(const void* x, DType x_type, const float* w, const float* rstd, const void* dy, DType dy_type,
@@ -543,7 +544,7 @@ void rmsnorm_backward(const void* x, DType x_type, const float* w, const float* 
                    aligned(w, 16);
   BwdArgs a{x, w, rstd, dy, nullptr, dx, nullptr, nullptr, rows, ldx, ldy, lddx, int(D), eps, xbf, dybf, dxbf,
             accumulate_dx};
-  launch_backward<false>(a, dw, vec, static_cast<cudaStream_t>(stream));
+  launch_backward<false>(a, dw, vec, lm::cu::stream(stream));
 }
 
 void rmsnorm_gated_forward(const void* x, const void* gate, const float* w, void* out, float* rstd, int64_t rows,
@@ -553,7 +554,7 @@ void rmsnorm_gated_forward(const void* x, const void* gate, const float* w, void
   if (!x || !gate || !w || !out) check.fail("rmsnorm_gated_forward: x, gate, w and out are required");
   const bool vec = D % 4 == 0 && aligned(x, 8) && aligned(gate, 8) && aligned(out, 8) && aligned(w, 16);
   launch_forward<true>(x, true, static_cast<const bf16*>(gate), w, static_cast<bf16*>(out), rstd, rows, D, D, D, eps,
-                       vec, static_cast<cudaStream_t>(stream));
+                       vec, lm::cu::stream(stream));
 }
 
 void rmsnorm_gated_backward(const void* x, const void* gate, const float* w, const float* rstd, const float* dout,
@@ -566,7 +567,7 @@ void rmsnorm_gated_backward(const void* x, const void* gate, const float* w, con
                    aligned(dout, 16) && aligned(w, 16);
   BwdArgs a{x, w, rstd, dout, static_cast<const bf16*>(gate), dx, static_cast<bf16*>(dgate), nullptr, rows, D, D, D,
             int(D), eps, true, false, true, false};
-  launch_backward<true>(a, dw, vec, static_cast<cudaStream_t>(stream));
+  launch_backward<true>(a, dw, vec, lm::cu::stream(stream));
 }
 
 }  // namespace lm::ops::cuda
