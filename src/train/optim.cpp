@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <set>
 
 #include "core/error.hpp"
@@ -387,24 +388,84 @@ StepInfo Optimizer::step(double lr_factor) {
       for (int64_t i = 0; i < n; ++i) w[i] = w[i] * keep - scale * u[static_cast<size_t>(i)];
     });
   }
+  if (comm_) gather_weights();
   return info;
 }
 
 // ---------------------------------------------------------------------------------------------
 // state
 
+std::vector<std::string> Optimizer::state_names(const Slot& s) const {
+  if (s.rule.group == Group::AdamW) return {"optim.adamw.m." + s.p->spec.name, "optim.adamw.v." + s.p->spec.name};
+  if (s.rule.group == Group::Muon) return {"optim.muon.momentum." + s.p->spec.name};
+  return {};
+}
+std::set<std::string> Optimizer::all_state_names() const {
+  std::set<std::string> r{"optim.step"};
+  for (const auto& s : slots_)
+    for (auto& n : state_names(s)) r.insert(std::move(n));
+  return r;
+}
+
 io::NamedTensors Optimizer::state() const {
   io::NamedTensors r;
   r.emplace_back("optim.step", Tensor::from_vector<int64_t>({t_}, {1}));
   for (const auto& s : slots_) {
-    if (s.rule.group == Group::AdamW) {
-      r.emplace_back("optim.adamw.m." + s.p->spec.name, s.m);
-      r.emplace_back("optim.adamw.v." + s.p->spec.name, s.v);
-    } else if (s.rule.group == Group::Muon) {
-      r.emplace_back("optim.muon.momentum." + s.p->spec.name, s.m);
-    }
+    if (!owned(s)) continue;
+    const std::vector<std::string> n = state_names(s);
+    if (n.size() >= 1) r.emplace_back(n[0], s.m);
+    if (n.size() == 2) r.emplace_back(n[1], s.v);
   }
   return r;
+}
+
+void Optimizer::shard(dist::Comm& comm) {
+  if (comm.size() <= 1) return;
+  LM_CHECK(t_ == 0 && !comm_, "optimizer: shard() before any step or load_state, once");
+  comm_ = &comm;
+  // Contiguous runs of parameters by element count: slot i goes to the rank whose share its first element is in.
+  int64_t total = 0, before = 0;
+  for (const auto& s : slots_) total += s.p->spec.numel();
+  const int R = comm.size();
+  for (auto& s : slots_) {
+    s.owner = static_cast<int>(std::min<int64_t>(R - 1, total ? before * R / total : 0));
+    before += s.p->spec.numel();
+    if (!owned(s)) s.m = Tensor(), s.v = Tensor();
+  }
+  auto mine = [&](int32_t slot) { return owned(slots_[static_cast<size_t>(slot)]); };
+  std::erase_if(adam_chunks_, [&](const Chunk& c) { return !mine(c.slot); });
+  std::erase_if(muon_blocks_, [&](const Block& b) { return !mine(b.slot); });
+}
+
+int Optimizer::owner(const std::string& param) const {
+  auto it = index_.find(param);
+  LM_CHECK(it != index_.end(), "optimizer: the model has no parameter named '{}'", param);
+  return slots_[it->second].owner;
+}
+
+size_t Optimizer::state_bytes() const {
+  size_t b = 0;
+  for (const auto& s : slots_) b += (s.m.defined() ? s.m.nbytes() : 0) + (s.v.defined() ? s.v.nbytes() : 0);
+  return b;
+}
+
+// ZeRO-1: each rank's updated parameters, concatenated in slot order, to every rank.
+void Optimizer::gather_weights() {
+  std::vector<float> mine;
+  for (const auto& s : slots_)
+    if (owned(s) && s.rule.group != Group::None) mine.insert(mine.end(), s.p->w(), s.p->w() + s.p->spec.numel());
+  const std::vector<char> all = comm_->all_gather_v(mine.data(), mine.size() * sizeof(float));
+  // Every rank's part lies in rank order, and within it in slot order: the owners are non-decreasing in slot order.
+  size_t off = 0;
+  for (int r = 0; r < comm_->size(); ++r)
+    for (auto& s : slots_)
+      if (s.owner == r && s.rule.group != Group::None) {
+        const size_t n = static_cast<size_t>(s.p->spec.numel()) * sizeof(float);
+        LM_CHECK(off + n <= all.size(), "optimizer: the gathered weights are short ({} bytes)", all.size());
+        if (r != comm_->rank()) std::memcpy(s.p->w(), all.data() + off, n);
+        off += n;
+      }
+  LM_CHECK(off == all.size(), "optimizer: gathered {} bytes of weights, expected {}", all.size(), off);
 }
 
 void Optimizer::load_state(const std::map<std::string, Tensor>& tensors, const std::string& ctx) {
@@ -420,9 +481,10 @@ void Optimizer::load_state(const std::map<std::string, Tensor>& tensors, const s
     LM_CHECK(it->second.shape() == t.shape(), "{}: tensor '{}' has shape {}, expected {}", ctx, name,
              shape_str(it->second.shape()), shape_str(t.shape()));
   }
+  const std::set<std::string> known = all_state_names();
   for (const auto& [name, t] : tensors) {
     (void)t;
-    LM_CHECK(name.rfind("optim.", 0) != 0 || expected.count(name),
+    LM_CHECK(name.rfind("optim.", 0) != 0 || known.count(name),
              "{}: tensor '{}' does not belong to this optimizer's groups (config kind '{}')", ctx, name, oc_.kind);
   }
   const int64_t step = static_cast<int64_t>(tensors.at("optim.step").item(0));
@@ -433,10 +495,34 @@ void Optimizer::load_state(const std::map<std::string, Tensor>& tensors, const s
 }
 
 void Optimizer::load_state(const io::SafeTensorsFile& f) {
+  load_state(std::vector<std::string>{}, &f);
+}
+
+void Optimizer::load_state(const std::vector<std::string>& files) { load_state(files, nullptr); }
+
+// The optim.* tensors of `files` (or of `one`): those this rank's state needs are read, the others only listed
+// (so an unknown one is still an error).
+void Optimizer::load_state(const std::vector<std::string>& files, const io::SafeTensorsFile* one) {
+  std::set<std::string> need;
+  for (const auto& [name, t] : state()) need.insert(name);
   std::map<std::string, Tensor> m;
-  for (const auto& info : f.tensors())
-    if (info.name.rfind("optim.", 0) == 0) m.emplace(info.name, f.get(info.name));
-  load_state(m, f.path().empty() ? std::string("optimizer state") : f.path());
+  std::string ctx = one ? (one->path().empty() ? std::string("optimizer state") : one->path()) : std::string();
+  auto take = [&](const io::SafeTensorsFile& f) {
+    for (const auto& info : f.tensors()) {
+      if (info.name.rfind("optim.", 0) != 0) continue;
+      LM_CHECK(!m.count(info.name) || info.name == "optim.step", "{}: tensor '{}' appears in more than one shard",
+               f.path(), info.name);
+      m[info.name] = need.count(info.name) ? f.get(info.name) : Tensor::zeros({});  // (listed, not read)
+    }
+  };
+  if (one) {
+    take(*one);
+  } else {
+    LM_CHECK(!files.empty(), "optimizer state: no files");
+    for (const std::string& p : files) take(io::SafeTensorsFile::open(p));
+    ctx = files.size() == 1 ? files[0] : fmt::format("{} and {} more optimizer shard(s)", files[0], files.size() - 1);
+  }
+  load_state(m, ctx);
 }
 
 }  // namespace lm::train

@@ -33,10 +33,12 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "core/tensor.hpp"
+#include "dist/comm.hpp"
 #include "io/json.hpp"
 #include "io/safetensors.hpp"
 #include "model/config.hpp"
@@ -118,21 +120,40 @@ class Optimizer {
   // Parameter names per group, in checkpoint order.
   std::vector<std::string> group_params(Group g) const;
 
+  // ZeRO-1 over the job's data-parallel replicas (before load_state): each parameter's optimiser state lives on one
+  // rank only, the owner of a contiguous run of parameters (checkpoint order, balanced by elements), so each
+  // rank holds about 1/R of it. step() then updates the owned parameters (from the full, already reduced
+  // gradients: the norm and the clip are the same on every rank) and all-gathers the new weights, so every
+  // replica ends the step with the same weights. A comm of one process changes nothing.
+  void shard(dist::Comm& comm);
+  int owner(const std::string& param) const;  // the rank holding its state (0 when not sharded)
+  size_t state_bytes() const;                 // the optimiser state this rank holds
+
   // State as tensors: optim.step (I64 [1]), optim.adamw.m.<name>, optim.adamw.v.<name>,
-  // optim.muon.momentum.<name> (F32, the parameter's shape). Views of the live state.
+  // optim.muon.momentum.<name> (F32, the parameter's shape) of the parameters this rank owns (all, unsharded).
+  // Views of the live state.
   io::NamedTensors state() const;
-  // Restores state(): every tensor it would write must be present with its shape; an optim.* tensor
-  // it would not write is an error (the groups differ); other names are ignored, so the state can
-  // share a file with weights. Nothing changes unless everything checks out.
+  // Restores state(): every tensor it would write must be present with its shape; an optim.* tensor that no
+  // parameter of these groups would have is an error (the groups differ); the tensors of parameters another
+  // rank owns, and other names, are ignored, so the state can share a file with weights and one full state (or
+  // every shard of a sharded one) serves any world size. Nothing changes unless everything checks out.
   void load_state(const std::map<std::string, Tensor>& tensors, const std::string& ctx = "optimizer state");
+  // From one file or the shards of a sharded checkpoint (each read only for the tensors this rank owns).
   void load_state(const io::SafeTensorsFile& f);
+  void load_state(const std::vector<std::string>& files);
 
  private:
   struct Slot {
     model::Param<float>* p = nullptr;
     ParamRule rule;
-    Tensor m, v;  // AdamW moments, or m = Muon momentum
+    Tensor m, v;  // AdamW moments, or m = Muon momentum (empty where another rank owns the parameter)
+    int owner = 0;
   };
+  bool owned(const Slot& s) const { return !comm_ || s.owner == comm_->rank(); }
+  void gather_weights();
+  void load_state(const std::vector<std::string>& files, const io::SafeTensorsFile* one);
+  std::vector<std::string> state_names(const Slot& s) const;
+  std::set<std::string> all_state_names() const;
   struct Chunk {  // a fixed piece of an AdamW parameter, for the parallel elementwise update
     int32_t slot;
     int64_t begin, end;
@@ -149,6 +170,7 @@ class Optimizer {
   std::vector<Chunk> adam_chunks_;
   std::vector<Block> muon_blocks_;
   int64_t t_ = 0;
+  dist::Comm* comm_ = nullptr;  // sharded (ZeRO-1) over these ranks
 };
 
 }  // namespace lm::train

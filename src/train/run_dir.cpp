@@ -105,17 +105,34 @@ void remove_leftovers(const fs::path& ck) {
 
 std::string save_checkpoint(const fs::path& out, const CheckpointContent& c, const TrainerState& st, int64_t keep,
                             const std::string& also_as) {
+  const bool writer = !c.comm || c.comm->rank() == 0;
+  const bool shards = c.sharded && c.comm && c.comm->size() > 1;
   const fs::path ck = out / "ckpt";
-  fs::create_directories(ck);
   const std::string name = fmt::format("step-{:08}", st.global_step);
   const fs::path tmp = ck / (".tmp-" + name), dst = ck / name, old = ck / (".old-" + name);
-  remove_leftovers(ck);
-  fs::create_directories(tmp);
-  c.config.save((tmp / "config.json").string());
-  fs::copy_file(c.tokenizer, tmp / "tokenizer.model", fs::copy_options::overwrite_existing);
-  io::save_checkpoint(tmp.string(), c.params.named(DType::F32), uint64_t{2} << 30,
-                      {{"longmoe_step", std::to_string(st.global_step)}});
-  io::save_safetensors((tmp / "optimizer.safetensors").string(), c.optim.state());
+  if (writer) {
+    fs::create_directories(ck);
+    remove_leftovers(ck);
+    fs::create_directories(tmp);
+    c.config.save((tmp / "config.json").string());
+    fs::copy_file(c.tokenizer, tmp / "tokenizer.model", fs::copy_options::overwrite_existing);
+    io::save_checkpoint(tmp.string(), c.params.named(DType::F32), uint64_t{2} << 30,
+                        {{"longmoe_step", std::to_string(st.global_step)}});
+    if (!shards) io::save_safetensors((tmp / "optimizer.safetensors").string(), c.optim.state());
+  }
+  std::vector<std::string> shard_files;
+  if (shards) {
+    const int R = c.comm->size();
+    for (int r = 0; r < R; ++r) shard_files.push_back(fmt::format("optimizer-{:05}-of-{:05}.safetensors", r, R));
+    c.comm->barrier();  // the folder exists
+    io::save_safetensors((tmp / shard_files[size_t(c.comm->rank())]).string(), c.optim.state());
+    c.comm->barrier();  // every shard is in it
+  }
+  if (!writer) return dst.string();
+  if (shards) {
+    io::json idx = {{"format", "longmoe optimizer shards"}, {"world", shard_files.size()}, {"files", shard_files}};
+    io::write_file_atomic((tmp / "optimizer.index.json").string(), idx.dump(2) + "\n");
+  }
   // Test hook: die in the middle of a save (after the weights, before the rename), as a kill would.
   if (env::crash_in_save_at_step() == st.global_step) std::abort();
   io::write_file_atomic((tmp / "trainer_state.json").string(), state_json(st).dump(2) + "\n");
@@ -134,6 +151,29 @@ std::string save_checkpoint(const fs::path& out, const CheckpointContent& c, con
   }
   prune_checkpoints(ck, keep, dst);
   return dst.string();
+}
+
+std::vector<std::string> optimizer_files(const fs::path& dir) {
+  if (fs::exists(dir / "optimizer.safetensors")) return {(dir / "optimizer.safetensors").string()};
+  const fs::path ip = dir / "optimizer.index.json";
+  LM_CHECK(fs::exists(ip), "checkpoint {}: no optimizer state (neither optimizer.safetensors nor optimizer.index.json)",
+           dir.string());
+  const io::json j = io::load_json_file(ip.string());
+  const std::string ctx = ip.string();
+  LM_CHECK(j.is_object() && j.value("format", "") == "longmoe optimizer shards" && j.contains("files") &&
+               j["files"].is_array() && !j["files"].empty(),
+           "{}: not a longmoe optimizer index (format \"longmoe optimizer shards\" with a non-empty \"files\" list)",
+           ctx);
+  std::vector<std::string> r;
+  for (const auto& f : j["files"]) {
+    LM_CHECK(f.is_string(), "{}: files must be strings", ctx);
+    const std::string n = f.get<std::string>();
+    LM_CHECK(!n.empty() && n.find('/') == std::string::npos && n.find("..") == std::string::npos,
+             "{}: shard name '{}' must be a plain file name in the checkpoint folder", ctx, n);
+    LM_CHECK(fs::is_regular_file(dir / n), "{}: shard '{}' is missing", ctx, n);
+    r.push_back((dir / n).string());
+  }
+  return r;
 }
 
 MetricsLog::MetricsLog(const fs::path& path, bool resume, int64_t global_step) {

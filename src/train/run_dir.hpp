@@ -48,13 +48,23 @@ struct CheckpointContent {
   std::string tokenizer;  // the tokenizer.model file to copy
   const model::ParamStore<float>& params;
   const Optimizer& optim;
+  dist::Comm* comm = nullptr;  // the job's replicas (null: one process); rank 0 writes the checkpoint
+  bool sharded = false;        // the optimiser is sharded over comm (ZeRO-1): every rank writes its shard
 };
 
-// Writes out/ckpt/step-<global_step> (config.json, tokenizer.model, model.safetensors, optimizer.safetensors,
+// Writes out/ckpt/step-<global_step> (config.json, tokenizer.model, model.safetensors, the optimiser state,
 // trainer_state.json) into a temporary folder renamed into place, then points out/latest at it; also_as
 // (non-empty) hard-links it as out/<also_as>. Keeps the newest `keep` step folders. Returns its path.
+// The optimiser state is optimizer.safetensors, or with a sharded optimiser on several ranks one
+// optimizer-<r>-of-<R>.safetensors per rank (each written atomically by its rank into the temporary folder, between
+// two barriers) listed by optimizer.index.json. Collective when comm has several ranks: every rank calls it.
 std::string save_checkpoint(const std::filesystem::path& out, const CheckpointContent& c, const TrainerState& st,
                             int64_t keep, const std::string& also_as);
+
+// The optimiser state files of checkpoint folder `dir`: optimizer.safetensors, or the shards optimizer.index.json
+// lists (any world size reads them: Optimizer::load_state takes its own parameters' tensors from them). lm::Error
+// naming the folder when neither is there, or a listed shard is missing.
+std::vector<std::string> optimizer_files(const std::filesystem::path& dir);
 
 // metrics.jsonl, a JSON object a line, flushed line by line (a killed run keeps what it logged). A new
 // run starts it empty; a resumed one first drops the lines of steps after its checkpoint's global_step

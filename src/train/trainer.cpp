@@ -116,8 +116,12 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   c.max_steps = io::get_or<int64_t>(j, "max_steps", 0, ctx);
   if (j.contains("parallel")) {
     const json& p = j["parallel"];
-    io::check_known_fields(p, {"dp", "ep", "cp"}, ctx + " parallel");
+    io::check_known_fields(p, {"dp", "ep", "cp", "zero"}, ctx + " parallel");
     c.parallel.dp = io::get_or<int64_t>(p, "dp", 1, ctx + " parallel");
+    c.parallel.zero = static_cast<int>(io::get_or<int64_t>(p, "zero", 1, ctx + " parallel"));
+    LM_CHECK(c.parallel.zero == 0 || c.parallel.zero == 1,
+             "{}: parallel.zero must be 0 (a whole optimiser state per replica) or 1 (sharded), got {}", ctx,
+             c.parallel.zero);
     for (const char* k : {"ep", "cp"})
       LM_CHECK(io::get_or<int64_t>(p, k, 1, ctx + " parallel") == 1,
                "{}: parallel.{} > 1 is not supported yet (data parallel only: parallel.dp)", ctx, k);
@@ -161,7 +165,7 @@ json RunConfig::to_json() const {
   j["save_every"] = save_every;
   j["keep_checkpoints"] = keep_checkpoints;
   j["max_steps"] = max_steps;
-  if (parallel.dp != 1) j["parallel"] = {{"dp", parallel.dp}};
+  if (parallel.dp != 1 || parallel.zero != 1) j["parallel"] = {{"dp", parallel.dp}, {"zero", parallel.zero}};
   return j;
 }
 
@@ -386,8 +390,8 @@ void Run::load_model() {
   else model_->params().init(cfg_.seed);
   model_->params().enable_grads();
   optim_ = std::make_unique<Optimizer>(model_->params(), mcfg_, cfg_.optim);
-  if (!resume_dir_.empty())
-    optim_->load_state(io::SafeTensorsFile::open((resume / "optimizer.safetensors").string()));
+  if (cfg_.parallel.zero == 1) optim_->shard(comm_);  // (one process: nothing)
+  if (!resume_dir_.empty()) optim_->load_state(optimizer_files(resume));
   engine_ = make_engine(opt_.device, cfg_, *model_, *optim_, comm_);
   say(fmt::format("model: {:.2f}M parameters, {:.2f}M activated; {} layers ({} KDA, {} MLA), {} MoE layers, "
                   "balance {}; {}",
@@ -589,11 +593,12 @@ double Run::evaluate(int64_t seq_len, int64_t max_batches) {
 
 void Run::save(int64_t stage, int64_t step_in_stage, const std::string& also_as) {
   engine_->sync_to_host();
-  if (!writer_) return;  // the replicas hold the same weights and state: rank 0 writes them
+  // The replicas hold the same weights: rank 0 writes the checkpoint, every rank its optimiser shard (ZeRO-1).
   TrainerState st = at_;
   st.stage = stage, st.step_in_stage = step_in_stage, st.position = loader_->position();
-  last_ckpt_ = save_checkpoint(out_, {mcfg_, data_->tokenizer_file(), model_->params(), *optim_}, st,
-                               cfg_.keep_checkpoints, also_as);
+  const std::string dst = save_checkpoint(out_, {mcfg_, data_->tokenizer_file(), model_->params(), *optim_, &comm_,
+                                                 cfg_.parallel.zero == 1}, st, cfg_.keep_checkpoints, also_as);
+  last_ckpt_ = dst;
 }
 
 }  // namespace

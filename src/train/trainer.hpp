@@ -48,6 +48,9 @@ struct StageConfig {
 // product. Expert and context parallelism: not yet.
 struct ParallelConfig {
   int64_t dp = 1;
+  // ZeRO stage over the data-parallel replicas: 1 (default) shards the optimiser state (Optimizer::shard; the
+  // checkpoints then hold one optimiser shard per rank), 0 keeps a whole copy on every replica.
+  int zero = 1;
   int64_t world() const { return dp; }
 };
 

@@ -12,6 +12,9 @@
 #include "core/error.hpp"
 #include "dist/comm.hpp"
 #include "io/file.hpp"
+#include "model/model.hpp"
+#include "train/optim.hpp"
+#include "train/run_dir.hpp"
 #include "train/tiny_run.hpp"
 #include "train/trainer.hpp"
 
@@ -121,6 +124,69 @@ TEST(DataParallel, ResumeOnAnotherWorldSizeContinuesExactly) {
   if (w.rank() == 0)
     std::printf("[ measure  ] 1 process for 5 steps, then %d replica(s) for 5: worst loss difference %.2e relative\n",
                 w.size(), worst);
+  EXPECT_LE(worst, 1e-6);
+  w.barrier();
+}
+
+// ZeRO-1 (parallel.zero 1, the default): each replica holds its share of the optimiser state, the checkpoints hold
+// one shard per rank and an index, and such a checkpoint resumes on another world size (here one process) exactly;
+// zero 0 (a whole state per replica) takes the same steps.
+TEST(DataParallel, ShardedOptimizerStateAndCheckpoints) {
+  dist::Comm& w = dist::world();
+  const fs::path root = shared_root(w, "lm_zero");
+  TrainOptions o;
+  o.quiet = true;
+  const RunConfig full = ten_steps(root, "full-" + std::to_string(w.rank()));
+  o.comm = &dist::single();
+  const TrainResult ref = lm::train::train(full, o);
+  // The state a replica holds: Optimizer::shard on this world.
+  {
+    model::Model<float> m(model::ModelConfig::load(full.model));
+    m.params().enable_grads();
+    Optimizer whole(m.params(), m.config(), full.optim), part(m.params(), m.config(), full.optim);
+    part.shard(w);
+    const double share = double(part.state_bytes()) / double(whole.state_bytes());
+    std::printf("[ measure  ] rank %d of %d holds %.3f of the optimizer state\n", w.rank(), w.size(), share);
+    if (w.size() > 1) EXPECT_LT(share, 1.5 / w.size());
+    else EXPECT_EQ(share, 1.0);
+  }
+  RunConfig zero0 = full;
+  zero0.out = (root / "zero0").string();
+  zero0.parallel.dp = w.size(), zero0.parallel.zero = 0;
+  o.comm = &w;
+  const TrainResult z0 = lm::train::train(zero0, o);
+  RunConfig part = full;
+  part.out = (root / "part").string();
+  part.max_steps = 5;
+  part.parallel.dp = w.size();
+  const TrainResult first = lm::train::train(part, o);  // sharded (zero 1) on this world size
+  w.barrier();
+  const fs::path ck = root / "part" / "ckpt" / "step-00000005";
+  if (w.size() > 1) {
+    EXPECT_TRUE(fs::exists(ck / "optimizer.index.json"));
+    EXPECT_FALSE(fs::exists(ck / "optimizer.safetensors"));
+    EXPECT_EQ(optimizer_files(ck).size(), size_t(w.size()));
+  } else {
+    EXPECT_TRUE(fs::exists(ck / "optimizer.safetensors"));
+  }
+  w.barrier();
+  double worst = 0;
+  if (w.rank() == 0) {  // one process resumes the sharded checkpoint
+    part.max_steps = 10;
+    part.parallel.dp = 1;
+    o.comm = &dist::single();
+    o.resume = true;
+    const TrainResult rest = lm::train::train(part, o);
+    ASSERT_EQ(rest.losses.size(), 5u);
+    for (size_t i = 0; i < 5; ++i) {
+      worst = std::max(worst, std::abs(rest.losses[i] - ref.losses[5 + i]) / std::abs(ref.losses[5 + i]));
+      worst = std::max(worst, std::abs(first.losses[i] - ref.losses[i]) / std::abs(ref.losses[i]));
+    }
+    for (size_t i = 0; i < ref.losses.size(); ++i)
+      worst = std::max(worst, std::abs(z0.losses[i] - ref.losses[i]) / std::abs(ref.losses[i]));
+    std::printf("[ measure  ] ZeRO-1 on %d replica(s), its sharded checkpoint resumed by one process, and zero 0: "
+                "worst loss difference %.2e relative\n", w.size(), worst);
+  }
   EXPECT_LE(worst, 1e-6);
   w.barrier();
 }
