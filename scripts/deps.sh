@@ -17,6 +17,7 @@ LONGMOE_APT_PACKAGES=(
   libsentencepiece-dev sentencepiece
   libcpp-httplib-dev libstb-dev
   libopenmpi-dev openmpi-bin  # multi-process training (src/dist) and its mpirun tests
+  strace                   # the save fault-injection test (a SIGKILL at every file-changing syscall of a save)
   clang libclang-rt-14-dev # fuzz build: clang-14 and its libFuzzer/ASan/UBSan runtimes
   libomp-dev               # clang's OpenMP runtime: the core library is built with -fopenmp
 )

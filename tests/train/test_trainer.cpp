@@ -6,6 +6,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
 
 #include "core/rng.hpp"
 #include "core/error.hpp"
@@ -212,6 +215,75 @@ TEST(Trainer, KillDuringSaveKeepsThePreviousCheckpoint) {
   EXPECT_EQ(r.steps, 20);
   EXPECT_TRUE(std::isfinite(r.heldout_ppl));
   EXPECT_FALSE(fs::exists(root / "run" / "ckpt" / ".tmp-step-00000008"));  // the next save removed it
+}
+
+// A kill at every file-changing syscall of a save never leaves a run that cannot resume: strace's fault injection
+// SIGKILLs `longmoe train --resume` at the Nth call of each such syscall, for every N from the first call inside the
+// save of step 5 (a one-step continuation of a run saved at step 4) to the last call of the run; each killed run is
+// then resumed, and must finish with the weights and optimiser state of an uninterrupted one, bit for bit.
+TEST(Trainer, AKillAtEverySyscallOfASaveResumes) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "too slow under the sanitizers (one process pair per syscall)";
+#endif
+  if (std::system("strace -V > /dev/null 2>&1") != 0) GTEST_SKIP() << "strace is not installed (scripts/deps.sh)";
+  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_strace";
+  fs::remove_all(root);
+  RunConfig cfg = tiny_run(root, (root / "run").string());
+  cfg.max_steps = 4;
+  TrainOptions quiet;
+  quiet.quiet = true;
+  lm::train::train(cfg, quiet);  // saved at step 4
+  fs::copy(root / "run", root / "base", fs::copy_options::recursive);
+  cfg.max_steps = 5;
+  io::write_file_atomic((root / "run.json").string(), cfg.to_json().dump());
+  const std::string bin = std::string(LONGMOE_BINARY) + " train --quiet --resume --config " + (root / "run.json").string();
+  auto restore = [&] {
+    fs::remove_all(root / "run");
+    fs::copy(root / "base", root / "run", fs::copy_options::recursive);
+  };
+  const fs::path last = root / "run" / "ckpt" / "step-00000005";
+  auto files = [&] {
+    return io::read_file((last / "model.safetensors").string()) + io::read_file((last / "optimizer.safetensors").string());
+  };
+  const std::string syscalls =
+      "openat,creat,write,pwrite64,writev,ftruncate,fsync,fdatasync,rename,renameat,renameat2,mkdir,mkdirat,unlink,"
+      "unlinkat,rmdir,link,linkat,symlink,copy_file_range,sendfile";
+  // The uninterrupted continuation, traced: which calls of each syscall fall inside the save.
+  restore();
+  const fs::path trace = root / "trace.txt";
+  ASSERT_EQ(std::system(("OMP_NUM_THREADS=1 strace -f -qq -o " + trace.string() + " -e trace=" + syscalls + " " + bin +
+                         " > /dev/null 2>&1").c_str()), 0);
+  const std::string ref = files();
+  std::map<std::string, int64_t> before, total;
+  bool in_save = false;
+  std::istringstream lines(io::read_file(trace.string()));
+  for (std::string line; std::getline(lines, line);) {
+    // "<pid> name(args) = ret"; resumed halves of interrupted calls ("<... name resumed>") are not calls
+    const size_t sp = line.find(' '), par = line.find('(');
+    if (sp == std::string::npos || par == std::string::npos || par < sp || line.find("resumed>") != std::string::npos)
+      continue;
+    const std::string name = line.substr(sp + 1, par - sp - 1);
+    in_save = in_save || line.find(".tmp-step-00000005") != std::string::npos;
+    ++total[name];
+    if (!in_save) ++before[name];
+  }
+  ASSERT_TRUE(in_save) << "the trace never touched the save's folder";
+  int64_t trials = 0, killed = 0, bad = 0;
+  for (const auto& [name, n] : total)
+    for (int64_t k = before[name] + 1; k <= n; ++k) {
+      restore();
+      const int rc = std::system(("OMP_NUM_THREADS=1 strace -f -qq -o /dev/null -e trace=" + name + " -e inject=" + name +
+                                  ":signal=SIGKILL:when=" + std::to_string(k) + " " + bin + " > /dev/null 2>&1")
+                                     .c_str());
+      ++trials, killed += rc != 0;
+      const int rc2 = std::system(("OMP_NUM_THREADS=1 " + bin + " > /dev/null 2>&1").c_str());
+      const bool ok = rc2 == 0 && fs::exists(last / "model.safetensors") && files() == ref;
+      if (!ok) ADD_FAILURE() << "a kill at " << name << " call " << k << " left a run that does not resume exactly";
+      bad += !ok;
+    }
+  std::printf("[ measure  ] %lld kills inside a save (%lld of them ended the process), %lld runs that did not resume "
+              "exactly\n", static_cast<long long>(trials), static_cast<long long>(killed), static_cast<long long>(bad));
+  EXPECT_GT(killed, 10);
 }
 
 // A run folder belongs to one run (the older run's step numbers sorted after the new ones, so pruning by name once
