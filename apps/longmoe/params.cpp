@@ -16,7 +16,7 @@ using lm::model::Component;
 struct Options {
   std::string config;
   // 0 = not given (every one of these must be >= 1 when given)
-  int64_t context = 0, gpus = 0, dp = 0, ep = 0, pp = 0, tp = 0;
+  int64_t context = 0, gpus = 0, dp = 0, ep = 0, pp = 0, tp = 0, cp = 0;
   int64_t micro_batch = 1;
   int64_t batch = 1;              // sequences served together (the inference estimate)
   int64_t prefill_chunk = 16384;  // tokens per prefill chunk on the GPU
@@ -52,22 +52,26 @@ std::string flops_str(double f) {
 lm::model::ParallelPlan make_plan(const lm::model::ModelConfig& c, const Options& o) {
   lm::model::ParallelPlan p;
   for (auto [v, n] : {std::pair{o.gpus, "--gpus"}, std::pair{o.dp, "--dp"}, std::pair{o.ep, "--ep"},
-                      std::pair{o.pp, "--pp"}, std::pair{o.tp, "--tp"}, std::pair{o.context, "--context"}})
+                      std::pair{o.pp, "--pp"}, std::pair{o.tp, "--tp"}, std::pair{o.cp, "--cp"},
+                      std::pair{o.context, "--context"}})
     LM_CHECK(v >= 0 && v <= (int64_t{1} << 40), "{} {} must be >= 1", n, v);
   p.tp = o.tp ? o.tp : 1;
   p.pp = o.pp ? o.pp : 1;
+  p.cp = o.cp ? o.cp : 1;
   if (o.dp) {
     p.dp = o.dp;
     if (o.gpus)
-      LM_CHECK(p.dp * p.tp * p.pp == o.gpus, "--gpus {} != --dp {} x --pp {} x --tp {}", o.gpus, p.dp, p.pp, p.tp);
+      LM_CHECK(p.dp * p.cp * p.tp * p.pp == o.gpus, "--gpus {} != --dp {} x --cp {} x --pp {} x --tp {}", o.gpus, p.dp,
+               p.cp, p.pp, p.tp);
   } else if (o.gpus) {
-    LM_CHECK(o.gpus % (p.tp * p.pp) == 0, "--gpus {} is not a multiple of --tp {} x --pp {}", o.gpus, p.tp, p.pp);
-    p.dp = o.gpus / (p.tp * p.pp);
+    LM_CHECK(o.gpus % (p.cp * p.tp * p.pp) == 0, "--gpus {} is not a multiple of --cp {} x --tp {} x --pp {}", o.gpus,
+             p.cp, p.tp, p.pp);
+    p.dp = o.gpus / (p.cp * p.tp * p.pp);
   }
   if (o.ep) {
     p.ep = o.ep;
   } else {
-    p.ep = c.num_experts > 0 ? std::gcd(p.dp * p.tp, c.num_experts) : 1;
+    p.ep = c.num_experts > 0 ? std::gcd(p.dp * p.cp * p.tp, c.num_experts) : 1;
   }
   p.micro_batch = o.micro_batch;
   p.seq_len = o.seq;
@@ -106,6 +110,7 @@ int run(const Options& o) {
   LM_CHECK(o.batch >= 1 && o.prefill_chunk >= 1, "--batch {} and --prefill-chunk {} must be >= 1", o.batch,
            o.prefill_chunk);
   const InferenceMemory im = inference_memory(c, context, o.batch, o.prefill_chunk);
+  const TrainingTraffic tt = training_traffic(c, plan);
 
   if (o.json) {
     lm::io::json j;
@@ -146,10 +151,13 @@ int run(const Options& o) {
                              {"activation_bytes", im.activations},
                              {"workspace_bytes", im.workspace},
                              {"total_bytes", im.total()}};
+    j["training_traffic_bytes_per_gpu_step"] = {{"dp", tt.dp}, {"ep", tt.ep}, {"cp", tt.cp}, {"pp", tt.pp},
+                                                 {"tp", tt.tp}, {"total", tt.total()}};
     j["training_memory"] = {
         {"plan",
          {{"gpus", plan.gpus()},
           {"dp", plan.dp},
+          {"cp", plan.cp},
           {"ep", plan.ep},
           {"pp", plan.pp},
           {"tp", plan.tp},
@@ -227,9 +235,9 @@ int run(const Options& o) {
   line(fmt::format("  {:<34}{:>14}  (CUDA context, cuBLAS workspaces)", "workspace", bytes_str(im.workspace)));
   line(fmt::format("  {:<34}{:>14}", "total", bytes_str(im.total())));
   line("");
-  line(fmt::format("Training memory per device: {} GPU(s) = dp {} x pp {} x tp {}, ep {}; micro-batch {} x seq {}; {}{}; "
-                   "recompute {}",
-                   plan.gpus(), plan.dp, plan.pp, plan.tp, plan.ep, plan.micro_batch, plan.seq_len,
+  line(fmt::format("Training memory per device: {} GPU(s) = dp {} x cp {} x pp {} x tp {}, ep {}; micro-batch {} x seq "
+                   "{}; {}{}; recompute {}",
+                   plan.gpus(), plan.dp, plan.cp, plan.pp, plan.tp, plan.ep, plan.micro_batch, plan.seq_len,
                    optimizer_name(plan.optimizer), plan.zero1 ? " + ZeRO-1" : "", recompute_name(plan.recompute)));
   line(fmt::format("  largest pipeline stage: {} ({} layers); per device {} dense + {} expert parameters", tm.stage,
                    tm.stage_layers, params_str(tm.dense_params), params_str(tm.expert_params)));
@@ -243,6 +251,17 @@ int run(const Options& o) {
   line(fmt::format("  {:<34}{:>14}", "total", bytes_str(tm.total_bytes)));
   line("  assumptions:");
   for (const auto& a : tm.assumptions) line("    - " + a);
+  line("");
+  line(fmt::format("Communication per GPU per step (one micro-batch of {} x {} tokens per replica; see "
+                   "model::training_traffic)", plan.micro_batch, plan.seq_len));
+  line(fmt::format("  {:<34}{:>14}  ({})", "data parallel", bytes_str(tt.dp),
+                   plan.zero1 ? "fp32 gradients reduce-scattered, bf16 weights all-gathered" : "fp32 all-reduce"));
+  line(fmt::format("  {:<34}{:>14}  (dispatch + combine, forward and backward)", "expert parallel (all-to-all)",
+                   bytes_str(tt.ep)));
+  line(fmt::format("  {:<34}{:>14}  (KDA segment states, MLA latents)", "context parallel", bytes_str(tt.cp)));
+  line(fmt::format("  {:<34}{:>14}", "pipeline (stage boundaries)", bytes_str(tt.pp)));
+  line(fmt::format("  {:<34}{:>14}", "tensor parallel", bytes_str(tt.tp)));
+  line(fmt::format("  {:<34}{:>14}", "total", bytes_str(tt.total())));
   std::fputs(out.c_str(), stdout);
   return 0;
 }
@@ -258,6 +277,7 @@ lm::app::Register reg({"params", "Parameter counts, FLOPs per token, decode and 
                          sub.add_option("--ep", o->ep, "expert-parallel size (default gcd(dp*tp, num_experts))");
                          sub.add_option("--pp", o->pp, "pipeline-parallel stages (default 1)");
                          sub.add_option("--tp", o->tp, "tensor-parallel size (default 1)");
+                         sub.add_option("--cp", o->cp, "context-parallel size: ranks per sequence (default 1)");
                          sub.add_option("--micro-batch", o->micro_batch, "sequences per micro-batch (default 1)");
                          sub.add_option("--batch", o->batch, "sequences served together, inference estimate (default 1)");
                          sub.add_option("--prefill-chunk", o->prefill_chunk,

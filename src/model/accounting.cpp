@@ -141,15 +141,16 @@ std::string_view optimizer_name(Optimizer o) { return o == Optimizer::AdamW ? "a
 std::string_view recompute_name(Recompute r) { return r == Recompute::None ? "none" : "full"; }
 
 void ParallelPlan::validate(const ModelConfig& c) const {
-  LM_CHECK(dp >= 1 && ep >= 1 && pp >= 1 && tp >= 1, "parallel plan: dp, ep, pp, tp must be >= 1 (got {}, {}, {}, {})",
-           dp, ep, pp, tp);
+  LM_CHECK(dp >= 1 && ep >= 1 && pp >= 1 && tp >= 1 && cp >= 1,
+           "parallel plan: dp, ep, cp, pp, tp must be >= 1 (got {}, {}, {}, {}, {})", dp, ep, cp, pp, tp);
+  LM_CHECK(seq_len % cp == 0, "parallel plan: cp = {} does not divide the sequence length {}", cp, seq_len);
   LM_CHECK(micro_batch >= 1 && seq_len >= 1, "parallel plan: micro-batch {} and sequence length {} must be >= 1",
            micro_batch, seq_len);
   LM_CHECK(pp <= c.num_hidden_layers, "parallel plan: pp = {} exceeds the {} layers", pp, c.num_hidden_layers);
   if (c.num_experts > 0) {
     LM_CHECK(c.num_experts % ep == 0, "parallel plan: ep = {} does not divide num_experts = {}", ep, c.num_experts);
-    LM_CHECK((dp * tp) % ep == 0, "parallel plan: ep = {} must divide dp x tp = {} (expert groups are carved from the "
-             "data- and tensor-parallel ranks of a stage)", ep, dp * tp);
+    LM_CHECK((dp * cp * tp) % ep == 0, "parallel plan: ep = {} must divide dp x cp x tp = {} (expert groups are carved "
+             "from the data-, context- and tensor-parallel ranks of a stage)", ep, dp * cp * tp);
   } else {
     LM_CHECK(ep == 1, "parallel plan: ep = {} but the model has no routed experts", ep);
   }
@@ -202,8 +203,8 @@ TrainingMemory training_memory(const ModelConfig& c, const ParallelPlan& plan) {
   TrainingMemory best;
   const int64_t L = c.num_hidden_layers, P = plan.pp;
   const double tokens = static_cast<double>(plan.micro_batch) * static_cast<double>(plan.seq_len);
-  const double dense_dp = static_cast<double>(plan.dp);                           // replicas of a dense shard
-  const double expert_dp = static_cast<double>(plan.dp * plan.tp / plan.ep);       // replicas of an expert shard
+  const double dense_dp = static_cast<double>(plan.dp * plan.cp);                 // replicas of a dense shard
+  const double expert_dp = static_cast<double>(plan.dp * plan.cp * plan.tp / plan.ep);  // of an expert shard
   const double state_bytes = plan.optimizer == Optimizer::AdamW ? 8.0 : 4.0;       // m,v  or  momentum
   int64_t first = 0;
   for (int64_t s = 0; s < P; ++s) {
@@ -244,22 +245,23 @@ TrainingMemory training_memory(const ModelConfig& c, const ParallelPlan& plan) {
       const double boundary = static_cast<double>(n) * 2.0 * static_cast<double>(c.hidden_size) + sources;
       act = in_flight * tokens * boundary + tokens * m.activation_bytes_per_token_layer;
     }
-    m.activation_bytes = act / static_cast<double>(plan.tp);
+    m.activation_bytes = act / static_cast<double>(plan.tp * plan.cp);
     m.total_bytes = m.weight_bytes + m.grad_bytes + m.master_bytes + m.optimizer_bytes + m.activation_bytes;
     if (s == 0 || m.total_bytes > best.total_bytes) best = m;
   }
 
   auto& a = best.assumptions;
-  a.push_back(fmt::format("{} GPU(s) = dp {} x pp {} x tp {}; routed experts split over ep {} (ep groups carved from "
-                          "dp x tp), not tensor-split; dense weights split over tp and pp",
-                          plan.gpus(), plan.dp, plan.pp, plan.tp, plan.ep));
+  a.push_back(fmt::format("{} GPU(s) = dp {} x cp {} x pp {} x tp {}; routed experts split over ep {} (ep groups "
+                          "carved from dp x cp x tp), not tensor-split; dense weights split over tp and pp; each "
+                          "sequence split over cp",
+                          plan.gpus(), plan.dp, plan.cp, plan.pp, plan.tp, plan.ep));
   a.push_back("layers split contiguously over pipeline stages (earlier stages take the remainder); embedding on the "
               "first stage, final norm + lm_head on the last; the largest stage is reported");
   a.push_back(fmt::format("bf16 weights (2 B), fp32 gradients (4 B), fp32 master weights (4 B), {} state {} B/param; "
                           "{}",
                           optimizer_name(plan.optimizer), plan.optimizer == Optimizer::AdamW ? "m+v 8" : "momentum 4",
                           plan.zero1 ? "master + optimizer state sharded over each parameter's data-parallel replicas "
-                                       "(ZeRO-1: dp for dense, dp*tp/ep for experts)"
+                                       "(ZeRO-1: dp*cp for dense, dp*cp*tp/ep for experts)"
                                      : "no optimizer-state sharding"));
   a.push_back(fmt::format("activations: bf16, micro-batch {} x {} tokens, 1F1B schedule (stage s keeps pp-s "
                           "micro-batches in flight), divided by tp (sequence parallel), flash-style attention (no "
@@ -267,6 +269,38 @@ TrainingMemory training_memory(const ModelConfig& c, const ParallelPlan& plan) {
                           plan.micro_batch, plan.seq_len, recompute_name(plan.recompute)));
   a.push_back("not counted: communication buffers, allocator fragmentation, CUDA context, load imbalance of experts");
   return best;
+}
+
+TrainingTraffic training_traffic(const ModelConfig& c, const ParallelPlan& plan) {
+  plan.validate(c);
+  const ParamCounts pc = count_params(c);
+  auto ring = [](double bytes, int64_t n) { return n > 1 ? bytes * double(n - 1) / double(n) : 0.0; };
+  TrainingTraffic t;
+  // Per GPU: its share of the model (the largest stage's, as training_memory reports it).
+  const TrainingMemory m = training_memory(c, plan);
+  const int64_t dense_rep = plan.dp * plan.cp, expert_rep = plan.dp * plan.cp * plan.tp / plan.ep;
+  auto dp_bytes = [&](double params, int64_t rep) {
+    return plan.zero1 ? ring(4.0 * params, rep) + ring(2.0 * params, rep) : 2.0 * ring(4.0 * params, rep);
+  };
+  t.dp = dp_bytes(m.dense_params, dense_rep) + dp_bytes(m.expert_params, expert_rep);
+  const double tokens = double(plan.micro_batch) * double(plan.seq_len) / double(plan.cp);  // this rank's
+  const double frac_layers = double(m.stage_layers) / double(c.num_hidden_layers);
+  if (c.num_experts > 0 && plan.ep > 1) {
+    const double l = double(c.expert_width()), k = double(c.num_experts_per_token);
+    const double per_layer = 4.0 * tokens * k * l * 2.0 * double(plan.ep - 1) / double(plan.ep);
+    t.ep = per_layer * double(c.num_moe_layers()) * frac_layers;
+  }
+  if (plan.cp > 1) {
+    const double H = double(c.kda_num_heads), K = double(c.kda_head_dim);
+    const double kda = 2.0 * double(plan.cp - 1) * 2.0 * H * K * K * 4.0 +  // transition + state, fwd and bwd
+                       2.0 * 3.0 * 3.0 * double(c.kda_key_dim()) * 2.0;      // the conv halo (3 rows of q, k, v)
+    const double mla = double(plan.cp - 1) * tokens * double(c.mla_cache_dim()) * (2.0 + 4.0);
+    t.cp = (kda * double(c.num_kda_layers()) + mla * double(c.num_mla_layers())) * frac_layers;
+  }
+  if (plan.pp > 1) t.pp = 2.0 * tokens * double(c.hidden_size) * 2.0 / double(plan.tp);
+  if (plan.tp > 1)
+    t.tp = 2.0 * 2.0 * 2.0 * double(m.stage_layers) * ring(tokens * double(c.hidden_size) * 2.0, plan.tp);
+  return t;
 }
 
 }  // namespace lm::model

@@ -94,12 +94,13 @@ enum class Recompute { None, Full };
 
 struct ParallelPlan {
   int64_t dp = 1, ep = 1, pp = 1, tp = 1;
+  int64_t cp = 1;  // context parallel: each sequence split over cp ranks (activations / cp)
   int64_t micro_batch = 1;  // sequences per micro-batch
   int64_t seq_len = 8192;
   Optimizer optimizer = Optimizer::AdamW;
   bool zero1 = true;  // fp32 master weights + optimizer state sharded over each parameter's data-parallel group
   Recompute recompute = Recompute::None;
-  int64_t gpus() const { return dp * pp * tp; }
+  int64_t gpus() const { return dp * cp * pp * tp; }
   // Throws lm::Error when the plan does not fit the model (EP must divide num_experts and dp*tp, pp <= L ...).
   void validate(const ModelConfig& c) const;
 };
@@ -116,6 +117,21 @@ struct TrainingMemory {
   std::vector<std::string> assumptions;
 };
 TrainingMemory training_memory(const ModelConfig& c, const ParallelPlan& plan);
+
+// Bytes one GPU sends per training step (one micro-batch per data-parallel replica) by parallel dimension, for ring
+// collectives ((n−1)/n of the payload per rank) and pairwise all-to-alls: data parallel, the gradients reduce-
+// scattered (fp32) and the updated weights all-gathered (bf16) over each parameter's replicas (dense: dp·cp, experts:
+// dp·cp·tp/ep), or all-reduced without ZeRO-1; expert parallel, per MoE layer the routed rows dispatched and combined
+// (l-wide bf16, forward and backward: 4 all-to-alls); context parallel, per KDA layer the all-gather of each rank's
+// segment transition and zero-start state (fp32 [H, K, K] each, forward and backward) and the 3-token conv halo, per
+// MLA layer the all-gather of the 576-wide latents (bf16 forward, fp32 gradients backward); pipeline, the boundary
+// activations (bf16 [tokens, d] forward and backward); tensor parallel, Megatron's two all-reduces per sublayer of
+// bf16 [tokens, d] forward and backward.
+struct TrainingTraffic {
+  double dp = 0, ep = 0, cp = 0, pp = 0, tp = 0;
+  double total() const { return dp + ep + cp + pp + tp; }
+};
+TrainingTraffic training_traffic(const ModelConfig& c, const ParallelPlan& plan);
 
 std::string_view optimizer_name(Optimizer o);
 std::string_view recompute_name(Recompute r);

@@ -147,6 +147,35 @@ TEST(Accounting, InferenceMemoryAndDecodeTraffic) {
   EXPECT_EQ(many.weights - one.weights, 2.0 * 4095 * 2304);  // only the embedding rows grow with the batch
 }
 
+// Communication per GPU and step (model::training_traffic): nothing on one GPU; data parallel with ZeRO-1 moves
+// 6 bytes per held parameter around the ring (fp32 gradients reduce-scattered, bf16 weights gathered), without it
+// 8 (an fp32 all-reduce); expert and context parallel add their own terms; cp splits activations and must divide
+// the sequence.
+TEST(Accounting, TrainingTraffic) {
+  REQUIRE_CONFIGS(dir);
+  const ModelConfig c = ModelConfig::load(dir + "/kimi-linear-48b-a3b.json");
+  ParallelPlan one;
+  EXPECT_EQ(training_traffic(c, one).total(), 0.0);
+  ParallelPlan dp = one;
+  dp.dp = 8;
+  const TrainingMemory m = training_memory(c, dp);
+  const double held = m.dense_params + m.expert_params;
+  EXPECT_NEAR(training_traffic(c, dp).dp / (6.0 * held * 7 / 8), 1.0, 1e-12);
+  dp.zero1 = false;
+  EXPECT_NEAR(training_traffic(c, dp).dp / (8.0 * held * 7 / 8), 1.0, 1e-12);
+  ParallelPlan ep = one;
+  ep.dp = 8, ep.ep = 8;
+  EXPECT_GT(training_traffic(c, ep).ep, 0.0);
+  ParallelPlan cp = one;
+  cp.cp = 4;
+  const TrainingTraffic t = training_traffic(c, cp);
+  EXPECT_GT(t.cp, 0.0);
+  EXPECT_EQ(t.ep, 0.0);
+  EXPECT_NEAR(training_memory(c, cp).activation_bytes * 4 / training_memory(c, one).activation_bytes, 1.0, 1e-12);
+  cp.seq_len = 8190;
+  EXPECT_THROW(training_traffic(c, cp), lm::Error);
+}
+
 TEST(Accounting, CountsEqualTheTensorList) {
   REQUIRE_CONFIGS(dir);
   for (const char* f : {"/kimi-k3.json", "/kimi-linear-48b-a3b.json"}) {
