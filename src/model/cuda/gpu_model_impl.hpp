@@ -485,6 +485,7 @@ struct GpuModel::Impl {
 
   // ---- inference (infer.cpp) --------------------------------------------------------------------------
   void reserve_caches(int64_t slots, int64_t max_tokens, int64_t pool_tokens);
+  void check_prompt(const char* what, int64_t slot, const int32_t* ids, int64_t n, int64_t chunk) const;
   std::vector<float> prefill_chunks(int64_t slot, const int32_t* ids, int64_t n, int64_t chunk,
                                     std::vector<float>* all_logits);
   // Runs the walk over `rows` tokens in inference mode and returns the logits of the last `out_rows` rows.

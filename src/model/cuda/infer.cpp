@@ -228,15 +228,28 @@ bool GpuModel::decode_graphs() const { return p_->inf.use_graphs; }
 // n tokens after what `slot` holds, prefill_chunk at a time: each chunk through the walk in prefill mode, where the
 // mixers continue from the caches (a chunk after the first: kda_forward from the cached state and conv inputs,
 // mla_prefill_attend over the cached latents). On an error the slot is left empty.
+// The checks of a prompt of n tokens after what `slot` holds (prefill and extend), before anything changes.
+void GpuModel::Impl::check_prompt(const char* what, int64_t slot, const int32_t* ids, int64_t n, int64_t chunk) const {
+  const InferState& f = inf;
+  LM_CHECK(f.slots > 0, "gpu model: {} before reserve_caches", what);
+  LM_CHECK(slot >= 0 && slot < f.slots, "gpu model: {} slot {} outside [0, {})", what, slot, f.slots);
+  LM_CHECK(n >= 1, "gpu model: {} of no tokens", what);
+  LM_CHECK(chunk >= 1, "gpu model: prefill_chunk {}", chunk);
+  const int64_t held = std::string_view(what) == "extend" ? f.pos[size_t(slot)] : 0;
+  LM_CHECK(held + n <= f.max_tokens,
+           "gpu model: a prompt of {} tokens after {} cached exceeds the cache of {} tokens per sequence", n, held,
+           f.max_tokens);
+  for (int64_t t = 0; t < n; ++t)
+    LM_CHECK(ids[t] >= 0 && ids[t] < V, "gpu model: token id {} at prompt position {} is outside the vocabulary "
+             "[0, {})", ids[t], held + t, V);
+}
+
+// n tokens after what `slot` holds, prefill_chunk at a time: each chunk through the walk in prefill mode, where the
+// mixers continue from the caches (a chunk after the first: kda_forward from the cached state and conv inputs,
+// mla_prefill_attend over the cached latents). On an error the slot is left empty.
 std::vector<float> GpuModel::Impl::prefill_chunks(int64_t slot, const int32_t* ids, int64_t n, int64_t chunk,
                                                   std::vector<float>* all_logits) {
   InferState& f = inf;
-  for (int64_t t = 0; t < n; ++t)
-    LM_CHECK(ids[t] >= 0 && ids[t] < V, "gpu model: token id {} at prompt position {} is outside the vocabulary "
-             "[0, {})", ids[t], f.pos[size_t(slot)] + t, V);
-  LM_CHECK(f.pos[size_t(slot)] + n <= f.max_tokens,
-           "gpu model: a prompt of {} tokens after {} cached exceeds the cache of {} tokens per sequence", n,
-           f.pos[size_t(slot)], f.max_tokens);
   struct Drop {  // a walk that fails leaves an empty slot, never a half-written one
     Impl& m;
     int64_t slot;
@@ -262,29 +275,16 @@ std::vector<float> GpuModel::Impl::prefill_chunks(int64_t slot, const int32_t* i
 
 std::vector<float> GpuModel::prefill(int64_t slot, const int32_t* ids, int64_t n, std::vector<float>* all_logits) {
   Impl& m = *p_;
-  InferState& f = m.inf;
-  LM_CHECK(f.slots > 0, "gpu model: prefill before reserve_caches");
-  LM_CHECK(slot >= 0 && slot < f.slots, "gpu model: prefill slot {} outside [0, {})", slot, f.slots);
-  LM_CHECK(n >= 1, "gpu model: prefill of an empty prompt");
-  LM_CHECK(n <= f.max_tokens, "gpu model: a prompt of {} tokens exceeds the cache of {} tokens per sequence", n,
-           f.max_tokens);
-  for (int64_t t = 0; t < n; ++t)  // (checked before the slot is dropped)
-    LM_CHECK(ids[t] >= 0 && ids[t] < m.V, "gpu model: token id {} at prompt position {} is outside the vocabulary "
-             "[0, {})", ids[t], t, m.V);
-  LM_CHECK(prefill_chunk >= 1, "gpu model: prefill_chunk {}", prefill_chunk);
+  m.check_prompt("prefill", slot, ids, n, prefill_chunk);  // (before the slot is dropped)
   m.profiling = profiling;
-  f.pos[size_t(slot)] = 0;
+  m.inf.pos[size_t(slot)] = 0;
   m.release_blocks(slot);
   return m.prefill_chunks(slot, ids, n, prefill_chunk, all_logits);
 }
 
 std::vector<float> GpuModel::extend(int64_t slot, const int32_t* ids, int64_t n, std::vector<float>* all_logits) {
   Impl& m = *p_;
-  InferState& f = m.inf;
-  LM_CHECK(f.slots > 0, "gpu model: extend before reserve_caches");
-  LM_CHECK(slot >= 0 && slot < f.slots, "gpu model: extend slot {} outside [0, {})", slot, f.slots);
-  LM_CHECK(n >= 1, "gpu model: extend by no tokens");
-  LM_CHECK(prefill_chunk >= 1, "gpu model: prefill_chunk {}", prefill_chunk);
+  m.check_prompt("extend", slot, ids, n, prefill_chunk);
   m.profiling = profiling;
   return m.prefill_chunks(slot, ids, n, prefill_chunk, all_logits);
 }

@@ -24,11 +24,6 @@ using namespace lm::cuda_testing;  // Dev, copies, REQUIRE_GPU, kc / oc, toleran
 
 namespace {
 
-Vec down_f32(const Dev& d, size_t n) {
-  Vec r(n);
-  kc::copy_to_host(r.data(), d.p, n * 4);
-  return r;
-}
 // Element offsets into device buffers of bf16 or fp32.
 const void* at_bf16(const Dev& d, int64_t off) { return static_cast<const uint16_t*>(d.p) + off; }
 void* at_bf16_mut(const Dev& d, int64_t off) { return static_cast<uint16_t*>(d.p) + off; }
@@ -95,7 +90,7 @@ void check_chunked(int64_t T, int64_t H, int64_t Hkv, int64_t Dk, uint64_t seed,
   full.B = 1, full.T = T, full.H = H, full.Hkv = Hkv, full.Dk = Dk, full.Dv = Dv;
   oc::attention_forward(full, sq.gq.p, sq.gk.p, sq.gv.p, go_ref.p, glse_ref.f());
   kc::synchronize();
-  const Vec o_ref = down_bf16(go_ref, no), lse_ref = down_f32(glse_ref, nl);
+  const Vec o_ref = down_bf16(go_ref, no), lse_ref = down<float>(glse_ref, nl);
   Vec o_cpu, lse_cpu;
   if (cpu_ref) {
     o_cpu.resize(no), lse_cpu.resize(nl);
@@ -124,7 +119,7 @@ void check_chunked(int64_t T, int64_t H, int64_t Hkv, int64_t Dk, uint64_t seed,
           oc::attention_merge_finish(Tq, H, Dv, gacc.f(), at_bf16_mut(go, c0 * H * Dv));
         }
         kc::synchronize();
-        const Vec o = down_bf16(go, no), lse = down_f32(glse, nl);
+        const Vec o = down_bf16(go, no), lse = down<float>(glse, nl);
         const double eo = err(o_ref, o), el = err(lse_ref, lse);
         const double eo_cpu = cpu_ref ? err(o_cpu, o) : 0.0, el_cpu = cpu_ref ? err(lse_cpu, lse) : 0.0;
         std::printf("%s chunk %lld keys %lld %s (%d blocks): o %.2e lse %.2e", title, (long long)chunk, (long long)bk,
@@ -208,7 +203,7 @@ TEST(AttentionBlockCuda, BlocksMatchNaiveReference) {
       kc::synchronize();
       Vec o_ref, lse_ref;
       block_reference(sq, s, o_ref, lse_ref);
-      const Vec o = down_bf16(go, no), lse = down_f32(glse, nl);
+      const Vec o = down_bf16(go, no), lse = down<float>(glse, nl);
       // Rows that see nothing must be exactly o = 0, lse = −inf; the others are compared by relative RMS.
       Vec lse_vis_ref, lse_vis;
       size_t empty_rows = 0, bad_empty = 0;
@@ -240,7 +235,7 @@ TEST(AttentionBlockCuda, BlockAfterQueriesSeesNothing) {
     Dev go(no * 2), glse(nl * 4);
     sq.run_block(s, go, glse);
     kc::synchronize();
-    const Vec o = down_bf16(go, no), lse = down_f32(glse, nl);
+    const Vec o = down_bf16(go, no), lse = down<float>(glse, nl);
     size_t bad_o = 0, bad_l = 0;
     for (float x : o) bad_o += x != 0.f;  // NaN (unwritten) counts as bad too
     for (float x : lse) bad_l += !(std::isinf(x) && x < 0);
@@ -263,7 +258,7 @@ TEST(AttentionBlockCuda, MergeHandlesEmptyPartials) {
   oc::attention_merge_finish(Tq, H, Dv, gacc.f(), go.p);
   kc::synchronize();
   {
-    const Vec o = down_bf16(go, no), l = down_f32(glacc, nl);
+    const Vec o = down_bf16(go, no), l = down<float>(glacc, nl);
     size_t bad = 0;
     for (float x : o) bad += x != 0.f;
     for (float x : l) bad += !(std::isinf(x) && x < 0);
@@ -279,7 +274,7 @@ TEST(AttentionBlockCuda, MergeHandlesEmptyPartials) {
   kc::synchronize();
   Vec o_ref, lse_ref;
   block_reference(sq, real, o_ref, lse_ref);
-  const double eo = err(o_ref, down_bf16(go, no)), el = err(lse_ref, down_f32(glacc, nl));
+  const double eo = err(o_ref, down_bf16(go, no)), el = err(lse_ref, down<float>(glacc, nl));
   std::printf("empty + empty + block + empty: o %.2e lse %.2e\n", eo, el);
   EXPECT_LE(eo, 1e-2);
   EXPECT_LE(el, 1e-3);
