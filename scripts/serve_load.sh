@@ -3,16 +3,19 @@
 # runs scripts/serve_load.py (32 concurrent clients; a warm-up of >= 20 s and >= 1000 requests, then 60 s
 # measured: every answer checked, malformed requests must get 400s, server RSS must not grow over the
 # measured 60 s), then stops the server with SIGTERM and checks that it exits cleanly.
+# --attack: scripts/serve_attack.py instead (200 slow connections trickling header lines for 60 s while short
+# requests must keep answering: loaded p99 <= 2x unloaded p99).
 #   scripts/serve_load.sh [--bin build/longmoe] [--config configs/k3-small.json] [--model DIR]
-#                         [--clients 32] [--seconds 60] [--warmup 20] [--port 18080]
+#                         [--clients 32] [--seconds 60] [--warmup 20] [--port 18080] [--attack]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 bin=${here}/../build/longmoe config=${here}/../configs/k3-small.json model="" clients=32 seconds=60 warmup=20 port=18080
+attack=0
 while [[ $# -gt 0 ]]; do
   case $1 in
     --bin) bin=$2; shift 2 ;; --config) config=$2; shift 2 ;; --model) model=$2; shift 2 ;;
     --clients) clients=$2; shift 2 ;; --seconds) seconds=$2; shift 2 ;; --port) port=$2; shift 2 ;;
-    --warmup) warmup=$2; shift 2 ;;
+    --warmup) warmup=$2; shift 2 ;; --attack) attack=1; shift ;;
     *) echo "serve_load.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -43,8 +46,12 @@ for _ in $(seq 100); do
   sleep 0.2
 done
 status=0
-python3 "$here/serve_load.py" --port "$port" --pid $pid --clients "$clients" --seconds "$seconds" \
-  --warmup "$warmup" --context $context || status=$?
+if [[ $attack == 1 ]]; then
+  python3 "$here/serve_attack.py" --port "$port" --seconds "$seconds" || status=$?
+else
+  python3 "$here/serve_load.py" --port "$port" --pid $pid --clients "$clients" --seconds "$seconds" \
+    --warmup "$warmup" --context $context || status=$?
+fi
 # The server must still serve, then shut down cleanly on SIGTERM.
 curl -sf "http://127.0.0.1:$port/health" > /dev/null || { echo "serve_load: server stopped serving"; status=1; }
 t0=$(date +%s.%N)

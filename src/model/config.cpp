@@ -29,7 +29,7 @@ const std::vector<std::string> kModelFields = {
     "hidden_act", "activation_situ_beta", "activation_situ_linear_beta", "intermediate_size",
     "first_k_dense_replace", "moe_layer_freq", "num_experts", "num_experts_per_token", "num_shared_experts",
     "moe_intermediate_size", "routed_expert_hidden_size", "latent_moe_use_norm", "moe_renormalize",
-    "routed_scaling_factor", "attn_res_block_size",
+    "routed_scaling_factor", "attn_res_block_size", "vision_config",
     // carried through
     "max_position_embeddings", "pad_token_id", "bos_token_id", "eos_token_id", "torch_dtype", "dtype"};
 
@@ -248,6 +248,152 @@ void check_ignored_types(const Fields& f, int64_t num_layers) {
 }
 
 // Checks the fields that have exactly one admissible value.
+// ---- vision_config (SPEC §9) ---------------------------------------------------------------------
+
+// Fields the tower reads, fields with one permitted value (the variant longmoe implements), ignored ones.
+const std::vector<std::string> kVisionFields = {
+    "patch_size", "init_pos_emb_height", "init_pos_emb_width", "init_pos_emb_time", "vt_num_attention_heads",
+    "vt_num_hidden_layers", "vt_hidden_size", "vt_intermediate_size", "qkv_hidden_size", "merge_kernel_size",
+    "mm_hidden_size", "projector_ln_eps", "text_hidden_size", "media_placeholder_token_id"};
+const std::vector<std::pair<std::string, std::string>> kVisionFixedStrings = {
+    {"pos_emb_type", "divided_fixed"},     {"merge_type", "sd2_tpool"},
+    {"mm_projector_type", "patchmergerv2"}, {"projector_hidden_act", "gelu"},
+    {"norm_type", "rmsnorm"},              {"mlp_type", "mlp2"},
+    {"activation_func", "gelu_pytorch_tanh"}, {"pos_emb_interpolation_mode", "bilinear"},
+    {"video_attn_type", "spatial_temporal"}};
+const std::vector<std::string> kVisionFalseFlags = {"attn_bias", "patch_embed_proj_bias", "linear_bias"};
+const std::vector<std::string> kVisionIgnored = {"model_type", "_name_or_path", "transformers_version",
+                                                 "torch_dtype", "dtype", "initializer_range"};
+
+// True when `j[key]` holds a tower: absent, null and {} all mean "no vision tower".
+bool has_vision(const json& j, const std::string& key) {
+  return j.contains(key) && !j.at(key).is_null() && !(j.at(key).is_object() && j.at(key).empty());
+}
+
+}  // namespace
+
+VisionConfig VisionConfig::from_json(const io::json& vc, const std::string& ctx, const std::string& where) {
+  try {
+    const std::string obj = where.empty() ? std::string("vision_config") : where.substr(0, where.size() - 1);
+    LM_CHECK(vc.is_object(), "{}: field '{}' must be an object, got {}", ctx, obj, vc.type_name());
+    Fields f{vc, ctx, where};
+    std::vector<std::string> fixed;
+    for (const auto& [k, v] : kVisionFixedStrings) fixed.push_back(k);
+    f.reject_unknown({kVisionFields, fixed, kVisionFalseFlags, kVisionIgnored});
+    for (const auto& [k, want] : kVisionFixedStrings)
+      if (auto v = f.opt_string(k))
+        LM_CHECK(*v == want, "{}: field '{}' is '{}'; longmoe implements '{}' (SPEC §9)", ctx, f.name(k), *v, want);
+    for (const auto& k : kVisionFalseFlags)
+      if (auto v = f.opt_bool(k))
+        LM_CHECK(!*v, "{}: field '{}' must be false: every linear of the tower is bias-free (SPEC §9)", ctx, f.name(k));
+
+    VisionConfig c;
+    c.patch_size = f.req_int("patch_size", 1, 1024);
+    c.init_pos_emb_height = f.req_int("init_pos_emb_height", 1, 65536);
+    c.init_pos_emb_width = f.req_int("init_pos_emb_width", 1, 65536);
+    c.init_pos_emb_time = f.req_int("init_pos_emb_time", 1, 65536);
+    c.num_heads = f.req_int("vt_num_attention_heads", 1, kMaxDim);
+    c.num_layers = f.req_int("vt_num_hidden_layers", 1, kMaxLayers);
+    c.hidden_size = f.req_int("vt_hidden_size", 1, kMaxDim);
+    c.intermediate_size = f.req_int("vt_intermediate_size", 1, kMaxDim);
+    c.qkv_hidden_size = f.opt_int("qkv_hidden_size", 1, kMaxDim).value_or(c.hidden_size);
+    if (f.has("merge_kernel_size")) {
+      const auto mk = f.req_int_list("merge_kernel_size", 1, 64);
+      LM_CHECK(mk.size() == 2, "{}: field '{}' must be [rows, columns], got a list of {}", ctx,
+               f.name("merge_kernel_size"), mk.size());
+      c.merge_h = mk[0], c.merge_w = mk[1];
+    }
+    if (auto m = f.opt_int("mm_hidden_size", 1, kMaxDim))
+      LM_CHECK(*m == c.hidden_size,
+               "{}: field '{}' = {} must equal '{}vt_hidden_size' = {} (the projector reads the tower's patches)", ctx,
+               f.name("mm_hidden_size"), *m, where, c.hidden_size);
+    if (auto e = f.opt_double("projector_ln_eps")) c.projector_ln_eps = *e;
+    c.text_hidden_size = f.req_int("text_hidden_size", 1, kMaxDim);
+    c.media_placeholder_token_id = f.opt_int("media_placeholder_token_id", 0, kMaxVocab);
+    c.validate(ctx);
+    return c;
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail("{}: invalid vision_config: {}", ctx, e.what());
+  }
+}
+
+VisionConfig VisionConfig::load(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const std::string file = fs::is_directory(path, ec) ? (fs::path(path) / "config.json").string() : path;
+  const json j = io::load_json_file(file);
+  LM_CHECK(j.is_object() && has_vision(j, "vision_config"), "{}: no 'vision_config' object (a vision tower config)",
+           file);
+  return from_json(j.at("vision_config"), file);
+}
+
+void VisionConfig::validate(const std::string& ctx) const {
+  auto in = [&](int64_t v, int64_t lo, int64_t hi, const char* n) {
+    LM_CHECK(v >= lo && v <= hi, "{}: field 'vision_config.{}' = {} is out of range [{}, {}]", ctx, n, v, lo, hi);
+  };
+  in(patch_size, 1, 1024, "patch_size");
+  in(init_pos_emb_height, 1, 65536, "init_pos_emb_height");
+  in(init_pos_emb_width, 1, 65536, "init_pos_emb_width");
+  in(init_pos_emb_time, 1, 65536, "init_pos_emb_time");
+  in(num_heads, 1, kMaxDim, "vt_num_attention_heads");
+  in(num_layers, 1, kMaxLayers, "vt_num_hidden_layers");
+  in(hidden_size, 1, kMaxDim, "vt_hidden_size");
+  in(intermediate_size, 1, kMaxDim, "vt_intermediate_size");
+  in(qkv_hidden_size, 1, kMaxDim, "qkv_hidden_size");
+  in(text_hidden_size, 1, kMaxDim, "text_hidden_size");
+  LM_CHECK(merge_h >= 1 && merge_h <= 64 && merge_w >= 1 && merge_w <= 64,
+           "{}: field 'vision_config.merge_kernel_size' = [{}, {}] is out of range [1, 64]", ctx, merge_h, merge_w);
+  LM_CHECK(qkv_hidden_size % num_heads == 0,
+           "{}: field 'vision_config.qkv_hidden_size' = {} is not a multiple of 'vt_num_attention_heads' = {}", ctx,
+           qkv_hidden_size, num_heads);
+  LM_CHECK(head_dim() % 4 == 0,
+           "{}: head_dim = qkv_hidden_size / vt_num_attention_heads = {} must be a multiple of 4 (2-D RoPE turns "
+           "channel pairs by column and by row in turn)",
+           ctx, head_dim());
+  LM_CHECK(hidden_size % 2 == 0, "{}: field 'vision_config.vt_hidden_size' = {} must be even (sin/cos time table)",
+           ctx, hidden_size);
+  LM_CHECK(std::isfinite(projector_ln_eps) && projector_ln_eps > 0 && projector_ln_eps < 1,
+           "{}: field 'vision_config.projector_ln_eps' = {} must be in (0, 1)", ctx, projector_ln_eps);
+  LM_CHECK(!media_placeholder_token_id || (*media_placeholder_token_id >= 0 && *media_placeholder_token_id <= kMaxVocab),
+           "{}: field 'vision_config.media_placeholder_token_id' is out of range", ctx);
+  LM_CHECK(merged_dim() <= kMaxDim, "{}: merged width {} x vt_hidden_size {} is too large", ctx, merge_size(),
+           hidden_size);
+}
+
+io::json VisionConfig::to_json() const {
+  json j = json::object();
+  j["patch_size"] = patch_size;
+  j["init_pos_emb_height"] = init_pos_emb_height;
+  j["init_pos_emb_width"] = init_pos_emb_width;
+  j["init_pos_emb_time"] = init_pos_emb_time;
+  j["pos_emb_type"] = "divided_fixed";
+  j["vt_num_attention_heads"] = num_heads;
+  j["vt_num_hidden_layers"] = num_layers;
+  j["vt_hidden_size"] = hidden_size;
+  j["vt_intermediate_size"] = intermediate_size;
+  j["qkv_hidden_size"] = qkv_hidden_size;
+  j["merge_kernel_size"] = json::array({merge_h, merge_w});
+  j["merge_type"] = "sd2_tpool";
+  j["mm_projector_type"] = "patchmergerv2";
+  j["mm_hidden_size"] = hidden_size;
+  j["projector_hidden_act"] = "gelu";
+  j["projector_ln_eps"] = projector_ln_eps;
+  j["norm_type"] = "rmsnorm";
+  j["attn_bias"] = false;
+  j["patch_embed_proj_bias"] = false;
+  j["mlp_type"] = "mlp2";
+  j["linear_bias"] = false;
+  j["activation_func"] = "gelu_pytorch_tanh";
+  j["pos_emb_interpolation_mode"] = "bilinear";
+  j["text_hidden_size"] = text_hidden_size;
+  if (media_placeholder_token_id) j["media_placeholder_token_id"] = *media_placeholder_token_id;
+  return j;
+}
+
+namespace {
+
 void check_fixed_fields(const Fields& f, bool nested) {
   if (auto mt = f.opt_string("model_type"))
     LM_CHECK(*mt == "kimi_linear", "{}: field '{}' is '{}'; longmoe reads model_type 'kimi_linear'", f.ctx,
@@ -366,6 +512,9 @@ ModelConfig parse_model(const Fields& f, bool nested) {
 
   c.attn_res_block_size = f.opt_int("attn_res_block_size", 1, kMaxLayers);
 
+  if (has_vision(f.j, "vision_config"))
+    c.vision = VisionConfig::from_json(f.j.at("vision_config"), f.ctx, f.where + "vision_config.");
+
   // Carried through.
   c.max_position_embeddings = f.opt_int("max_position_embeddings", 1, std::numeric_limits<int64_t>::max());
   check_token_id(f, "pad_token_id", false);
@@ -412,6 +561,14 @@ ModelConfig ModelConfig::from_json(const io::json& j, const std::string& ctx) {
       const json& tc = j.at("text_config");
       if (!tc.is_object()) outer.wrong_type("text_config", "an object");
       c = parse_model(Fields{tc, ctx, "text_config."}, /*nested=*/true);
+      if (has_vision(j, "vision_config")) {
+        LM_CHECK(!c.vision, "{}: both 'vision_config' and 'text_config.vision_config' are given", ctx);
+        c.vision = VisionConfig::from_json(j.at("vision_config"), ctx);
+      }
+      if (c.vision && c.vision->media_placeholder_token_id && outer.has("media_placeholder_token_id"))
+        LM_CHECK(outer.as_int("media_placeholder_token_id", 0, kMaxVocab) == *c.vision->media_placeholder_token_id,
+                 "{}: fields 'media_placeholder_token_id' and 'vision_config.media_placeholder_token_id' disagree",
+                 ctx);
       if (!c.torch_dtype) {
         auto td = outer.opt_string("torch_dtype");
         c.torch_dtype = td ? td : outer.opt_string("dtype");
@@ -544,6 +701,14 @@ void ModelConfig::validate(const std::string& ctx) const {
   LM_CHECK(!max_position_embeddings || *max_position_embeddings >= 1,
            "{}: field 'max_position_embeddings' must be positive", ctx);
 
+  if (vision) {
+    vision->validate(ctx);
+    LM_CHECK(vision->text_hidden_size == hidden_size,
+             "{}: field 'vision_config.text_hidden_size' = {} must equal 'hidden_size' = {} (the projector's features "
+             "replace token embeddings)",
+             ctx, vision->text_hidden_size, hidden_size);
+  }
+
   // Keep every parameter sum far inside int64 (and exact in double): reject absurd totals.
   const double d = static_cast<double>(hidden_size);
   const double per_layer =
@@ -618,6 +783,7 @@ io::json ModelConfig::to_json() const {
   j["num_expert_group"] = 1;
   j["topk_group"] = 1;
   if (attn_res_block_size) j["attn_res_block_size"] = *attn_res_block_size;
+  if (vision) j["vision_config"] = vision->to_json();
   if (max_position_embeddings) j["max_position_embeddings"] = *max_position_embeddings;
   j["tie_word_embeddings"] = false;
   j["num_nextn_predict_layers"] = 0;

@@ -8,7 +8,9 @@
 //   * the HF multimodal layout where the language model's fields sit under "text_config";
 //   * HF attribute-map aliases (num_local_experts, num_experts_per_tok, n_shared_experts,
 //     norm_topk_prob, n_group) and HF's derived linear_* fields; an alias and its canonical name must
-//     agree when both are given.
+//     agree when both are given;
+//   * a `vision_config` object (top level in either layout) parsed into `vision` (VisionConfig);
+//     null or {} means no tower.
 // Layer lists in the file are 1-based (kda_layers, full_attn_layers); the helpers below take 0-based
 // layer indices, as tensor names do.
 #include <cstdint>
@@ -19,6 +21,44 @@
 #include "io/json.hpp"
 
 namespace lm::model {
+
+// `vision_config` (K3's field names, SPEC §9): the MoonViT-V2 tower and the patchmergerv2 projector.
+// Parsed as strictly as the text model: unknown fields are errors, and the fields that name a variant
+// (pos_emb_type, merge_type, mm_projector_type, activations, norm_type, biases, ...) must name the one
+// longmoe implements. Legend: D vt_hidden_size, Q qkv_hidden_size, I vt_intermediate_size, d text width.
+struct VisionConfig {
+  int64_t patch_size = 14;           // square RGB patches, Conv2d stride = kernel = patch_size
+  int64_t init_pos_emb_height = 0;   // P0 rows of the learned position table (K3: 64)
+  int64_t init_pos_emb_width = 0;    // P0 columns
+  int64_t init_pos_emb_time = 0;     // frames of the fixed sin/cos time table: the longest clip
+  int64_t num_heads = 0;             // vt_num_attention_heads
+  int64_t num_layers = 0;            // vt_num_hidden_layers
+  int64_t hidden_size = 0;           // vt_hidden_size, D
+  int64_t intermediate_size = 0;     // vt_intermediate_size, I
+  int64_t qkv_hidden_size = 0;       // Q (absent: D); head_dim = Q / heads, a multiple of 4 (2-D RoPE)
+  int64_t merge_h = 2, merge_w = 2;  // merge_kernel_size
+  double projector_ln_eps = 1e-5;    // the projector's post_norm eps
+  int64_t text_hidden_size = 0;      // d: the projector's output width (the text model's hidden_size)
+  std::optional<int64_t> media_placeholder_token_id;  // carried through (the splice, SPEC §9)
+
+  // The tower's RMSNorms: nn.RMSNorm without eps in the reference, i.e. bf16's finfo eps, fixed here
+  // in every dtype so the fp32 and bf16 paths agree (SPEC §9).
+  static constexpr double kNormEps = 1.0 / 128.0;
+  static constexpr double kRopeTheta = 10000.0;
+
+  int64_t head_dim() const { return qkv_hidden_size / num_heads; }
+  int64_t patch_dim() const { return 3 * patch_size * patch_size; }     // flattened [3, p, p]
+  int64_t merge_size() const { return merge_h * merge_w; }
+  int64_t merged_dim() const { return merge_size() * hidden_size; }     // projector input width (4D)
+
+  // `vc` is the vision_config object; `where` prefixes field names in errors ("vision_config.").
+  static VisionConfig from_json(const io::json& vc, const std::string& ctx, const std::string& where = "vision_config.");
+  // The "vision_config" object of a config.json (or a directory holding one).
+  static VisionConfig load(const std::string& path);
+  io::json to_json() const;
+  void validate(const std::string& ctx = "VisionConfig") const;
+  bool operator==(const VisionConfig&) const = default;
+};
 
 struct ModelConfig {
   // ---- stack -------------------------------------------------------------------------------
@@ -67,6 +107,9 @@ struct ModelConfig {
 
   // ---- Block AttnRes (SPEC §6) ---------------------------------------------------------------
   std::optional<int64_t> attn_res_block_size;  // absent: plain pre-norm residual
+
+  // ---- vision (SPEC §9): `vision_config`, absent (or null / {}) for a text-only model -----------
+  std::optional<VisionConfig> vision;
 
   // ---- carried through unchanged (no effect on the computation) -------------------------------
   std::optional<int64_t> max_position_embeddings;

@@ -17,6 +17,8 @@ std::string_view component_name(Component c) {
     case Component::LatentProj: return "latent_proj";
     case Component::Norm: return "norm";
     case Component::AttnRes: return "attnres";
+    case Component::VisionTower: return "vision_tower";
+    case Component::Projector: return "mm_projector";
   }
   return "?";
 }
@@ -148,6 +150,36 @@ void for_each_param(const ModelConfig& c, const std::function<void(const ParamSp
   }
   emit("model.norm.weight", {d}, Component::Norm, false);
   emit("lm_head.weight", {c.vocab_size, d}, Component::LmHead, true);
+}
+
+void for_each_vision_param(const VisionConfig& v, const std::function<void(const ParamSpec&)>& f) {
+  const int64_t D = v.hidden_size, Q = v.qkv_hidden_size, I = v.intermediate_size, p = v.patch_size;
+  const int64_t m = v.merged_dim(), d = v.text_hidden_size;
+  const auto VT = Component::VisionTower, PR = Component::Projector;
+  Emitter emit(f);
+  emit("vision_tower.patch_embed.proj.weight", {D, 3, p, p}, VT, true);
+  emit("vision_tower.patch_embed.pos_emb.weight", {v.init_pos_emb_height, v.init_pos_emb_width, D}, VT, false);
+  for (int i = 0; i < v.num_layers; ++i) {
+    emit.layer = i;
+    const std::string B = fmt::format("vision_tower.encoder.blocks.{}", i);
+    emit(B + ".norm0.weight", {D}, VT, false);
+    emit(B + ".wqkv.weight", {3 * Q, D}, VT, true);
+    emit(B + ".wo.weight", {D, Q}, VT, true);
+    emit(B + ".norm1.weight", {D}, VT, false);
+    emit(B + ".mlp.fc0.weight", {I, D}, VT, true);
+    emit(B + ".mlp.fc1.weight", {D, I}, VT, true);
+  }
+  emit.layer = -1;
+  emit("vision_tower.encoder.final_layernorm.weight", {D}, VT, false);
+  emit("mm_projector.proj.0.weight", {m, m}, PR, true);
+  emit("mm_projector.proj.2.weight", {d, m}, PR, true);
+  emit("mm_projector.post_norm.weight", {d}, PR, false);
+}
+
+std::vector<ParamSpec> vision_param_specs(const VisionConfig& v) {
+  std::vector<ParamSpec> r;
+  for_each_vision_param(v, [&](const ParamSpec& p) { r.push_back(p); });
+  return r;
 }
 
 std::vector<ParamSpec> param_specs(const ModelConfig& c) {

@@ -28,8 +28,11 @@ enum class Component : uint8_t {
   LatentProj,    // routed_expert_{down_proj,norm,up_proj}
   Norm,          // input/post_attention layernorms, model.norm
   AttnRes,       // *_res_proj / *_res_norm (per layer and output read)
+  VisionTower,   // vision_tower.* (SPEC §9; a separate tensor list, for_each_vision_param)
+  Projector,     // mm_projector.*
 };
-inline constexpr int kNumComponents = 11;
+inline constexpr int kNumComponents = 13;
+inline constexpr int kNumTextComponents = 11;  // the components for_each_param emits (Embedding .. AttnRes)
 std::string_view component_name(Component c);  // "embedding", "lm_head", "kda", ...
 
 struct ParamSpec {
@@ -49,5 +52,13 @@ void for_each_param(const ModelConfig& c, const std::function<void(const ParamSp
 // Only the tensors of decoder layer `layer` (0-based).
 void for_each_layer_param(const ModelConfig& c, int layer, const std::function<void(const ParamSpec&)>& f);
 std::vector<ParamSpec> param_specs(const ModelConfig& c);
+
+// The vision tower and projector (SPEC §9), in forward order: patch embed (proj, pos_emb), blocks 0..n-1
+// (norm0, wqkv, wo, norm1, mlp.fc0, mlp.fc1; `layer` = block index), final_layernorm, mm_projector (proj.0,
+// proj.2, post_norm). D vt_hidden_size, Q qkv_hidden_size, I vt_intermediate_size, p patch_size, P0h×P0w the
+// position table, m = merge_h·merge_w, d text_hidden_size. These names are those of a multimodal checkpoint; the
+// text model's tensors there carry the prefix `language_model.`.
+void for_each_vision_param(const VisionConfig& v, const std::function<void(const ParamSpec&)>& f);
+std::vector<ParamSpec> vision_param_specs(const VisionConfig& v);
 
 }  // namespace lm::model

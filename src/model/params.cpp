@@ -25,6 +25,21 @@ ParamStore<F>::ParamStore(const ModelConfig& c) {
 }
 
 template <class F>
+ParamStore<F>::ParamStore(const std::vector<ParamSpec>& specs) {
+  size_t bytes = 0;
+  for (const ParamSpec& s : specs) bytes += static_cast<size_t>(s.numel()) * sizeof(F);
+  check_host_memory(bytes, fmt::format("the {:.3f}B parameters of this tensor list", bytes / sizeof(F) / 1e9));
+  for (const ParamSpec& s : specs) {
+    LM_CHECK(!index_.count(s.name), "tensor '{}' is listed twice", s.name);
+    Param<F> p;
+    p.spec = s;
+    p.value = Tensor::zeros(s.shape, dtype_of<F>);
+    index_[s.name] = params_.size();
+    params_.push_back(std::move(p));
+  }
+}
+
+template <class F>
 Param<F>& ParamStore<F>::at(const std::string& name) {
   auto it = index_.find(name);
   LM_CHECK(it != index_.end(), "the model has no parameter named '{}'", name);
@@ -69,7 +84,8 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 // Output projections feed the residual stream; scaling them by 1/sqrt(2L) keeps the stream's
 // variance from growing with depth (GPT-2 style).
 bool is_output_projection(const std::string& n) {
-  for (const char* s : {".o_proj.weight", ".down_proj.weight", ".w2.weight", ".routed_expert_up_proj.weight"})
+  for (const char* s : {".o_proj.weight", ".down_proj.weight", ".w2.weight", ".routed_expert_up_proj.weight",
+                        ".wo.weight", ".mlp.fc1.weight"})
     if (ends_with(n, s)) return true;
   return false;
 }
@@ -82,6 +98,10 @@ double init_normal_sd(const ParamSpec& s, int64_t L, double init_scale) {
       ends_with(n, "e_score_correction_bias"))
     return 0;
   if (ends_with(n, "conv1d.weight")) return 1.0 / std::sqrt(static_cast<double>(s.shape.back()));
+  // Vision tower (SPEC §9): the patch conv is a GEMM over 3·p·p inputs; the position table starts small
+  // beside the patch embedding it is added to.
+  if (n == "vision_tower.patch_embed.proj.weight") return init_scale / std::sqrt(static_cast<double>(s.numel() / s.shape[0]));
+  if (n == "vision_tower.patch_embed.pos_emb.weight") return 0.02 * init_scale;
   if (n == "model.embed_tokens.weight") return init_scale;
   if (s.shape.size() == 2 && s.matmul) {
     double sd = init_scale / std::sqrt(static_cast<double>(s.shape[1]));

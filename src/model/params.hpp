@@ -37,6 +37,8 @@ class ParamStore {
  public:
   // Allocates every tensor, zero-filled; lm::Error first when they need more than the machine's memory.
   explicit ParamStore(const ModelConfig& c);
+  // The same over any tensor list (the vision tower's, vision_param_specs).
+  explicit ParamStore(const std::vector<ParamSpec>& specs);
 
   // Initialisation for from-scratch training (SPEC): linear weights N(0, 1/sqrt(fan_in)) scaled by
   // `init_scale`, output projections further by 1/sqrt(2L), norms 1, AttnRes pseudo-queries 0,
