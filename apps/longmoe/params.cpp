@@ -118,9 +118,14 @@ int run(const Options& o) {
     j["layers"] = {{"total", c.num_hidden_layers}, {"kda", c.num_kda_layers()}, {"mla", c.num_mla_layers()},
                    {"dense_ffn", c.num_dense_ffn_layers()}, {"moe", c.num_moe_layers()}};
     lm::io::json comps = lm::io::json::object();
-    for (int i = 0; i < kNumComponents; ++i) {
+    for (int i = 0; i < kNumTextComponents; ++i) {
       const auto comp = static_cast<Component>(i);
       comps[std::string(component_name(comp))] = {{"total", pc[comp].total}, {"activated", pc[comp].activated}};
+    }
+    if (c.vision) {
+      const VisionParamCounts vp = count_vision_params(*c.vision);
+      j["vision"] = {{"tower", vp.tower}, {"projector", vp.projector}, {"total", vp.total()},
+                     {"blocks", c.vision->num_layers}, {"hidden_size", c.vision->hidden_size}};
     }
     j["params"] = {{"total", pc.total},
                    {"activated", pc.activated},
@@ -187,7 +192,7 @@ int run(const Options& o) {
   line("  " + layer_summary(c));
   line("");
   line(fmt::format("{:<28}{:>16}{:>16}", "Parameters", "total", "activated"));
-  for (int i = 0; i < kNumComponents; ++i) {
+  for (int i = 0; i < kNumTextComponents; ++i) {
     const auto comp = static_cast<Component>(i);
     if (pc[comp].total == 0) continue;
     line(fmt::format("  {:<26}{:>16}{:>16}", component_name(comp), params_str(static_cast<double>(pc[comp].total)),
@@ -201,6 +206,18 @@ int run(const Options& o) {
   line(fmt::format("  activated = per token, without the input embedding; routed experts counted {} of {} per MoE "
                    "layer",
                    c.num_experts_per_token, c.num_experts));
+  if (c.vision) {
+    const VisionConfig& v = *c.vision;
+    const VisionParamCounts vp = count_vision_params(v);
+    line("");
+    line(fmt::format("Vision (SPEC §9; a separate tensor list, not in the totals above): {} blocks, D {}, {} heads x {}, "
+                     "I {}, position table {}x{}, {}x{} merge into d {}",
+                     v.num_layers, v.hidden_size, v.num_heads, v.head_dim(), v.intermediate_size, v.init_pos_emb_height,
+                     v.init_pos_emb_width, v.merge_h, v.merge_w, v.text_hidden_size));
+    line(fmt::format("  {:<26}{:>16}", "vision_tower", params_str(static_cast<double>(vp.tower))));
+    line(fmt::format("  {:<26}{:>16}", "mm_projector", params_str(static_cast<double>(vp.projector))));
+    line(fmt::format("  exact: {} tower, {} projector, {} together", vp.tower, vp.projector, vp.total()));
+  }
   line("");
   line("FLOPs per token");
   line(fmt::format("  training at seq {:<10}  {:>16}  = 3 x ({} matmul [2 x {} weights] + {} MLA attn + {} KDA)",

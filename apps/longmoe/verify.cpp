@@ -9,6 +9,7 @@
 #include "apps/longmoe/commands.hpp"
 #include "apps/longmoe/verify/kda.hpp"
 #include "apps/longmoe/verify/model.hpp"
+#include "apps/longmoe/verify/vision.hpp"
 #include "core/error.hpp"
 #include "io/safetensors.hpp"
 
@@ -43,7 +44,9 @@ int run(const VerifyArgs& a) {
   for (const auto& p : a.paths) {
     try {
       if (std::filesystem::is_directory(p)) {
-        failures += lm::app::verify_model_dir(p, a.tol, a.f64);
+        failures += lm::app::is_vision_dir(p)
+                        ? lm::app::verify_vision_dir(p, a.tol, a.f64, a.core == "reference")
+                        : lm::app::verify_model_dir(p, a.tol, a.f64);
         ++checked;
         continue;
       }
@@ -63,15 +66,16 @@ int run(const VerifyArgs& a) {
   return failures || unreadable ? 1 : 0;
 }
 
-lm::app::Register reg({"verify", "Compare the engine with golden files (KDA op files, model directories)",
+lm::app::Register reg({"verify", "Compare the engine with golden files (KDA op files, model and vision directories)",
                        [](CLI::App& sub) {
                          auto a = std::make_shared<VerifyArgs>();
-                         sub.add_option("paths", a->paths, "Golden .safetensors op files or model directories")
+                         sub.add_option("paths", a->paths, "Golden .safetensors op files, model or vision directories")
                              ->required()
                              ->check(CLI::ExistingPath);
                          sub.add_option("--path", a->path, "KDA diagonal-tile path")
                              ->check(CLI::IsMember({"auto", "bounded", "exact"}));
-                         sub.add_option("--core", a->core, "KDA core: chunked or the token-by-token reference")
+                         sub.add_option("--core", a->core, "KDA core: chunked or the token-by-token reference (vision "
+                                                      "directories: the float64 definition)")
                              ->check(CLI::IsMember({"chunked", "reference"}));
                          sub.add_flag("--f64", a->f64, "Run in float64 instead of fp32");
                          sub.add_option("--tol", a->tol, "Override the tolerance (relative RMS)");

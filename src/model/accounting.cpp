@@ -10,6 +10,14 @@ namespace {
 constexpr int64_t kKdaChunk = 64;  // SPEC §2.1
 }
 
+VisionParamCounts count_vision_params(const VisionConfig& v) {
+  VisionParamCounts r;
+  for_each_vision_param(v, [&](const ParamSpec& p) {
+    (p.component == Component::Projector ? r.projector : r.tower) += p.numel();
+  });
+  return r;
+}
+
 ParamCounts count_params(const ModelConfig& c) {
   ParamCounts r;
   r.layer_total.assign(static_cast<size_t>(c.num_hidden_layers), 0);

@@ -36,6 +36,14 @@ struct ParamCounts {
 };
 ParamCounts count_params(const ModelConfig& c);
 
+// The vision tower and projector (SPEC §9), from vision_param_specs: a separate tensor list, not in count_params.
+struct VisionParamCounts {
+  int64_t tower = 0;      // vision_tower.*
+  int64_t projector = 0;  // mm_projector.*
+  int64_t total() const { return tower + projector; }
+};
+VisionParamCounts count_vision_params(const VisionConfig& v);
+
 // FLOPs per token. Matmul FLOPs are 2 per activated GEMM weight forward, 6 for training (fwd + bwd).
 // Attention adds, per MLA layer, 2*Hm*(qk+v) per attended key (forward, non-absorbed; causal training
 // at sequence length S attends (S+1)/2 keys on average), and per KDA layer and head the chunked cost
