@@ -1,7 +1,8 @@
-// Context-parallel KDA (dist/kda_cp.hpp): a sequence of 4,096 tokens split over the job's ranks (alone, or under
-// mpirun with 2 and 4) gives, on every rank's segment, the outputs and every gradient of the whole sequence run in
-// one process (chunk_forward / chunk_backward), within 1e-5 relative RMS in float and 1e-10 in double; the whole
-// sequence's final state and dh0 too, with a non-zero initial state and final-state gradient.
+// Context-parallel KDA (dist/kda_cp.hpp) and its short convolution (dist/conv_cp.hpp): a sequence of 4,096 tokens
+// split over the job's ranks (alone, or under mpirun with 2 and 4) gives, on every rank's segment, the outputs and
+// every gradient of the whole sequence run in one process (chunk_forward / chunk_backward, short_conv_*), within
+// 1e-5 relative RMS in float and 1e-10 in double; the whole sequence's final state and dh0 (the conv's initial-cache
+// gradient) too, with a non-zero initial state and final-state gradient.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,7 +10,9 @@
 #include <vector>
 
 #include "dist/comm.hpp"
+#include "dist/conv_cp.hpp"
 #include "dist/kda_cp.hpp"
+#include "core/error.hpp"
 #include "testing.hpp"
 
 using namespace lm;
@@ -103,3 +106,43 @@ void check_cp(double tol) {
 
 TEST(KdaContextParallel, EqualsOneProcessFloat) { check_cp<float>(1e-5); }
 TEST(KdaContextParallel, EqualsOneProcessDouble) { check_cp<double>(1e-10); }
+
+// The conv halo: 4,096 rows of 2 sequences split over the ranks, with an initial cache; y, dx and dcache on every
+// rank's segment, and dw summed over the ranks, equal one process's.
+TEST(KdaContextParallel, ShortConvHaloEqualsOneProcess) {
+  dist::Comm& w = dist::world();
+  const int R = w.size(), me = w.rank();
+  const int64_t Ttot = 4096, B = 2, C = 24, W = 4, T = Ttot / R;
+  const std::vector<double> x = randn<double>(size_t(B * Ttot * C), 11), wt = randn<double>(size_t(C * W), 12),
+                            cache = randn<double>(size_t(B * C * (W - 1)), 13), dy = randn<double>(x.size(), 14);
+  kda::ConvDims dw_;
+  dw_.B = B, dw_.T = Ttot, dw_.C = C, dw_.W = W;
+  std::vector<double> y_ref(x.size()), dx_ref(x.size()), dW_ref(wt.size(), 0.0), dc_ref(cache.size());
+  kda::short_conv_forward<double>(x.data(), wt.data(), cache.data(), y_ref.data(), dw_, true);
+  kda::short_conv_backward<double>(x.data(), wt.data(), cache.data(), dy.data(), dx_ref.data(), dW_ref.data(),
+                                   dc_ref.data(), dw_, true);
+  // This rank's rows of each sequence, gathered into [B, T, C].
+  auto seg = [&](const std::vector<double>& full) {
+    std::vector<double> s(size_t(B * T * C));
+    for (int64_t b = 0; b < B; ++b)
+      std::copy_n(full.data() + (b * Ttot + me * T) * C, T * C, s.data() + b * T * C);
+    return s;
+  };
+  const std::vector<double> xs = seg(x), dys = seg(dy), y_want = seg(y_ref), dx_want = seg(dx_ref);
+  kda::ConvDims ds = dw_;
+  ds.T = T;
+  std::vector<double> y(xs.size()), dx(xs.size()), dW(wt.size(), 0.0), dc(cache.size()), halo;
+  dist::conv_cp_forward<double>(w, xs.data(), wt.data(), cache.data(), y.data(), ds, true, halo);
+  dist::conv_cp_backward<double>(w, xs.data(), wt.data(), halo, dys.data(), dx.data(), dW.data(), dc.data(), ds, true);
+  w.all_reduce_sum(dW.data(), dW.size());
+  const double e[] = {rel(y_want, y.data(), 0, y.size()), rel(dx_want, dx.data(), 0, dx.size()),
+                      rel(dW_ref, dW.data(), 0, dW.size()), rel(dc_ref, dc.data(), 0, dc.size())};
+  for (double x_ : e) EXPECT_LE(x_, 1e-12) << "rank " << me << " of " << R;
+  if (me == 0)
+    std::printf("[ measure  ] short conv over %d rank(s): y %.1e, dx %.1e, dw %.1e, dcache %.1e relative\n", R, e[0],
+                e[1], e[2], e[3]);
+  std::vector<double> bad(size_t(B * (W - 2) * C), 0.0);  // a segment shorter than the halo is refused
+  kda::ConvDims tiny = ds;
+  tiny.T = W - 2;
+  EXPECT_THROW(dist::conv_cp_forward<double>(w, bad.data(), wt.data(), nullptr, bad.data(), tiny, true, halo), Error);
+}
