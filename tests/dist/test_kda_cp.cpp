@@ -1,4 +1,4 @@
-// Context-parallel KDA (dist/kda_cp.hpp) and its short convolution (dist/conv_cp.hpp): a sequence of 4,096 tokens
+// Context-parallel KDA (dist/kda_cp.hpp), its short convolution (dist/conv_cp.hpp) and MLA's attention (dist/mla_cp.hpp): a sequence of 4,096 tokens
 // split over the job's ranks (alone, or under mpirun with 2 and 4) gives, on every rank's segment, the outputs and
 // every gradient of the whole sequence run in one process (chunk_forward / chunk_backward, short_conv_*), within
 // 1e-5 relative RMS in float and 1e-10 in double; the whole sequence's final state and dh0 (the conv's initial-cache
@@ -12,6 +12,7 @@
 #include "dist/comm.hpp"
 #include "dist/conv_cp.hpp"
 #include "dist/kda_cp.hpp"
+#include "dist/mla_cp.hpp"
 #include "core/error.hpp"
 #include "testing.hpp"
 
@@ -145,4 +146,35 @@ TEST(KdaContextParallel, ShortConvHaloEqualsOneProcess) {
   kda::ConvDims tiny = ds;
   tiny.T = W - 2;
   EXPECT_THROW(dist::conv_cp_forward<double>(w, bad.data(), wt.data(), nullptr, bad.data(), tiny, true, halo), Error);
+}
+
+// MLA's attention over the gathered latents: 4,096 positions split over the ranks give each rank's outputs, query
+// and latent gradients, and (summed over the ranks) W_kvb's gradient of one process over the whole sequence.
+TEST(KdaContextParallel, MlaAttentionEqualsOneProcess) {
+  dist::Comm& w = dist::world();
+  const int R = w.size(), me = w.rank();
+  const int64_t Ttot = 4096, T = Ttot / R, H = 2, Dn = 16, Dr = 8, Dv = 16, Rl = 32, Dq = Dn + Dr, RD = Rl + Dr,
+                Dkv = Dn + Dv;
+  const std::vector<double> lat = randn<double>(size_t(Ttot * RD), 21), q = randn<double>(size_t(Ttot * H * Dq), 22),
+                            W = randn<double>(size_t(H * Dkv * Rl), 23, 0.2), dout = randn<double>(size_t(Ttot * H * Dv), 24);
+  const double scale = 1.0 / std::sqrt(double(Dq));
+  dist::MlaCpDims whole{Ttot, H, Dn, Dr, Dv, Rl}, part{T, H, Dn, Dr, Dv, Rl};
+  // The reference: one process over the whole sequence.
+  std::vector<double> o_ref(size_t(Ttot * H * Dv)), dq_ref(q.size()), dl_ref(lat.size()), dW_ref(W.size(), 0.0);
+  dist::MlaCpSaved<double> s1;
+  dist::mla_cp_forward<double>(dist::single(), lat.data(), q.data(), W.data(), o_ref.data(), whole, scale, s1);
+  dist::mla_cp_backward<double>(dist::single(), W.data(), dout.data(), dq_ref.data(), dl_ref.data(), dW_ref.data(),
+                                whole, scale, s1);
+  std::vector<double> o(size_t(T * H * Dv)), dq(size_t(T * H * Dq)), dl(size_t(T * RD)), dW(W.size(), 0.0);
+  dist::MlaCpSaved<double> s;
+  dist::mla_cp_forward<double>(w, lat.data() + me * T * RD, q.data() + me * T * H * Dq, W.data(), o.data(), part, scale, s);
+  dist::mla_cp_backward<double>(w, W.data(), dout.data() + me * T * H * Dv, dq.data(), dl.data(), dW.data(), part, scale, s);
+  w.all_reduce_sum(dW.data(), dW.size());
+  const double e[] = {rel(o_ref, o.data(), size_t(me * T * H * Dv), o.size()),
+                      rel(dq_ref, dq.data(), size_t(me * T * H * Dq), dq.size()),
+                      rel(dl_ref, dl.data(), size_t(me * T * RD), dl.size()), rel(dW_ref, dW.data(), 0, dW.size())};
+  for (double x_ : e) EXPECT_LE(x_, 1e-10) << "rank " << me << " of " << R;
+  if (me == 0)
+    std::printf("[ measure  ] MLA attention over %d rank(s): o %.1e, dq %.1e, dlatent %.1e, dW_kvb %.1e relative\n", R,
+                e[0], e[1], e[2], e[3]);
 }
