@@ -16,6 +16,7 @@ LONGMOE_APT_PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libsentencepiece-dev sentencepiece
   libcpp-httplib-dev libstb-dev
+  libpng-dev libjpeg62-turbo-dev  # image decoding (io/image.cpp): fuzzed, unlike stb_image's decoder
   libopenmpi-dev openmpi-bin  # multi-process training (src/dist) and its mpirun tests
   strace                   # the save fault-injection test (a SIGKILL at every file-changing syscall of a save)
   clang libclang-rt-14-dev # fuzz build: clang-14 and its libFuzzer/ASan/UBSan runtimes

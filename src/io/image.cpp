@@ -1,16 +1,18 @@
-// The one translation unit that compiles stb_image and stb_image_resize (header-only, libstb-dev).
+// Decoding with Debian's libpng (its simplified API) and libjpeg-turbo, not stb_image: fuzzing stb_image's JPEG
+// decoder (fuzz/fuzz_image.cpp) hit undefined behaviour in its Huffman tables within a few dozen inputs.
+// Resizing with stb_image_resize (header-only, libstb-dev; compiled in this translation unit).
 #include "io/image.hpp"
+
+#include <png.h>
+#include <jpeglib.h>
 
 #include <algorithm>
 #include <cmath>
+#include <csetjmp>
+#include <cstring>
 
 #include "core/error.hpp"
 
-#define STB_IMAGE_IMPLEMENTATION
-#define STBI_ONLY_PNG
-#define STBI_ONLY_JPEG
-#define STBI_NO_STDIO
-#define STBI_MAX_DIMENSIONS (1 << 16)
 #define STB_IMAGE_RESIZE_IMPLEMENTATION
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunused-function"
@@ -22,29 +24,95 @@
 #pragma GCC diagnostic ignored "-Wunused-parameter"
 #pragma GCC diagnostic ignored "-Wmissing-field-initializers"
 #pragma GCC diagnostic ignored "-Wpedantic"
-#include <stb/stb_image.h>
 #include <stb/stb_image_resize.h>
 #pragma GCC diagnostic pop
 
 namespace lm::io {
 
-Image decode_image(std::string_view bytes, const std::string& ctx, int64_t max_pixels) {
-  LM_CHECK(!bytes.empty(), "{}: the image is empty", ctx);
-  LM_CHECK(bytes.size() <= size_t(INT32_MAX), "{}: the image is larger than 2 GiB", ctx);
-  const auto* p = reinterpret_cast<const stbi_uc*>(bytes.data());
-  const int n = static_cast<int>(bytes.size());
-  int w = 0, h = 0, c = 0;
-  LM_CHECK(stbi_info_from_memory(p, n, &w, &h, &c), "{}: not a PNG or JPEG image ({})", ctx, stbi_failure_reason());
-  LM_CHECK(w > 0 && h > 0, "{}: the image has a zero side ({} x {})", ctx, w, h);
-  LM_CHECK(int64_t(w) * h <= max_pixels, "{}: the image is {} x {} pixels, more than the {} allowed", ctx, w, h,
-           max_pixels);
-  stbi_uc* px = stbi_load_from_memory(p, n, &w, &h, &c, 3);
-  LM_CHECK(px != nullptr, "{}: the image cannot be decoded ({}; corrupt or truncated?)", ctx, stbi_failure_reason());
+namespace {
+
+Image decode_png(std::string_view bytes, const std::string& ctx, int64_t max_pixels) {
+  png_image im;
+  std::memset(&im, 0, sizeof im);
+  im.version = PNG_IMAGE_VERSION;
+  if (!png_image_begin_read_from_memory(&im, bytes.data(), bytes.size())) {
+    const std::string why = im.message;
+    png_image_free(&im);
+    throw Error(fmt::format("{}: the PNG cannot be read ({})", ctx, why));
+  }
+  const int64_t w = im.width, h = im.height;
+  if (w <= 0 || h <= 0 || w * h > max_pixels) {
+    png_image_free(&im);
+    LM_CHECK(w > 0 && h > 0, "{}: the image has a zero side ({} x {})", ctx, w, h);
+    throw Error(fmt::format("{}: the image is {} x {} pixels, more than the {} allowed", ctx, w, h, max_pixels));
+  }
+  im.format = PNG_FORMAT_RGB;
   Image img;
   img.width = w, img.height = h;
-  img.rgb.assign(px, px + size_t(w) * h * 3);
-  stbi_image_free(px);
+  img.rgb.resize(size_t(w * h * 3));
+  if (!png_image_finish_read(&im, nullptr, img.rgb.data(), 0, nullptr)) {
+    const std::string why = im.message;
+    png_image_free(&im);
+    throw Error(fmt::format("{}: the PNG cannot be decoded ({}; corrupt or truncated?)", ctx, why));
+  }
   return img;
+}
+
+// libjpeg reports errors through error_exit, which must not return: it jumps back here.
+struct JpegError {
+  jpeg_error_mgr mgr;
+  std::jmp_buf jump;
+  char message[JMSG_LENGTH_MAX];
+};
+void jpeg_fail(j_common_ptr cinfo) {
+  auto* e = reinterpret_cast<JpegError*>(cinfo->err);
+  (*cinfo->err->format_message)(cinfo, e->message);
+  std::longjmp(e->jump, 1);
+}
+void jpeg_quiet(j_common_ptr, int) {}  // (warnings: corrupt-data ones end in an error or a usable image)
+
+Image decode_jpeg(std::string_view bytes, const std::string& ctx, int64_t max_pixels) {
+  jpeg_decompress_struct cinfo;
+  JpegError err;
+  cinfo.err = jpeg_std_error(&err.mgr);
+  err.mgr.error_exit = jpeg_fail;
+  err.mgr.emit_message = jpeg_quiet;
+  err.message[0] = 0;
+  Image img;  // (declared before setjmp: a longjmp back to it skips no destructor)
+  if (setjmp(err.jump)) {
+    jpeg_destroy_decompress(&cinfo);
+    throw Error(fmt::format("{}: the JPEG cannot be decoded ({}; corrupt or truncated?)", ctx, err.message));
+  }
+  jpeg_create_decompress(&cinfo);
+  jpeg_mem_src(&cinfo, reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<unsigned long>(bytes.size()));
+  jpeg_read_header(&cinfo, TRUE);
+  const int64_t w = cinfo.image_width, h = cinfo.image_height;
+  if (w <= 0 || h <= 0 || w * h > max_pixels) {  // (from the header, before decoding)
+    jpeg_destroy_decompress(&cinfo);
+    LM_CHECK(w > 0 && h > 0, "{}: the image has a zero side ({} x {})", ctx, w, h);
+    throw Error(fmt::format("{}: the image is {} x {} pixels, more than the {} allowed", ctx, w, h, max_pixels));
+  }
+  cinfo.out_color_space = JCS_RGB;
+  jpeg_start_decompress(&cinfo);
+  img.width = w, img.height = h;
+  img.rgb.resize(size_t(w * h * 3));
+  while (cinfo.output_scanline < cinfo.output_height) {
+    JSAMPROW row = img.rgb.data() + size_t(cinfo.output_scanline) * size_t(w) * 3;
+    jpeg_read_scanlines(&cinfo, &row, 1);
+  }
+  jpeg_finish_decompress(&cinfo);
+  jpeg_destroy_decompress(&cinfo);
+  return img;
+}
+
+}  // namespace
+
+Image decode_image(std::string_view bytes, const std::string& ctx, int64_t max_pixels) {
+  LM_CHECK(!bytes.empty(), "{}: the image is empty", ctx);
+  const auto* b = reinterpret_cast<const unsigned char*>(bytes.data());
+  if (bytes.size() >= 8 && png_sig_cmp(b, 0, 8) == 0) return decode_png(bytes, ctx, max_pixels);
+  if (bytes.size() >= 3 && b[0] == 0xFF && b[1] == 0xD8 && b[2] == 0xFF) return decode_jpeg(bytes, ctx, max_pixels);
+  throw Error(fmt::format("{}: not a PNG or JPEG image (neither signature)", ctx));
 }
 
 ImagePatches image_patches(const Image& img, int64_t patch, int64_t merge, int64_t max_patches) {

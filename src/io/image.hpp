@@ -1,6 +1,6 @@
 #pragma once
-// Images in (SPEC §9 pre-processing): PNG and JPEG decoding (stb_image), resizing to multiples of patch·merge
-// (28 px in K3) within a patch budget, normalisation and patching into the vision tower's inputs.
+// Images in (SPEC §9 pre-processing): PNG and JPEG decoding (libpng, libjpeg-turbo), resizing to multiples of
+// patch·merge (28 px in K3) within a patch budget, normalisation and patching into the vision tower's inputs.
 //
 // Legend: W×H pixels, p = patch_size (14), m = merge (2; the tower merges m×m patches), L = (H/p)·(W/p) patches.
 //   pixel_values [L, 3, p, p] = ((x / 255) − 0.5) / 0.5, patches row-major over the image, channels R, G, B

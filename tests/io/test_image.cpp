@@ -18,6 +18,8 @@
 #include <stb/stb_image_write.h>
 #pragma GCC diagnostic pop
 
+#include <zlib.h>
+
 #include "core/error.hpp"
 #include "io/image.hpp"
 
@@ -111,16 +113,39 @@ TEST(Image, BadImagesAreClearErrors) {
   for (size_t i = 60; i < corrupt.size() - 20; i += 7) corrupt[i] = char(corrupt[i] ^ 0x5a);
   expect_error(corrupt, "cannot be decoded");
   // The header claims 3000 x 3000 pixels, over the 2^20 allowed here: refused from the header, before decoding.
-  std::string huge = good;
-  const unsigned char dims[8] = {0, 0, 0x0b, 0xb8, 0, 0, 0x0b, 0xb8};
-  for (int i = 0; i < 8; ++i) huge[size_t(16 + i)] = char(dims[i]);  // IHDR width, height
-  expect_error(huge, "pixels");
-  std::string zero = good;
-  for (int i = 0; i < 4; ++i) zero[size_t(16 + i)] = 0;  // width 0
+  auto with_ihdr = [&](const unsigned char (&dims)[8]) {  // IHDR's width and height replaced, its CRC redone
+    std::string s = good;
+    for (int i = 0; i < 8; ++i) s[size_t(16 + i)] = char(dims[i]);
+    const uint32_t crc = uint32_t(crc32(0, reinterpret_cast<const Bytef*>(s.data() + 12), 17));
+    for (int i = 0; i < 4; ++i) s[size_t(29 + i)] = char((crc >> (24 - 8 * i)) & 0xff);
+    return s;
+  };
+  expect_error(with_ihdr({0, 0, 0x0b, 0xb8, 0, 0, 0x0b, 0xb8}), "pixels");
+  std::string zero = with_ihdr({0, 0, 0, 0, 0, 0, 0, 20});  // width 0
   try {
     io::decode_image(zero, "img.png");
     ADD_FAILURE() << "a zero-width image was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("img.png"), std::string::npos) << e.what();
   }
+}
+
+// JPEG streams with broken Huffman tables and markers (the kind that hit undefined behaviour in stb_image's
+// decoder): each is an error naming the file or a decoded image, never a crash.
+TEST(Image, MangledJpegsAreErrorsNotCrashes) {
+  const std::string good = jpg(40, 24, gradient(40, 24));
+  int errors = 0;
+  for (size_t at = 2; at < good.size(); at += 5) {
+    std::string bad = good;
+    bad[at] = char(bad[at] ^ 0xff);
+    try {
+      const io::Image img = io::decode_image(bad, "m.jpg");
+      EXPECT_EQ(img.rgb.size(), size_t(img.width * img.height * 3));
+    } catch (const Error& e) {
+      ++errors;
+      EXPECT_NE(std::string(e.what()).find("m.jpg"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_GT(errors, 0);
+  expect_error(good.substr(0, 100), "cannot be decoded");
 }
