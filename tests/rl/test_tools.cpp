@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/error.hpp"
+#include "rl/episode.hpp"
 #include "rl/tasks.hpp"
 #include "rl/tools.hpp"
 
@@ -101,4 +102,55 @@ TEST(RlTasks, AnswersAreWhatTheToolsComputeAndTheRewardChecksThem) {
   EXPECT_THROW(make_task(TaskKind::Lookup, 1, 100001), Error);
   EXPECT_THROW(task_kind("shell"), Error);
   EXPECT_EQ(task_kind(task_kind_name(TaskKind::LookupSum)), TaskKind::LookupSum);
+}
+
+// Episodes (rl/episode.hpp) with scripted policies: a solved lookup_sum (search, search, calculator, answer) earns
+// its reward; endless calls end at the tool budget, malformed ones at the turn budget with an error message each
+// time, a long-winded policy at the token budget; a wrong answer earns nothing.
+TEST(RlEpisode, BudgetsEndEveryLoopAndRewardsComeFromTheAnswer) {
+  const Task t = make_task(TaskKind::LookupSum, 3, 50);
+  const size_t p1 = t.question.find("codes of the ") + 13, p2 = t.question.find(" and the ");
+  const std::string n1 = t.question.substr(p1, p2 - p1), n2 = t.question.substr(p2 + 9, t.question.size() - p2 - 10);
+  auto call = [](const std::string& name, const std::string& key, const std::string& val) {
+    return "<tool_call>" + io::json{{"name", name}, {"arguments", {{key, val}}}}.dump() + "</tool_call>";
+  };
+  auto last_code = [](const std::vector<Turn>& turns) {  // the 4 digits before "." in the last tool result
+    const std::string& s = turns.back().text;
+    return s.substr(s.find("</tool_result>") - 5, 4);
+  };
+  std::string c1;  // the first code the solver read
+  const Policy solver = [&](const Task&, const std::vector<Turn>& h) -> Reply {
+    if (h.empty()) return {call("search", "query", n1), 10};
+    if (h.size() == 2) return c1 = last_code(h), Reply{call("search", "query", n2), 10};
+    if (h.size() == 4) return {call("calculator", "expression", c1 + " + " + last_code(h)), 12};
+    return {"<answer>" + h.back().text.substr(13, h.back().text.size() - 27) + "</answer>", 5};
+  };
+  const Episode ok = run_episode(t, solver);
+  EXPECT_EQ(ok.end, "answer");
+  EXPECT_EQ(ok.tool_calls, 3);
+  EXPECT_EQ(ok.reward, 1.0) << (ok.answer ? *ok.answer : "(none)");
+  EXPECT_EQ(ok.tokens, 37);
+
+  const Episode loop = run_episode(t, [&](const Task&, const std::vector<Turn>&) {
+    return Reply{call("calculator", "expression", "1 + 1"), 5};
+  }, Budget{20, 6, 4096});
+  EXPECT_EQ(loop.end, "tool_budget");
+  EXPECT_EQ(loop.tool_calls, 6);
+  EXPECT_EQ(loop.reward, 0.0);
+
+  const Episode junk = run_episode(t, [](const Task&, const std::vector<Turn>&) {
+    return Reply{"<tool_call>{not json</tool_call>", 5};
+  }, Budget{4, 6, 4096});
+  EXPECT_EQ(junk.end, "turn_budget");
+  ASSERT_EQ(junk.turns.size(), 8u);
+  EXPECT_NE(junk.turns[1].text.find("error: the tool call is not valid JSON"), std::string::npos) << junk.turns[1].text;
+
+  const Episode chatty = run_episode(t, [](const Task&, const std::vector<Turn>&) { return Reply{"hmm", 3000}; });
+  EXPECT_EQ(chatty.end, "token_budget");
+  EXPECT_EQ(chatty.turns.size(), 3u);  // its first turn (answered with what to do), then the one past the budget
+
+  const Episode wrong = run_episode(t, [](const Task&, const std::vector<Turn>&) { return Reply{"<answer>1</answer>", 3}; });
+  EXPECT_EQ(wrong.end, "answer");
+  EXPECT_EQ(wrong.reward, 0.0);
+  EXPECT_THROW(run_episode(t, solver, Budget{0, 1, 1}), Error);
 }
