@@ -20,15 +20,8 @@ void mla_cp_forward(Comm& comm, const F* latent, const F* q, const F* W_kvb, F* 
   // Keys and values of positions [0, end) from their latents.
   std::vector<F> kv(size_t(end * H * Dkv));
   ops::gemm(false, true, end, H * Dkv, d.Rl, F(1), s.lat.data(), RD, W_kvb, d.Rl, F(0), kv.data(), H * Dkv);
-  s.k.assign(size_t(end * H * Dq), F(0)), s.v.assign(size_t(end * H * d.Dv), F(0));
-  for (int64_t t = 0; t < end; ++t)
-    for (int64_t h = 0; h < H; ++h) {
-      const F* src = kv.data() + (t * H + h) * Dkv;
-      F* k = s.k.data() + (t * H + h) * Dq;
-      std::copy_n(src, d.Dn, k);
-      std::copy_n(s.lat.data() + t * RD + d.Rl, d.Dr, k + d.Dn);
-      std::copy_n(src + d.Dn, d.Dv, s.v.data() + (t * H + h) * d.Dv);
-    }
+  s.k.resize(size_t(end * H * Dq)), s.v.resize(size_t(end * H * d.Dv));
+  ops::mla_split_kv(kv.data(), s.lat.data() + d.Rl, RD, s.k.data(), s.v.data(), end, H, d.Dn, d.Dr, d.Dv);
   s.q.assign(size_t(end * H * Dq), F(0));
   std::copy_n(q, T * H * Dq, s.q.data() + (end - T) * H * Dq);
   s.o.resize(size_t(end * H * d.Dv)), s.lse.resize(size_t(end * H));
@@ -54,13 +47,7 @@ void mla_cp_backward(Comm& comm, const F* W_kvb, const F* do_, F* dq, F* dlatent
   std::copy_n(dqp.data() + (end - T) * H * Dq, T * H * Dq, dq);
   // dk_nope and dv back through W_kvb; dk_r summed over the heads.
   std::vector<F> dkv(size_t(end * H * Dkv)), dlat(size_t(R * T * RD), F(0));
-  for (int64_t t = 0; t < end; ++t)
-    for (int64_t h = 0; h < H; ++h) {
-      const F* g = dk.data() + (t * H + h) * Dq;
-      std::copy_n(g, d.Dn, dkv.data() + (t * H + h) * Dkv);
-      std::copy_n(dv.data() + (t * H + h) * d.Dv, d.Dv, dkv.data() + (t * H + h) * Dkv + d.Dn);
-      for (int64_t j = 0; j < d.Dr; ++j) dlat[size_t(t * RD + d.Rl + j)] += g[d.Dn + j];
-    }
+  ops::mla_merge_dkv(dk.data(), dv.data(), dkv.data(), dlat.data() + d.Rl, RD, end, H, d.Dn, d.Dr, d.Dv);
   ops::gemm(false, false, end, d.Rl, H * Dkv, F(1), dkv.data(), H * Dkv, W_kvb, d.Rl, F(0), dlat.data(), RD);
   if (dW_kvb) ops::gemm(true, false, H * Dkv, d.Rl, end, F(1), dkv.data(), H * Dkv, s.lat.data(), RD, F(1), dW_kvb, d.Rl);
   // Every rank's contributions to every latent row, summed; this rank keeps its own rows.

@@ -96,14 +96,7 @@ void GatedMla<F>::forward(const F* x, F* y, const Seqs& s) {
   kv_.resize(rows * H * Dkv);
   linear_forward(cn_.data(), Wkvb->w(), kv_.data(), rows, R_, H * Dkv);
   k_.resize(rows * H * Dq), v_.resize(rows * H * Dv_);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t h = 0; h < H; ++h) {
-      const F* kvh = &kv_[(r * H + h) * Dkv];
-      F* kh = &k_[(r * H + h) * Dq];
-      std::copy_n(kvh, Dn_, kh);
-      std::copy_n(&ckr_[r * RD + R_], Dr_, kh + Dn_);
-      std::copy_n(kvh + Dn_, Dv_, &v_[(r * H + h) * Dv_]);
-    }
+  ops::mla_split_kv(kv_.data(), ckr_.data() + R_, RD, k_.data(), v_.data(), rows, H, Dn_, Dr_, Dv_);
   o_.resize(rows * H * Dv_), lse_.resize(rows * H);
   const ops::AttnDims ad = s.attn_dims(H, Dq, Dv_);
   ops::attention_forward(q_.data(), k_.data(), v_.data(), o_.data(), lse_.data(), ad, scale());
@@ -135,15 +128,7 @@ void GatedMla<F>::backward(const F* dy, F* dx, const Seqs& s) {
                           dv.data(), ad, scale());
   // k = [k_nope | k_r]: k_nope and v go back through kv_b; k_r (shared) sums over heads into d ckr.
   Buf<F> dkv(rows * H * Dkv), dckr(rows * RD, F(0));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t h = 0; h < H; ++h) {
-      const F* dkh = &dk[(r * H + h) * Dq];
-      F* dkvh = &dkv[(r * H + h) * Dkv];
-      std::copy_n(dkh, Dn_, dkvh);
-      std::copy_n(&dv[(r * H + h) * Dv_], Dv_, dkvh + Dn_);
-      F* dkr = &dckr[r * RD + R_];
-      for (int64_t j = 0; j < Dr_; ++j) dkr[j] += dkh[Dn_ + j];
-    }
+  ops::mla_merge_dkv(dk.data(), dv.data(), dkv.data(), dckr.data() + R_, RD, rows, H, Dn_, Dr_, Dv_);
   Buf<F> dcn(rows * R_);
   linear_backward(cn_.data(), Wkvb->w(), dkv.data(), dcn.data(), Wkvb->g(), rows, R_, H * Dkv);
   ops::rmsnorm_backward(ckr_.data(), kva_norm->w(), c_rstd_.data(), dcn.data(), dckr.data(), kva_norm->g(), rows, R_,

@@ -272,6 +272,11 @@ struct InferState {
   size_t bytes() const;
   void drop_graphs();
   ~InferState();
+  // A walk in prefill or decode mode leaves it however it ends.
+  struct LeaveMode {
+    InferState& f;
+    ~LeaveMode() { f.mode = Mode::Off; }
+  };
 };
 
 struct GpuModel::Impl {

@@ -131,10 +131,7 @@ void GpuModel::Impl::claim_blocks(int64_t slot, int64_t from, int64_t upto) {
 }
 
 std::vector<float> GpuModel::Impl::infer(const int32_t* ids, const Seqs& s, int64_t out_rows) {
-  struct Off {  // the walk leaves inference mode however it ends
-    InferState& f;
-    ~Off() { f.mode = InferState::Mode::Off; }
-  } off{inf};
+  InferState::LeaveMode off{inf};
   cu::StreamScope on(inf.stream);
   const bool was_training = training;
   training = false;
@@ -154,10 +151,7 @@ void GpuModel::Impl::decode_walk_eager(int64_t first, int64_t S) {
   InferState& f = inf;
   cu::StreamScope on(f.stream);
   f.mode = InferState::Mode::Decode, f.first = first, f.S = S;
-  struct Off {
-    InferState& f;
-    ~Off() { f.mode = InferState::Mode::Off; }
-  } off{f};
+  InferState::LeaveMode off{f};
   ck(cudaMemcpyAsync(as<int32_t>(f.lens.p) + first, f.lens_pin + first, size_t(S) * 4, cudaMemcpyHostToDevice,
                      f.stream),
      "lengths");

@@ -61,6 +61,17 @@ template <class F>
 void attention_backward(const F* q, const F* k, const F* v, const F* o, const F* lse, const F* do_, F* dq, F* dk,
                         F* dv, const AttnDims& d, F scale, const AttnConfig& cfg = {});
 
+// ---- MLA keys and values from the decompressed latent (SPEC §3) -------------------------------------------
+// kv [rows, H, Dn + Dv] = cn W_kvbᵀ (per head k_nope then v); k_r rows [rows] with stride ld_kr (shared by the heads):
+//   k [rows, H, Dn + Dr] = per head [k_nope | k_r],  v [rows, H, Dv].
+template <class F>
+void mla_split_kv(const F* kv, const F* k_r, int64_t ld_kr, F* k, F* v, int64_t rows, int64_t H, int64_t Dn,
+                  int64_t Dr, int64_t Dv);
+// Its transpose: dkv [rows, H, Dn + Dv] written from dk, dv; dk_r (stride ld_dkr) += Σ_h dk's rope part.
+template <class F>
+void mla_merge_dkv(const F* dk, const F* dv, F* dkv, F* dk_r, int64_t ld_dkr, int64_t rows, int64_t H, int64_t Dn,
+                   int64_t Dr, int64_t Dv);
+
 // ---- MLA absorbed decode over the latent cache (SPEC §3) ------------------------------------------
 // One query per head against Tc cached positions (all visible):
 //   s_h[t] = scale · (q_lat[h]·c[t] + q_rope[h]·k_r[t]),  p_h = softmax_t(s_h),  o_lat[h] = Σ_t p_h[t] c[t].
