@@ -1,5 +1,6 @@
 // `longmoe params`: parameter counts, FLOPs per token, decode memory and training memory per device
 // for a config.json (SPEC §8). Human-readable table by default, --json for machines.
+#include "core/error.hpp"
 #include <fmt/format.h>
 
 #include <cstdio>
@@ -26,6 +27,7 @@ struct Options {
   int zero = 1;
   bool json = false;
   int cache_bytes = 2;  // bytes per cached MLA / conv value: 2 (bf16, GPU) or 4 (fp32, the CPU session)
+  double gpu_memory = 139.8;  // GiB of the device the one-GPU training plan is made for (an H200)
 };
 
 std::string bytes_str(double b) {
@@ -269,6 +271,18 @@ int run(const Options& o) {
   line("  assumptions:");
   for (const auto& a : tm.assumptions) line("    - " + a);
   line("");
+  {  // what `train --device cuda` plans (GpuModel::plan_memory): micro-batch x seq tokens on one device
+    const int64_t rows = plan.micro_batch * plan.seq_len;
+    line(fmt::format("Training on one GPU (train / bench model --device cuda, AdamW): {} tokens on {:.1f} GiB "
+                     "(--gpu-memory, less 3%)", rows, o.gpu_memory));
+    try {
+      const GpuTrainingMemory g = gpu_training_plan(c, rows, 0.97 * o.gpu_memory * 1073741824.0);
+      line("  " + gpu_training_summary(g, c));
+    } catch (const lm::Error& e) {
+      line(fmt::format("  does not fit: {}", e.what()));
+    }
+    line("");
+  }
   line(fmt::format("Communication per GPU per step (one micro-batch of {} x {} tokens per replica; see "
                    "model::training_traffic)", plan.micro_batch, plan.seq_len));
   line(fmt::format("  {:<34}{:>14}  ({})", "data parallel", bytes_str(tt.dp),
@@ -304,6 +318,8 @@ lm::app::Register reg({"params", "Parameter counts, FLOPs per token, decode and 
                          sub.add_option("--recompute", o->recompute, "activation recomputation: none (default) or full");
                          sub.add_option("--zero", o->zero, "1 (default): shard master weights and optimizer state "
                                                            "over data-parallel replicas; 0: replicate");
+                         sub.add_option("--gpu-memory", o->gpu_memory,
+                                        "GiB of the GPU the one-GPU training plan is made for (default 139.8: H200)");
                          sub.add_flag("--json", o->json, "machine-readable output");
                          sub.add_option("--cache-bytes", o->cache_bytes,
                                         "bytes per cached MLA/conv value in the decode memory: 2 (bf16, default) or "

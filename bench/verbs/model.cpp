@@ -31,6 +31,7 @@ struct Args {
   int reps = 3;
   std::string device = "cpu";
   int accum = 1;  // cuda: micro-batches per optimizer step
+  std::string recompute = "auto";  // cuda: the memory plan (auto: chosen for the device), none, all
 };
 
 // Uniform random token ids and targets (the same for the CPU and the GPU benchmark).
@@ -94,6 +95,14 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::ParamCou
   random_tokens(cfg, rows, ids, targets);
   const auto s = model::Seqs::batch(a.batch, a.seq);
   LM_CHECK(a.accum >= 1, "bench model: --accum must be at least 1");
+  LM_CHECK(a.recompute == "auto" || a.recompute == "none" || a.recompute == "all",
+           "bench model: --recompute must be auto, none or all (got '{}')", a.recompute);
+  if (a.recompute == "auto") {
+    std::printf("%s\n", model::gpu_training_summary(m.plan_memory(rows), cfg).c_str());
+  } else {
+    m.set_keep_layers(std::vector<bool>(size_t(cfg.num_hidden_layers), a.recompute == "none"));
+  }
+  const model::GpuTrainingMemory predicted = model::gpu_training_memory(cfg, rows, m.keep_layers());
   std::printf("model %s on the GPU: %.3fB params, %.3fB activated (%.3fB in GEMMs); micro-batch %ld x %ld tokens, "
               "%d per optimizer step\n",
               a.config.c_str(), counts.total / 1e9, counts.activated / 1e9, counts.activated_matmul / 1e9,
@@ -125,7 +134,10 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::ParamCou
               "%.3f GFLOP)  MFU %.1f%%\n",
               tb * 1e3, rows / tb, tflops, fl.train / 1e9, counts.activated_matmul / 1e9,
               3 * (fl.mla_attn_fwd_train + fl.kda_attn_fwd) / 1e9, 100 * tflops / ceiling);
-  std::printf("device memory held: %.2f GiB\n", (m.device_bytes() + opt.device_bytes()) / 1073741824.0);
+  // (the stream-ordered pool keeps what the kernels' transients freed: the use after the steps is their peak)
+  std::printf("device memory held: %.2f GiB; in use after the steps %.2f GiB, predicted peak %.2f GiB (%.3f)\n",
+              (m.device_bytes() + opt.device_bytes()) / 1073741824.0, model::cuda::device_memory_used() / 1073741824.0,
+              predicted.total() / 1073741824.0, predicted.total() / double(model::cuda::device_memory_used()));
   m.profiling = true;
   m.profile.clear();
   m.zero_grads();
@@ -192,6 +204,9 @@ app::RegisterBench reg({"model", "Whole-model forward and forward+backward token
                           sub.add_option("--seq", a->seq, "Tokens per sequence");
                           sub.add_option("--reps", a->reps, "Timed repetitions (median reported)");
                           sub.add_option("--device", a->device, "cpu or cuda (a whole training step on the GPU)");
+                          sub.add_option("--recompute", a->recompute,
+                                         "cuda: auto (the memory plan for the device), none (every layer keeps) or "
+                                         "all (every layer recomputes)");
                           sub.add_option("--accum", a->accum,
                                          "cuda: micro-batches per optimizer step (AdamW and balancing once per step)");
                           return [a] { return run(*a); };

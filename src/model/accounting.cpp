@@ -1,5 +1,7 @@
 #include "model/accounting.hpp"
 
+#include "model/stack.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <fmt/format.h>
@@ -143,6 +145,162 @@ InferenceMemory inference_memory(const ModelConfig& c, int64_t context, int64_t 
   m.activations = a + 4.0 * double(batch) * double(c.vocab_size) * 3;  // + the logits (device, pinned twice)
   m.workspace = 0.75 * 1073741824.0;  // the CUDA context, cuBLAS(Lt) workspaces, the side streams' handles
   return m;
+}
+
+namespace {
+
+// Bytes per token of layer i's internals kept for its backward (model/cuda/gpu_model_impl.hpp: LayerActs; the KDA
+// operator's kept tensors as ops/kda/cuda/api.cu lays them out per 64-token chunk and head, when `saved`): its
+// mixer's, its FFN's, and the norm outputs and mid state around them.
+double gpu_mixer_per_token(const ModelConfig& c, int64_t i, bool saved = true) {
+  if (c.is_kda(i)) {
+    const double H = double(c.kda_num_heads), K = double(c.kda_head_dim), HK = double(c.kda_key_dim());
+    const double LF = double((3 * c.kda_key_dim() + c.kda_head_dim + c.kda_num_heads + 7) / 8 * 8);
+    const double KP = double((c.kda_head_dim + 63) / 64 * 64);
+    return 2 * LF + 7 * 2 * HK + 4 * H + (c.kda_full_rank_gate ? 0 : 2 * K) +
+           (saved ? H * (4 * 64 * KP * 2 + 4096 * 2 + KP * 4 + 2 * 4096 * 2 + KP * KP * 2 + 64 * KP * 2) / 64 : 0);
+  }
+  const double Hm = double(c.num_attention_heads), Dq = double(c.mla_qk_head_dim()), Dv = double(c.v_head_dim),
+               R = double(c.kv_lora_rank), RD = double(c.mla_cache_dim()), Q = double(c.q_lora_rank.value_or(0)),
+               Dkv = double(c.qk_nope_head_dim + c.v_head_dim);
+  return 2 * Hm * Dq + (Q > 0 ? 6 * Q + 4 : 0) + 4 * RD + 2 * R + 4 + 2 * Hm * (Dkv + Dq + Dv + Dv) + 4 * Hm +
+         (c.mla_use_output_gate ? 2 * 2 * Hm * Dv : 0);
+}
+double gpu_ffn_per_token(const ModelConfig& c, int64_t i) {
+  if (!c.is_moe(i)) return 2 * 2 * double(c.intermediate_size) + 2 * double(c.intermediate_size);  // ab, h
+  const double E = double(c.num_experts), k = double(c.num_experts_per_token), l = double(c.expert_width()),
+               I = double(c.moe_intermediate_size), Is = double(c.shared_intermediate_size());
+  return 4 * E + 8 * k + 8 * k                          // logits, topk idx / w, prow / ppos
+         + 2 * (c.num_shared_experts > 0 ? l + 2 * Is : l)  // z (with the shared expert's ab when fused)
+         + k * (2 * l + 4 * I + 2 * I + 2 * l)          // xs, eab, eh, eo
+         + 2 * l + (c.latent_moe_use_norm ? 2 * l + 4 : 0)  // u, un, u_rstd
+         + (c.num_shared_experts > 0 ? 2 * Is : 0);     // the shared expert's h
+}
+
+}  // namespace
+
+GpuTrainingMemory gpu_training_memory(const ModelConfig& c, int64_t rows, std::vector<bool> keep) {
+  const int64_t L = c.num_hidden_layers;
+  LM_CHECK(rows >= 1, "gpu_training_memory: rows {} must be >= 1", rows);
+  LM_CHECK(int64_t(keep.size()) == L, "gpu_training_memory: {} keep flags for {} layers", keep.size(), L);
+  const StackPlan sp = StackPlan::build(c);
+  const ParamCounts pc = count_params(c);
+  GpuTrainingMemory m;
+  m.rows = rows;
+  m.keep = keep;
+  const double n = double(rows), d = double(c.hidden_size), P = double(pc.total);
+  double routed = 0;
+  for (int64_t r : pc.layer_routed) routed += double(r);
+  m.params = P * (4 + 4 + 2 + 8) + 2 * routed;  // master, grad, bf16, AdamW m and v; the transposed experts
+  // States: AttnRes, each layer's output (its successor's input; the blocks are among them) and the embedding;
+  // plain, each layer's input, the stream and h_final. The final norm's output and rstd, ids and targets, and each
+  // MoE layer's Quantile Balancing statistics.
+  m.states = n * (4 * d * double(L + 1) + 2 * d + 4 + 8 + (sp.attn_res ? 0 : 4 * d)) +
+             n * double(c.num_moe_layers()) * (4 * double(c.num_experts) + 4);
+  // The kept layers' internals, and the one set of every sublayer kind that the recomputed layers share, and that a
+  // forward without a backward (an evaluation's loss) uses: the KDA operator's kept tensors are in it once a KDA
+  // layer recomputes, and a recompute also writes its output state aside (plain residuals: runs the stream in a copy).
+  const double common = 2 * 2 * d + 2 * 4 + 4 * d;  // xn, yn; rstd1, rstd2; pmid (AttnRes) or y_in (plain)
+  double sh_kda = 0, sh_mla = 0, sh_moe = 0, sh_ffn = 0;
+  bool kda_recomputes = false;
+  for (int64_t i = 0; i < L; ++i) {
+    if (keep[size_t(i)]) m.kept += n * (common + gpu_mixer_per_token(c, i) + gpu_ffn_per_token(c, i)), ++m.kept_layers;
+    else kda_recomputes = kda_recomputes || c.is_kda(i);
+  }
+  for (int64_t i = 0; i < L; ++i) {
+    double& sm = c.is_kda(i) ? sh_kda : sh_mla;
+    double& sf = c.is_moe(i) ? sh_moe : sh_ffn;
+    sm = std::max(sm, gpu_mixer_per_token(c, i, kda_recomputes)), sf = std::max(sf, gpu_ffn_per_token(c, i));
+  }
+  m.shared = n * (common + sh_kda + sh_mla + sh_moe + sh_ffn + (m.kept_layers < L ? 4 * d : 0));
+  // The backward's scratch: the walk's (d_hn, dnorm, dx_in, d_prefix fp32, dy bf16, each closed block's gradient,
+  // a block group's deferred reads), and the largest sublayer gradients of each kind.
+  const double blocks = double(sp.attn_res ? sp.out_closed : 0);
+  const double reads = double(c.attn_res_block_size.value_or(0) + 1);  // a block group's deferred reads, at most
+  const double sc = n * (4 * 4 * d + 2 * d) + blocks * n * 4 * d + (sp.attn_res ? reads * n * (2 * d + 16 * blocks) : 0);
+  // Per kind its own buffers, plus the largest use of the names two kinds share (d_o, dq, dk, dv: KDA and MLA;
+  // ffn_dh, ffn_dab: the dense FFN and the shared expert).
+  double mixer_sc = 0, both_sc = 0, glu_sc = 0;
+  if (c.num_kda_layers() > 0) {
+    const double HK = double(c.kda_key_dim()), K = double(c.kda_head_dim);
+    const double LF = double((3 * c.kda_key_dim() + c.kda_head_dim + c.kda_num_heads + 7) / 8 * 8);
+    mixer_sc += 2 * LF + 4 * HK + 2 * 2 * HK + 2 * K;
+    both_sc = std::max(both_sc, 4 * 2 * HK);
+  }
+  if (c.num_mla_layers() > 0) {
+    const double Hm = double(c.num_attention_heads), Dq = double(c.mla_qk_head_dim()), Dv = double(c.v_head_dim),
+                 R = double(c.kv_lora_rank), RD = double(c.mla_cache_dim()), Q = double(c.q_lora_rank.value_or(0)),
+                 Dkv = double(c.qk_nope_head_dim + c.v_head_dim);
+    mixer_sc += 4 * Hm * Dv + 2 * Hm * Dv + 2 * Hm * Dkv + 2 * RD + 4 * R + 6 * Q;
+    both_sc = std::max(both_sc, 2 * Hm * (Dv + 2 * Dq + Dv));
+  }
+  double moe_sc = 0;
+  if (c.num_experts > 0) {
+    const double E = double(c.num_experts), k = double(c.num_experts_per_token), l = double(c.expert_width()),
+                 I = double(c.moe_intermediate_size), Is = double(c.shared_intermediate_size());
+    moe_sc = 8 * l + k * (2 * l + 4 + 2 * I + 4 * I + 2 * l) + 2 * ((E + 7) / 8 * 8 + l + 2 * Is);
+    if (c.num_shared_experts > 0) glu_sc = 8 * Is;
+  }
+  if (c.num_dense_ffn_layers() > 0) glu_sc = std::max(glu_sc, 8 * double(c.intermediate_size));
+  m.scratch = sc + n * (mixer_sc + both_sc + moe_sc + glu_sc);
+  // Transients (the largest): the attention backward's fp32 dQ accumulator and statistics, the KDA backward's
+  // state gradients, an expert FFN's hidden rows, an AttnRes backward's rebuilt state.
+  double tr = 4 * d;
+  if (c.num_mla_layers() > 0)
+    tr = std::max(tr, double(c.num_attention_heads) * (8 + 4 * double(c.mla_qk_head_dim())));
+  if (c.num_kda_layers() > 0) {
+    const double KP = double((c.kda_head_dim + 63) / 64 * 64);
+    tr = std::max(tr, double(c.kda_num_heads) * (KP * KP * 2 + 64 * KP * 2 + KP * 4 + 4) / 64);
+  }
+  if (c.num_experts > 0) tr = std::max(tr, double(c.num_experts_per_token) * double(c.moe_intermediate_size) * 2);
+  m.transient = n * tr;
+  m.workspace = 0.75 * 1073741824.0;
+  return m;
+}
+
+GpuTrainingMemory gpu_training_plan(const ModelConfig& c, int64_t rows, double device_bytes) {
+  const int64_t L = c.num_hidden_layers;
+  std::vector<bool> keep(size_t(L), true);
+  GpuTrainingMemory m = gpu_training_memory(c, rows, keep);
+  if (m.total() <= device_bytes) return m;
+  std::vector<int64_t> order;  // the layers to keep first
+  for (int64_t i = 0; i < L; ++i)
+    if (!c.is_kda(i)) order.push_back(i);
+  for (int64_t i = 0; i < L; ++i)
+    if (c.is_kda(i)) order.push_back(i);
+  keep.assign(size_t(L), false);
+  m = gpu_training_memory(c, rows, keep);
+  LM_CHECK(m.total() <= device_bytes,
+           "training at {} tokens needs {:.1f} GiB of device memory even recomputing every layer (parameters and "
+           "optimiser {:.1f}, states {:.1f}, one layer's internals {:.1f}, backward scratch {:.1f}, workspace {:.1f}); "
+           "the device has {:.1f} GiB",
+           rows, m.total() / 1073741824.0, m.params / 1073741824.0, m.states / 1073741824.0,
+           m.shared / 1073741824.0, m.scratch / 1073741824.0, (m.transient + m.workspace) / 1073741824.0,
+           device_bytes / 1073741824.0);
+  for (int64_t i : order) {
+    keep[size_t(i)] = true;
+    GpuTrainingMemory t = gpu_training_memory(c, rows, keep);
+    if (t.total() > device_bytes) {
+      keep[size_t(i)] = false;
+      continue;
+    }
+    m = std::move(t);
+  }
+  return m;
+}
+
+std::string gpu_training_summary(const GpuTrainingMemory& m, const ModelConfig& c) {
+  const int64_t L = c.num_hidden_layers;
+  std::string rec;
+  for (int64_t i = 0; i < L; ++i)
+    if (!m.keep[size_t(i)]) rec += fmt::format("{}{}", rec.empty() ? "" : ",", i);
+  const double G = 1073741824.0;
+  return fmt::format("memory plan at {} tokens: {} of {} layers keep their internals{}; predicted {:.1f} GiB "
+                     "(parameters and AdamW {:.1f}, states {:.1f}, kept {:.1f}, recompute set {:.1f}, backward "
+                     "scratch {:.1f}, transient {:.1f}, workspace {:.1f})",
+                     m.rows, m.kept_layers, L, rec.empty() ? "" : fmt::format(", layers {} are recomputed", rec),
+                     m.total() / G, m.params / G, m.states / G, m.kept / G, m.shared / G, m.scratch / G,
+                     m.transient / G, m.workspace / G);
 }
 
 std::string_view optimizer_name(Optimizer o) { return o == Optimizer::AdamW ? "adamw" : "muon"; }

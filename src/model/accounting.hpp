@@ -97,6 +97,28 @@ struct InferenceMemory {
 InferenceMemory inference_memory(const ModelConfig& c, int64_t context, int64_t batch, int64_t prefill_chunk = 16384,
                                  int64_t pool_tokens = 0);
 
+// Device memory of a training step of the GPU model (model/cuda/gpu_model.hpp) over `rows` tokens with AdamW, under
+// a memory plan: keep[i] says whether layer i keeps its internals from the forward to the backward (otherwise the
+// layer runs its forward again just before its backward, into buffers every such layer shares). Counted from the
+// buffers the model allocates: parameters (fp32 master and gradients, the bf16 copy, the transposed experts, AdamW's
+// two moments), the states every layer keeps (its input state; AttnRes block states), the kept layers' internals,
+// the shared set of the recomputed ones, the backward's scratch, the largest transient workspace of a kernel (held
+// in the stream-ordered pool), and `workspace` (the CUDA context, cuBLAS workspaces).
+struct GpuTrainingMemory {
+  std::vector<bool> keep;  // [L]
+  int64_t rows = 0, kept_layers = 0;
+  double params = 0, states = 0, kept = 0, shared = 0, scratch = 0, transient = 0, workspace = 0;
+  double total() const { return params + states + kept + shared + scratch + transient + workspace; }
+};
+GpuTrainingMemory gpu_training_memory(const ModelConfig& c, int64_t rows, std::vector<bool> keep);
+// The plan for `device_bytes` of device memory: every layer keeps when that fits; otherwise the layers whose second
+// forward would cost most keep first (MLA layers, whose attention grows with the context, then the KDA layers in
+// order) as long as the total stays within the device. lm::Error naming the sizes when even recomputing every layer
+// does not fit (before anything is allocated).
+GpuTrainingMemory gpu_training_plan(const ModelConfig& c, int64_t rows, double device_bytes);
+// One line: which layers keep, and the predicted memory by part.
+std::string gpu_training_summary(const GpuTrainingMemory& m, const ModelConfig& c);
+
 enum class Optimizer { AdamW, Muon };
 enum class Recompute { None, Full };
 

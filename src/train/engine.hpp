@@ -40,6 +40,9 @@ class Engine {
 
   // Where the steps run, for the log ("on the GPU", "2 threads").
   virtual std::string where() const = 0;
+  // Steps of micro-batches of `rows` tokens follow (a new stage): the engine fits its memory to them and says how
+  // (the GPU's memory plan), or returns nothing. lm::Error when they cannot fit.
+  virtual std::string plan(int64_t /*rows*/) { return {}; }
   // A new step: zero gradients and no expert loads or router statistics yet.
   virtual void zero_grads() = 0;
   // One micro-batch: forward, cross-entropy normalised by the step's n_valid_total targets (so that

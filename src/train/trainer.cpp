@@ -415,6 +415,7 @@ Stage Run::begin_stage(int64_t si) {
   say(fmt::format("stage {}/{}: seq_len {}, {} steps of {} x {} tokens ({} micro-batches), schedule {}", si + 1,
                   cfg_.stages.size(), S.seq_len, steps, S.batch_seqs, S.seq_len, S.batch_seqs / st.micro,
                   S.schedule.kind));
+  if (const std::string m = engine_->plan(st.micro * S.seq_len); !m.empty()) say("  " + m);
   if (data_->passkey) report_passkey(S);
   st.t0 = Clock::now();
   stage_tokens_ = 0;

@@ -270,4 +270,104 @@ TEST(GpuModel, BadTokenIdsAreErrors) {
   EXPECT_THROW(gpu.loss(b.ids.data(), b.targets.data(), b.s), lm::Error);
 }
 
+// The memory plan: layers that recompute their forward before their backward give the loss, every gradient and the
+// Quantile Balancing biases of keeping everything (the second forward repeats the first: same kernels, same inputs),
+// with sparse routing, packed sequences, AttnRes and plain residuals, over two steps.
+TEST(GpuModelMemoryPlan, RecomputeEqualsKeeping) {
+  REQUIRE_GPU();
+  for (bool attn_res : {true, false}) {
+    const ModelConfig c = config(true, attn_res, true, 8, 2);
+    Model<float> cpu(c);
+    cpu.params().init(5);
+    const Batch b = batch(c, true, 9);
+    std::vector<std::vector<float>> ref_grads;
+    std::vector<double> ref_loss;
+    for (const std::vector<bool>& keep :
+         {std::vector<bool>{}, {true, false, true, false}, {false, false, false, false}}) {
+      cuda::GpuModel gpu(c);
+      gpu.upload(cpu.params());
+      gpu.set_keep_layers(keep);
+      std::vector<double> losses;
+      for (int step = 0; step < 2; ++step) {  // (the second step routes with the first's balanced biases)
+        gpu.zero_grads();
+        losses.push_back(gpu.forward_backward(b.ids.data(), b.targets.data(), b.s).loss_sum);
+        gpu.balance();
+      }
+      Model<float> back(c);
+      back.params().enable_grads();
+      gpu.download_grads(back.params());
+      gpu.download(back.params());  // (the biases)
+      std::vector<std::vector<float>> grads;
+      for (const auto& p : back.params().all()) grads.push_back(vec(p, p.g() != nullptr));
+      if (keep.empty()) {
+        ref_grads = grads, ref_loss = losses;
+        continue;
+      }
+      for (int step = 0; step < 2; ++step)
+        EXPECT_NEAR(losses[size_t(step)], ref_loss[size_t(step)], 1e-6 * std::abs(ref_loss[size_t(step)]))
+            << "attn_res " << attn_res << " step " << step;
+      double worst = 0;
+      for (size_t t = 0; t < grads.size(); ++t) {
+        double rr = 0;
+        for (float v : ref_grads[t]) rr += double(v) * v;
+        if (rr == 0) {  // (an expert no token chose)
+          for (float v : grads[t]) ASSERT_EQ(v, 0.f) << back.params().all()[t].spec.name;
+          continue;
+        }
+        const double e = lm::testing::rel_rms_vec(ref_grads[t], grads[t]);
+        worst = std::max(worst, e);
+        EXPECT_LT(e, 1e-5) << back.params().all()[t].spec.name << " attn_res " << attn_res;
+      }
+      std::printf("attn_res %d keep %d%d%d%d: losses %.9g %.9g, worst gradient / bias %.2e\n", int(attn_res),
+                  int(keep[0]), int(keep[1]), int(keep[2]), int(keep[3]), losses[0], losses[1], worst);
+    }
+  }
+}
+
+// The prediction of model::gpu_training_memory against what the model allocates (parameters, states, activations
+// and scratch: device_bytes; AdamW's moments, the transients and the workspace are counted apart) after a training
+// step and an evaluation, keeping every layer and recomputing every one, at 2 x 8,192 tokens.
+TEST(GpuModelMemoryPlan, PredictionMatchesTheAllocation) {
+  REQUIRE_GPU();
+  const ModelConfig c = config(true, true, true, 8, 2);
+  Model<float> cpu(c);
+  cpu.params().init(5);
+  const Seqs s = Seqs::batch(2, 8192);
+  std::vector<int32_t> ids(size_t(s.rows())), tg(size_t(s.rows()));
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i * 7 % 509), tg[i] = int32_t(i * 13 % 509);
+  for (bool keep : {true, false}) {
+    cuda::GpuModel gpu(c);
+    gpu.upload(cpu.params());
+    gpu.set_keep_layers(std::vector<bool>(4, keep));
+    gpu.zero_grads();
+    gpu.forward_backward(ids.data(), tg.data(), s);
+    gpu.loss(ids.data(), tg.data(), s);  // (an evaluation: the shared set)
+    const GpuTrainingMemory m = gpu_training_memory(c, s.rows(), std::vector<bool>(4, keep));
+    const double adam = 8.0 * double(count_params(c).total);
+    const double predicted = m.params - adam + m.states + m.kept + m.shared + m.scratch;
+    const double got = double(gpu.device_bytes());
+    std::printf("keep %d: allocated %.1f MiB, predicted %.1f MiB (%.3f)\n", int(keep), got / 1048576,
+                predicted / 1048576, predicted / got);
+    EXPECT_NEAR(predicted / got, 1.0, 0.05) << "keep " << keep;
+  }
+}
+
+// A length that cannot fit the device is refused by the plan, before anything is allocated.
+TEST(GpuModelMemoryPlan, ALengthThatCannotFitIsAClearErrorBeforeAllocating) {
+  REQUIRE_GPU();
+  const ModelConfig c = config(true, true, true, 8, 2);
+  cuda::GpuModel gpu(c);
+  const size_t before = cuda::device_memory_used();
+  try {
+    gpu.plan_memory(int64_t(1) << 28);
+    ADD_FAILURE() << "a plan for 268M tokens of a 256-wide model fitted";
+  } catch (const lm::Error& e) {
+    std::printf("%s\n", e.what());
+    EXPECT_NE(std::string(e.what()).find("even recomputing every layer"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cuda::device_memory_used(), before);
+  const GpuTrainingMemory m = gpu.plan_memory(4096);  // a small one keeps everything
+  EXPECT_EQ(m.kept_layers, 4);
+}
+
 }  // namespace

@@ -17,6 +17,7 @@ bool built_with_cuda() { return false; }
 struct GpuModel::Impl {};
 [[noreturn]] static void no_cuda() { throw Error("longmoe was built without CUDA (nvcc was not found at build time)"); }
 size_t device_memory_used() { no_cuda(); }
+size_t device_memory_total() { no_cuda(); }
 double device_copy_bandwidth() { no_cuda(); }
 GpuModel::GpuModel(const ModelConfig&, std::function<bool(const ParamSpec&)>) { no_cuda(); }
 GpuModel::GpuModel(const ModelConfig&, Inference) { no_cuda(); }
@@ -31,6 +32,9 @@ void GpuModel::download(ParamStore<float>&) const { no_cuda(); }
 void GpuModel::download_grads(ParamStore<float>&) const { no_cuda(); }
 void GpuModel::zero_grads() { no_cuda(); }
 GpuModel::LossStats GpuModel::forward_backward(const int32_t*, const int32_t*, const Seqs&, int64_t) { no_cuda(); }
+void GpuModel::set_keep_layers(std::vector<bool>) { no_cuda(); }
+std::vector<bool> GpuModel::keep_layers() const { no_cuda(); }
+GpuTrainingMemory GpuModel::plan_memory(int64_t) { no_cuda(); }
 GpuModel::LossStats GpuModel::loss(const int32_t*, const int32_t*, const Seqs&) { no_cuda(); }
 GpuModel::Flat GpuModel::flat() const { no_cuda(); }
 ParamSlot GpuModel::slot(const std::string&) const { no_cuda(); }
@@ -76,6 +80,11 @@ size_t device_memory_used() {
   size_t free = 0, total = 0;
   ck(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
   return total - free;
+}
+size_t device_memory_total() {
+  size_t free = 0, total = 0;
+  ck(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  return total;
 }
 double device_copy_bandwidth() {
   const size_t n = size_t(1) << 30;
@@ -191,9 +200,12 @@ GpuModel::LossStats GpuModel::forward_backward(const int32_t* ids, const int32_t
   Impl& m = *p_;
   LM_CHECK(!m.infer_only, "gpu model: an inference-only model cannot train (it holds bf16 weights only)");
   m.profiling = profiling;
-  m.training = true;
+  m.training = true;  // through the backward (layer_acts: a recompute's buffers)
+  struct Leave {
+    bool& f;
+    ~Leave() { f = false; }
+  } leave{m.training};
   const int64_t n_here = m.forward(ids, targets, s);
-  m.training = false;
   const int64_t n_norm = n_valid_total > 0 ? n_valid_total : n_here;
   float* d_hn = grow<float>(m.scratch.d_hn, size_t(m.rows) * m.d * 4);
   oc::CeResult r;
@@ -205,6 +217,25 @@ GpuModel::LossStats GpuModel::forward_backward(const int32_t* ids, const int32_t
   }
   m.backward(d_hn);
   return LossStats{r.loss_sum, r.n_valid};
+}
+
+void GpuModel::set_keep_layers(std::vector<bool> keep) {
+  Impl& m = *p_;
+  LM_CHECK(keep.empty() || int64_t(keep.size()) == m.L, "gpu model: a memory plan of {} layers for a model of {}",
+           keep.size(), m.L);
+  m.keep.assign(keep.begin(), keep.end());
+}
+std::vector<bool> GpuModel::keep_layers() const {
+  const Impl& m = *p_;
+  std::vector<bool> r(size_t(m.L), true);
+  for (size_t i = 0; i < m.keep.size(); ++i) r[i] = m.keep[i] != 0;
+  return r;
+}
+
+GpuTrainingMemory GpuModel::plan_memory(int64_t rows) {
+  GpuTrainingMemory m = gpu_training_plan(p_->c, rows, 0.97 * double(device_memory_total()));
+  set_keep_layers(m.keep);
+  return m;
 }
 
 GpuModel::LossStats GpuModel::loss(const int32_t* ids, const int32_t* targets, const Seqs& s) {

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "model/accounting.hpp"
 #include "model/config.hpp"
 #include "model/model.hpp"
 #include "model/param_names.hpp"
@@ -33,6 +34,7 @@ bool available();
 bool built_with_cuda();
 // Device memory in use now (total − free, as cudaMemGetInfo reports: this process's allocations, the CUDA context).
 size_t device_memory_used();
+size_t device_memory_total();
 // Device-to-device copy bandwidth in bytes/s (bytes read + written, 1 GiB copies timed with events): the physical
 // limit a bandwidth-bound kernel is measured against in the same run.
 double device_copy_bandwidth();
@@ -68,6 +70,16 @@ class GpuModel {
   void download(ParamStore<float>& ps) const;         // master weights to the host
   void download_grads(ParamStore<float>& ps) const;   // gradients to the host (ps.enable_grads() first)
   void zero_grads();
+
+  // The memory plan of a training step (model/accounting.hpp: gpu_training_plan): keep[i] says whether layer i keeps
+  // its internals from the forward to the backward; the others run their forward again just before their backward,
+  // into one set of buffers they share (the same loss and gradients: the second forward repeats the first). Empty:
+  // every layer keeps. lm::Error for a size other than the layer count.
+  void set_keep_layers(std::vector<bool> keep);
+  std::vector<bool> keep_layers() const;
+  // Chooses and sets the plan for steps of `rows` tokens (gpu_training_plan against this device's memory, less a
+  // 3% margin for the allocator); lm::Error, before anything is allocated, when no plan fits.
+  GpuTrainingMemory plan_memory(int64_t rows);
 
   struct LossStats {
     double loss_sum = 0;

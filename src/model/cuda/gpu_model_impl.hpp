@@ -306,7 +306,14 @@ struct GpuModel::Impl {
   // Without a backward to follow (inference, loss) every layer's internals share one set of buffers: activation
   // memory is one layer's, not L layers' (AttnRes's block states stay per layer, in acts).
   LayerActs acts_shared;
-  LayerActs& layer_acts(int64_t i) { return training ? acts[size_t(i)] : acts_shared; }
+  // The memory plan (GpuModel::set_memory_plan): keep[i] says whether layer i's training forward keeps its internals
+  // for the backward (acts[i]) or leaves them in acts_shared, to be rebuilt by a second forward of the layer just
+  // before its backward (`recomputing`). The layer's input state stays either way (the AttnRes states pout, the
+  // plain residual x_in), and the Quantile Balancing statistics (scores, alpha) stay per layer.
+  std::vector<char> keep;  // [L] (empty: every layer keeps)
+  bool recomputing = false;
+  bool keeps(int64_t i) const { return keep.empty() || keep[size_t(i)]; }
+  LayerActs& layer_acts(int64_t i) { return training && keeps(i) && !recomputing ? acts[size_t(i)] : acts_shared; }
   StackActs top;
   Scratch scratch;
   DBuf ids_d, tgt_d;
@@ -355,8 +362,8 @@ struct GpuModel::Impl {
   const float* state_last = nullptr;
   Profile* prof = nullptr;
   bool profiling = false;
-  // Training forward (a backward follows): each KDA layer's operator leaves its intra-chunk tensors and chunk-start
-  // states in kda_saved[i] (acts[i].kda.saved, null when not kept) for the backward, which then skips recomputing
+  // Training (forward then backward; layer_acts, saves): each KDA layer's operator leaves its intra-chunk tensors and
+  // chunk-start states in kda_saved[i] (its layer_acts' kda.saved) for the backward, which then skips recomputing
   // them. LONGMOE_KDA_SAVE=0 recomputes them instead (about 0.43 GB less per KDA layer at 16K tokens).
   bool training = false;
   std::vector<void*> kda_saved;
@@ -432,7 +439,6 @@ struct GpuModel::Impl {
   std::string P_(int64_t i) const { return fmt::format("model.layers.{}", i); }
 
   // ---- KDA mixer (kda_mixer.cpp) --------------------------------------------------------------------
-  bool kda_keep_fits(const DBuf& saved, size_t bytes);
   kc::Problem kda_problem() const;
   kc::ConvShape conv_shape(int64_t C, int64_t ldx = 0) const;
   // y [rows, d] fp32 = base + mixer(xn) (base null: y = mixer(xn); base == y: in place). In inference (inf.mode)
@@ -477,6 +483,10 @@ struct GpuModel::Impl {
   void read_norm(const std::vector<const float*>& src, const std::string& w, const std::string& g,
                  const std::string& nw, DBuf& y, DBuf& rstd);
   void copy(float* dst, const float* src);
+  // Layer i's forward from its input state `in` over the closed blocks `blocks` (AttnRes; the first lp.*_closed of
+  // them are read): returns its output state. Plain residuals: h [rows, d] fp32 updated in place.
+  const float* layer_forward(int64_t i, const float* in, const std::vector<const float*>& blocks);
+  void layer_forward_plain(int64_t i, float* h);
   // Returns the number of targets >= 0 (0 without targets).
   int64_t forward(const int32_t* ids, const int32_t* targets, const Seqs& s);
   void norm_bwd(const float* x, const std::string& w, const float* rstd, const float* dy, float* dx);
@@ -486,6 +496,7 @@ struct GpuModel::Impl {
   const void* to_bf16(const float* x);
   void mixer_bwd(int64_t i, const void* dyb, float* dxn);
   void ffn_bwd(int64_t i, const void* dyb, float* dyn);
+  void recompute(int64_t i);
   void backward(const float* d_hn);
 
   // ---- inference (infer.cpp) --------------------------------------------------------------------------

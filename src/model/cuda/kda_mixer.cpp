@@ -29,13 +29,6 @@ namespace lm::model::cuda {
 
 // Whether a KDA layer may keep `bytes` for its backward: yes while a quarter of the device stays free after it
 // (long sequences then recompute in their later layers rather than run out of memory in the backward).
-bool GpuModel::Impl::kda_keep_fits(const DBuf& saved, size_t bytes) {
-  if (saved.p && saved.bytes >= bytes) return true;
-  size_t free = 0, total = 0;
-  if (cudaMemGetInfo(&free, &total) != cudaSuccess) return false;
-  return free > bytes + total / 4;
-}
-
 kc::Problem GpuModel::Impl::kda_problem() const {
   kc::Problem p;
   p.B = seqs.B, p.T = seqs.T, p.H = c.kda_num_heads, p.K = c.kda_head_dim, p.V = c.kda_head_dim;
@@ -100,8 +93,10 @@ void GpuModel::Impl::kda_forward(int64_t i, const void* xn, float* y, const floa
   static const bool keep = env::kda_save();
   if (kda_saved.size() != size_t(L)) kda_saved.assign(size_t(L), nullptr);
   const kc::Problem kp = kda_problem();
+  // Every training forward keeps them (a recomputed layer's into the shared set): its output is then the one the
+  // recompute will give, since the saving forward computes o with the backward's products.
   const size_t kb = training && keep ? kc::saved_bytes(kp) : 0;
-  kda_saved[i] = kb && kda_keep_fits(a.saved, kb) ? grow(a.saved, kb) : nullptr;
+  kda_saved[i] = kb ? grow(a.saved, kb) : nullptr;
   fork();  // the core on its stream; the output gate's projections beside it
   if (inf.mode == Mode::Decode) {
     // β_raw lies inside the fused projection's rows; the step reads it dense [S, H].
@@ -140,8 +135,8 @@ void GpuModel::Impl::kda_forward(int64_t i, const void* xn, float* y, const floa
 void GpuModel::Impl::kda_backward(int64_t i, const void* dy, float* dxn) {
   const int64_t H = c.kda_num_heads, Kd = c.kda_head_dim, HK = H * Kd, n = rows;
   const std::string A = P_(i) + ".self_attn.";
-  const KdaActs& a = acts[i].kda;
-  const void* xn = got(acts[i].xn, i, "xn");
+  const KdaActs& a = layer_acts(i).kda;
+  const void* xn = got(layer_acts(i).xn, i, "xn");
   const int64_t LF = kda_in_ld();
   void *qkvp = got(a.qkvp, i, "qkvp"), *qc = got(a.qc, i, "qc"), *kc_ = got(a.kc, i, "kc"), *vc = got(a.vc, i, "vc"),
        *f = got(a.f, i, "f"), *go = got(a.gate_o, i, "gate_o"), *o = got(a.o, i, "o"), *on = got(a.on, i, "on");

@@ -157,8 +157,8 @@ void GpuModel::Impl::mla_backward(int64_t i, const void* dy, float* dxn) {
                 R = c.kv_lora_rank, Q = c.q_lora_rank.value_or(0), Dq = Dn + Dr, Dkv = Dn + Dv, RD = R + Dr,
                 HV = H * Dv, n = rows;
   const std::string A = P_(i) + ".self_attn.";
-  const MlaActs& a = acts[i].mla;
-  const void* xn = got(acts[i].xn, i, "xn");
+  const MlaActs& a = layer_acts(i).mla;
+  const void* xn = got(layer_acts(i).xn, i, "xn");
   void *o = got(a.o, i, "o"), *q = got(a.q, i, "q"), *k = got(a.k, i, "k"), *v = got(a.v, i, "v");
   float* d_og = grow<float>(scratch.d_og, size_t(n) * HV * 4);
   const bool gated = c.mla_use_output_gate;

@@ -41,8 +41,9 @@ void GpuModel::Impl::moe_forward(int64_t i, const void* yn, float* y, const floa
   float* topk_w = grow<float>(a.topk_w, size_t(Mr) * 4);
   oc::RouterOut ro;
   ro.topk_idx = topk_idx, ro.topk_w = topk_w;
-  ro.scores = grow<float>(a.scores, size_t(n) * E * 4);
-  ro.alpha = grow<float>(a.alpha, size_t(n) * 4);
+  MoeActs& qb = training ? acts[size_t(i)].moe : a;  // balance() reads them after the step, whatever the plan
+  ro.scores = grow<float>(qb.scores, size_t(n) * E * 4);
+  ro.alpha = grow<float>(qb.alpha, size_t(n) * 4);
   oc::router_forward(logits, M(B + "gate.e_score_correction_bias"), n, E, k, c.moe_renormalize,
                      static_cast<float>(c.routed_scaling_factor), ro);
   const void* z = yn;
@@ -114,8 +115,8 @@ void GpuModel::Impl::moe_backward(int64_t i, const void* dy, float* dyn) {
   const int64_t E = c.num_experts, k = c.num_experts_per_token, I = c.moe_intermediate_size, l = c.expert_width(),
                 n = rows, Mr = n * k;
   const std::string B = P_(i) + ".block_sparse_moe.";
-  const MoeActs& a = acts[i].moe;
-  const void* yn = got(acts[i].yn, i, "yn");
+  const MoeActs& a = layer_acts(i).moe;
+  const void* yn = got(layer_acts(i).yn, i, "yn");
   // u -> latent norm -> up projection.
   float* dun = grow<float>(scratch.dun, size_t(n) * l * 4);
   float* du = grow<float>(scratch.du, size_t(n) * l * 4);

@@ -60,6 +60,47 @@ void GpuModel::Impl::copy(float* dst, const float* src) {
   ck(cudaMemcpyAsync(dst, src, size_t(rows) * d * 4, cudaMemcpyDeviceToDevice, walk()), "copy");
 }
 
+// blocks: the closed blocks so far (a block this layer opens is among them: its input state).
+const float* GpuModel::Impl::layer_forward(int64_t i, const float* in, const std::vector<const float*>& blocks) {
+  const LayerPlan& lp = plan[i];
+  const std::string Pi = P_(i);
+  LayerActs& la = layer_acts(i);
+  const size_t RD4 = size_t(rows) * d * 4;
+  auto with = [&](int64_t closed, const float* last) {
+    std::vector<const float*> src(blocks.begin(), blocks.begin() + closed);
+    src.push_back(last);
+    return src;
+  };
+  if (lp.attn_closed == 0)
+    norm_fwd(in, Pi + ".input_layernorm.weight", la.xn, la.rstd1);
+  else
+    read_norm(with(lp.attn_closed, in), Pi + ".self_attention_res_proj.weight", Pi + ".self_attention_res_norm.weight",
+              Pi + ".input_layernorm.weight", la.xn, la.rstd1);
+  float* mid = grow<float>(la.pmid, RD4);  // (never a block: only the FFN's read takes it)
+  mixer_forward(i, got(la.xn, i, "xn"), mid, lp.opens_block ? nullptr : in);
+  read_norm(with(lp.mlp_closed, mid), Pi + ".mlp_res_proj.weight", Pi + ".mlp_res_norm.weight",
+            Pi + ".post_attention_layernorm.weight", la.yn, la.rstd2);
+  // The output state is the next layer's input (and maybe a block): per layer; a recompute writes a copy aside.
+  float* out = grow<float>(recomputing ? acts_shared.pout : acts[size_t(i)].pout, RD4);
+  ffn_fwd(i, got(la.yn, i, "yn"), out, mid);
+  return out;
+}
+// Training keeps the residual before each part for the backward (x_in per layer: the layer's input state; y_in with
+// the layer's internals); without a backward the norms read the stream itself.
+void GpuModel::Impl::layer_forward_plain(int64_t i, float* h) {
+  const std::string Pi = P_(i);
+  LayerActs& la = layer_acts(i);
+  const size_t RD4 = size_t(rows) * d * 4;
+  float* x_in = h;
+  if (training && !recomputing) copy(x_in = grow<float>(acts[size_t(i)].x_in, RD4), h);
+  norm_fwd(x_in, Pi + ".input_layernorm.weight", la.xn, la.rstd1);
+  mixer_forward(i, got(la.xn, i, "xn"), h, h);
+  float* y_in = h;
+  if (training) copy(y_in = grow<float>(la.y_in, RD4), h);
+  norm_fwd(y_in, Pi + ".post_attention_layernorm.weight", la.yn, la.rstd2);
+  ffn_fwd(i, got(la.yn, i, "yn"), h, h);
+}
+
 // Returns the number of targets >= 0 (0 without targets).
 int64_t GpuModel::Impl::forward(const int32_t* ids, const int32_t* targets, const Seqs& s) {
   rows = s.rows();
@@ -95,48 +136,19 @@ int64_t GpuModel::Impl::forward(const int32_t* ids, const int32_t* targets, cons
     std::vector<const float*> blocks;
     state_in.assign(L, nullptr);
     const float* cur = prefix;
-    auto with = [&](int64_t closed, const float* last) {
-      std::vector<const float*> src(blocks.begin(), blocks.begin() + closed);
-      src.push_back(last);
-      return src;
-    };
     for (int64_t i = 0; i < L; ++i) {
-      const LayerPlan& lp = plan[i];
-      const std::string Pi = P_(i);
-      LayerActs& la = layer_acts(i);
       state_in[i] = cur;
-      if (lp.attn_closed == 0)
-        norm_fwd(cur, Pi + ".input_layernorm.weight", la.xn, la.rstd1);
-      else
-        read_norm(with(lp.attn_closed, cur), Pi + ".self_attention_res_proj.weight",
-                  Pi + ".self_attention_res_norm.weight", Pi + ".input_layernorm.weight", la.xn, la.rstd1);
-      if (lp.opens_block) blocks.push_back(cur);
-      float* mid = grow<float>(acts[i].pmid, RD4);  // (the states: per layer, the blocks are among them)
-      mixer_forward(i, got(la.xn, i, "xn"), mid, lp.opens_block ? nullptr : cur);
-      read_norm(with(lp.mlp_closed, mid), Pi + ".mlp_res_proj.weight", Pi + ".mlp_res_norm.weight",
-                Pi + ".post_attention_layernorm.weight", la.yn, la.rstd2);
-      float* out = grow<float>(acts[i].pout, RD4);
-      ffn_fwd(i, got(la.yn, i, "yn"), out, mid);
-      cur = out;
+      if (plan[i].opens_block) blocks.push_back(cur);
+      cur = layer_forward(i, cur, blocks);
     }
     block_src = blocks;
     state_last = cur;
-    read_norm(with(plan.out_closed, cur), "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight",
-              "model.norm.weight", top.hn, top.rstd_f);
+    std::vector<const float*> src(blocks.begin(), blocks.begin() + plan.out_closed);
+    src.push_back(cur);
+    read_norm(src, "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight", "model.norm.weight",
+              top.hn, top.rstd_f);
   } else {
-    for (int64_t i = 0; i < L; ++i) {
-      const std::string Pi = P_(i);
-      LayerActs& la = layer_acts(i);
-      // the residual before each part, kept for the backward (without one the norms read the stream itself)
-      float* x_in = prefix;
-      if (training) copy(x_in = grow<float>(la.x_in, RD4), prefix);
-      norm_fwd(x_in, Pi + ".input_layernorm.weight", la.xn, la.rstd1);
-      mixer_forward(i, got(la.xn, i, "xn"), prefix, prefix);
-      float* y_in = prefix;
-      if (training) copy(y_in = grow<float>(la.y_in, RD4), prefix);
-      norm_fwd(y_in, Pi + ".post_attention_layernorm.weight", la.yn, la.rstd2);
-      ffn_fwd(i, got(la.yn, i, "yn"), prefix, prefix);
-    }
+    for (int64_t i = 0; i < L; ++i) layer_forward_plain(i, prefix);
     const float* h_final = prefix;
     if (training) copy(grow<float>(top.h_final, RD4), prefix), h_final = got<float>(top.h_final, "h_final");
     norm_fwd(h_final, "model.norm.weight", top.hn, top.rstd_f);
@@ -181,8 +193,26 @@ void GpuModel::Impl::ffn_bwd(int64_t i, const void* dyb, float* dyn) {
     moe_backward(i, dyb, dyn);
   } else {
     Timed t(part(Profile::DenseFfn, true));
-    ffn_backward(acts[i].mlp, i, "mlp", P_(i) + ".mlp", got(acts[i].yn, i, "yn"), rows, d, c.intermediate_size, dyb,
-                 dyn, false);
+    LayerActs& la = layer_acts(i);
+    ffn_backward(la.mlp, i, "mlp", P_(i) + ".mlp", got(la.yn, i, "yn"), rows, d, c.intermediate_size, dyb, dyn, false);
+  }
+}
+
+// A layer the memory plan does not keep: its forward again, from its kept input state, into the shared buffers.
+// Its outputs are the first forward's (the same kernels on the same inputs): the output state goes aside, and the
+// plain residual stream runs in a scratch copy.
+void GpuModel::Impl::recompute(int64_t i) {
+  recomputing = true;
+  struct Leave {
+    bool& f;
+    ~Leave() { f = false; }
+  } leave{recomputing};
+  if (plan.attn_res) {
+    layer_forward(i, state_in[size_t(i)], block_src);
+  } else {
+    float* h = grow<float>(acts_shared.x_in, size_t(rows) * d * 4);
+    copy(h, got<float>(acts[size_t(i)].x_in, i, "x_in"));
+    layer_forward_plain(i, h);
   }
 }
 
@@ -245,10 +275,12 @@ void GpuModel::Impl::backward(const float* d_hn) {
       const LayerPlan& lp = plan[i];
       const std::string Pi = P_(i);
       const int64_t nb_mlp = lp.mlp_closed, nb_attn = lp.attn_closed;
+      if (!keeps(i)) recompute(i);
+      LayerActs& la = layer_acts(i);
       ffn_bwd(i, dyb, dnorm);  // dyb: bf16 of d_prefix, the gradient of this layer's output state
-      sources(nb_mlp, got<float>(acts[i].pmid, i, "pmid"));
+      sources(nb_mlp, got<float>(la.pmid, i, "pmid"));
       read_norm_bwd(src, dsrc, Pi + ".mlp_res_proj.weight", Pi + ".mlp_res_norm.weight",
-                    Pi + ".post_attention_layernorm.weight", got<float>(acts[i].rstd2, i, "rstd2"), dnorm, dyb,
+                    Pi + ".post_attention_layernorm.weight", got<float>(la.rstd2, i, "rstd2"), dnorm, dyb,
                     deferred(nb_mlp));
       mixer_bwd(i, dyb, dnorm);
       if (lp.opens_block) {  // the block closed here was this layer's input state: its gradient is complete now
@@ -256,13 +288,13 @@ void GpuModel::Impl::backward(const float* d_hn) {
         std::swap(d_prefix, d_blocks[nb_attn]);
       }
       if (nb_attn == 0) {
-        norm_bwd(state_in[i], Pi + ".input_layernorm.weight", got<float>(acts[i].rstd1, i, "rstd1"), dnorm, dx_in);
+        norm_bwd(state_in[i], Pi + ".input_layernorm.weight", got<float>(la.rstd1, i, "rstd1"), dnorm, dx_in);
         add_f32(d_prefix, dx_in, rows * d);
         if (i > 0) cast_f32_bf16(d_prefix, dyb, rows * d);
       } else {
         sources(nb_attn, state_in[i]);
         read_norm_bwd(src, dsrc, Pi + ".self_attention_res_proj.weight", Pi + ".self_attention_res_norm.weight",
-                      Pi + ".input_layernorm.weight", got<float>(acts[i].rstd1, i, "rstd1"), dnorm, dyb,
+                      Pi + ".input_layernorm.weight", got<float>(la.rstd1, i, "rstd1"), dnorm, dyb,
                       deferred(nb_attn));
       }
     }
@@ -272,13 +304,15 @@ void GpuModel::Impl::backward(const float* d_hn) {
              d_prefix);
     for (int64_t i = L - 1; i >= 0; --i) {
       const std::string Pi = P_(i);
+      if (!keeps(i)) recompute(i);
+      LayerActs& la = layer_acts(i);
       ffn_bwd(i, to_bf16(d_prefix), dnorm);
-      norm_bwd(got<float>(acts[i].y_in, i, "y_in"), Pi + ".post_attention_layernorm.weight",
-               got<float>(acts[i].rstd2, i, "rstd2"), dnorm, dx_in);
+      norm_bwd(got<float>(la.y_in, i, "y_in"), Pi + ".post_attention_layernorm.weight", got<float>(la.rstd2, i, "rstd2"),
+               dnorm, dx_in);
       add_f32(d_prefix, dx_in, rows * d);
       mixer_bwd(i, to_bf16(d_prefix), dnorm);
-      norm_bwd(got<float>(acts[i].x_in, i, "x_in"), Pi + ".input_layernorm.weight",
-               got<float>(acts[i].rstd1, i, "rstd1"), dnorm, dx_in);
+      norm_bwd(got<float>(acts[i].x_in, i, "x_in"), Pi + ".input_layernorm.weight", got<float>(la.rstd1, i, "rstd1"),
+               dnorm, dx_in);
       add_f32(d_prefix, dx_in, rows * d);
     }
   }
