@@ -242,7 +242,8 @@ GpuTrainingMemory gpu_training_memory(const ModelConfig& c, int64_t rows, std::v
     if (c.num_shared_experts > 0) glu_sc = 8 * Is;
   }
   if (c.num_dense_ffn_layers() > 0) glu_sc = std::max(glu_sc, 8 * double(c.intermediate_size));
-  m.scratch = sc + n * (mixer_sc + both_sc + moe_sc + glu_sc);
+  // (the FFN backward runs 16,384 rows at a time: GpuModel::ffn_rows)
+  m.scratch = sc + n * (mixer_sc + both_sc + moe_sc) + std::min(n, 16384.0) * glu_sc;
   // Transients (the largest): the attention backward's fp32 dQ accumulator and statistics, the KDA backward's
   // state gradients, an expert FFN's hidden rows, an AttnRes backward's rebuilt state.
   double tr = 4 * d;

@@ -324,6 +324,39 @@ TEST(GpuModelMemoryPlan, RecomputeEqualsKeeping) {
   }
 }
 
+// The dense FFN's and the shared expert's backward in pieces of rows (GpuModel::ffn_rows) give the whole one's
+// gradients (their weight gradients sum the pieces in another order: float rounding only).
+TEST(GpuModelMemoryPlan, FfnBackwardInPiecesEqualsWhole) {
+  REQUIRE_GPU();
+  const ModelConfig c = config(true, true, true, 8, 2);
+  Model<float> cpu(c);
+  cpu.params().init(5);
+  const Batch b = batch(c, true, 9);
+  std::vector<std::vector<float>> grads[2];
+  for (int pieces = 0; pieces < 2; ++pieces) {
+    cuda::GpuModel gpu(c);
+    gpu.upload(cpu.params());
+    if (pieces) gpu.ffn_rows = 100;  // (256 rows: pieces of 100, 100 and 56)
+    gpu.zero_grads();
+    gpu.forward_backward(b.ids.data(), b.targets.data(), b.s);
+    Model<float> back(c);
+    back.params().enable_grads();
+    gpu.download_grads(back.params());
+    for (const auto& p : back.params().all())
+      if (p.g()) grads[pieces].push_back(vec(p, true));
+  }
+  double worst = 0;
+  for (size_t t = 0; t < grads[0].size(); ++t) {
+    double rr = 0;
+    for (float v : grads[0][t]) rr += double(v) * v;
+    if (rr == 0) continue;
+    const double e = lm::testing::rel_rms_vec(grads[0][t], grads[1][t]);
+    worst = std::max(worst, e);
+    EXPECT_LT(e, 1e-5) << t;
+  }
+  std::printf("FFN backward in pieces of 100 rows: worst gradient %.2e\n", worst);
+}
+
 // The prediction of model::gpu_training_memory against what the model allocates (parameters, states, activations
 // and scratch: device_bytes; AdamW's moments, the transients and the workspace are counted apart) after a training
 // step and an evaluation, keeping every layer and recomputing every one, at 2 x 8,192 tokens.

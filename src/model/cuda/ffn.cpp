@@ -13,6 +13,8 @@
 #include "ops/gemm/cuda/gemm_cuda.hpp"
 #include "ops/glu/cuda/glu_cuda.hpp"
 
+#include <algorithm>
+
 namespace lm::model::cuda {
 
 ops::GluParams GpuModel::Impl::glu() const { return glu_params(c); }
@@ -32,23 +34,40 @@ void GpuModel::Impl::ffn_down_forward(FfnActs& a, const std::string& prefix, con
   oc::glu_forward(ab, h, n, I, glu(), nullptr, ldab);
   oc::linear_fwd(h, W(prefix + ".down_proj.weight"), y, DType::F32, n, I, din, false, nullptr, 0, 0, base);
 }
-// Its backward down to the gate/up product's gradient dab [n, 2I] (row stride lddab).
+// Rows [r, r + m) of the backward down to the gate/up product's gradient: dh = dy W_down (fp32 [m, I] in
+// scratch.ffn_dh), W_down's gradient += hᵀ dy, dab = GLU'(ab) dh (row strides ldab, lddab; dab of the piece).
+void GpuModel::Impl::ffn_down_piece(const std::string& prefix, const void* h, const void* ab, int64_t ldab, int64_t r,
+                                    int64_t m, int64_t din, int64_t I, const void* dy, void* dab, int64_t lddab) {
+  float* dh = grow<float>(scratch.ffn_dh, size_t(std::min(m, ffn_rows)) * I * 4);
+  oc::linear_bwd(static_cast<const uint16_t*>(h) + r * I, W(prefix + ".down_proj.weight"),
+                 static_cast<const uint16_t*>(dy) + r * din, dh, DType::F32, G(prefix + ".down_proj.weight"), m, I,
+                 din);
+  oc::glu_backward(static_cast<const uint16_t*>(ab) + r * ldab, dh, DType::F32, dab, m, I, glu(), nullptr, ldab,
+                   lddab);
+}
+// Its backward down to the gate/up product's gradient dab [n, 2I] (row stride lddab), ffn_rows rows at a time: the
+// fp32 dh scratch is [ffn_rows, I] whatever n (W_down's gradient sums the pieces).
 void GpuModel::Impl::ffn_down_backward(const FfnActs& a, int64_t i, const char* key, const std::string& prefix,
                                        const void* ab, int64_t ldab, int64_t n, int64_t din, int64_t I, const void* dy,
                                        void* dab, int64_t lddab) {
-  float* dh = grow<float>(scratch.ffn_dh, size_t(n) * I * 4);
-  oc::linear_bwd(got(a.h, i, key, "h"), W(prefix + ".down_proj.weight"), dy, dh, DType::F32,
-                 G(prefix + ".down_proj.weight"), n, I, din);
-  oc::glu_backward(ab, dh, DType::F32, dab, n, I, glu(), nullptr, ldab, lddab);
+  const void* h = got(a.h, i, key, "h");
+  for (int64_t r = 0; r < n; r += ffn_rows)
+    ffn_down_piece(prefix, h, ab, ldab, r, std::min(ffn_rows, n - r), din, I, dy,
+                   static_cast<uint16_t*>(dab) + r * lddab, lddab);
 }
+// The whole backward, ffn_rows rows at a time (its dab scratch is [ffn_rows, 2I]).
 void GpuModel::Impl::ffn_backward(const FfnActs& a, int64_t i, const char* key, const std::string& prefix,
                                   const void* x, int64_t n, int64_t din, int64_t I, const void* dy, float* dx,
                                   bool accumulate_dx) {
-  void* dab = grow(scratch.ffn_dab, size_t(n) * 2 * I * 2);
-  ffn_down_backward(a, i, key, prefix, got(a.ab, i, key, "ab"), 2 * I, n, din, I, dy, dab, 2 * I);
-  // gate_proj's slot starts the stacked [2I, din] weight and its gradient.
-  oc::linear_bwd(x, W(prefix + ".gate_proj.weight"), dab, dx, DType::F32, G(prefix + ".gate_proj.weight"), n, din,
-                 2 * I, accumulate_dx);
+  void* dab = grow(scratch.ffn_dab, size_t(std::min(n, ffn_rows)) * 2 * I * 2);
+  const void *ab = got(a.ab, i, key, "ab"), *h = got(a.h, i, key, "h");
+  for (int64_t r = 0; r < n; r += ffn_rows) {
+    const int64_t m = std::min(ffn_rows, n - r);
+    ffn_down_piece(prefix, h, ab, 2 * I, r, m, din, I, dy, dab, 2 * I);
+    // gate_proj's slot starts the stacked [2I, din] weight and its gradient.
+    oc::linear_bwd(static_cast<const uint16_t*>(x) + r * din, W(prefix + ".gate_proj.weight"), dab, dx + r * din,
+                   DType::F32, G(prefix + ".gate_proj.weight"), m, din, 2 * I, accumulate_dx);
+  }
 }
 
 }  // namespace lm::model::cuda

@@ -199,6 +199,8 @@ GpuModel::LossStats GpuModel::forward_backward(const int32_t* ids, const int32_t
   LM_CHECK(targets, "forward_backward: targets are required");
   Impl& m = *p_;
   LM_CHECK(!m.infer_only, "gpu model: an inference-only model cannot train (it holds bf16 weights only)");
+  LM_CHECK(ffn_rows >= 1, "gpu model: ffn_rows must be >= 1 (got {})", ffn_rows);
+  m.ffn_rows = ffn_rows;
   m.profiling = profiling;
   m.training = true;  // through the backward (layer_acts: a recompute's buffers)
   struct Leave {

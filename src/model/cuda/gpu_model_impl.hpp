@@ -465,7 +465,11 @@ struct GpuModel::Impl {
   // The FFN after its gate/up product ab [n, 2I] (row stride ldab): y = base + down(GLU(ab)), h kept in a.h.
   void ffn_down_forward(FfnActs& a, const std::string& prefix, const void* ab, int64_t ldab, int64_t n, int64_t din,
                         int64_t I, float* y, const float* base);
-  // Its backward down to the gate/up product's gradient dab [n, 2I] (row stride lddab).
+  // Rows per piece of the FFN backward (its fp32 dh and dab scratch are [ffn_rows, ·]; GpuModel::ffn_rows).
+  int64_t ffn_rows = 16384;
+  void ffn_down_piece(const std::string& prefix, const void* h, const void* ab, int64_t ldab, int64_t r, int64_t m,
+                      int64_t din, int64_t I, const void* dy, void* dab, int64_t lddab);
+  // Its backward down to the gate/up product's gradient dab [n, 2I] (row stride lddab), ffn_rows rows at a time.
   void ffn_down_backward(const FfnActs& a, int64_t i, const char* key, const std::string& prefix, const void* ab,
                          int64_t ldab, int64_t n, int64_t din, int64_t I, const void* dy, void* dab, int64_t lddab);
   void ffn_backward(const FfnActs& a, int64_t i, const char* key, const std::string& prefix, const void* x, int64_t n,
