@@ -147,6 +147,42 @@ TEST(Accounting, InferenceMemoryAndDecodeTraffic) {
   EXPECT_EQ(many.weights - one.weights, 2.0 * 4095 * 2304);  // only the embedding rows grow with the batch
 }
 
+// The GPU training plan (model::gpu_training_plan) on the repository's k3-1b: everything keeps while it fits; at a
+// longer sequence the MLA layers are the first kept; the predicted total only grows with the kept layers and the
+// tokens and stays within the device; a length that cannot fit even recomputing everything is an error naming it.
+TEST(Accounting, GpuTrainingPlan) {
+  const ModelConfig c = ModelConfig::load(std::string(LONGMOE_SOURCE_DIR) + "/configs/k3-1b.json");
+  const double dev = 0.97 * 139.8 * 1073741824.0;
+  const int64_t L = c.num_hidden_layers;
+  const GpuTrainingMemory small = gpu_training_plan(c, 16384, dev);
+  EXPECT_EQ(small.kept_layers, L);
+  EXPECT_EQ(small.total(), gpu_training_memory(c, 16384, std::vector<bool>(size_t(L), true)).total());
+  const GpuTrainingMemory mid = gpu_training_plan(c, 131072, dev);
+  EXPECT_GT(mid.kept_layers, 0);
+  EXPECT_LT(mid.kept_layers, L);
+  EXPECT_LE(mid.total(), dev);
+  for (int64_t i = 0; i < L; ++i) {
+    if (c.is_kda(i)) continue;
+    EXPECT_TRUE(mid.keep[size_t(i)]) << "MLA layer " << i << " is recomputed first";
+  }
+  std::vector<bool> keep(size_t(L), false);
+  double last = gpu_training_memory(c, 131072, keep).total();
+  for (int64_t i = 0; i < L; ++i) {
+    keep[size_t(i)] = true;
+    const double t = gpu_training_memory(c, 131072, keep).total();
+    EXPECT_GT(t, last) << "keeping layer " << i;
+    last = t;
+  }
+  EXPECT_GT(gpu_training_memory(c, 131072, keep).total(), gpu_training_memory(c, 65536, keep).total());
+  try {
+    gpu_training_plan(c, 1048576, dev);
+    ADD_FAILURE() << "1M tokens of k3-1b fitted one device";
+  } catch (const lm::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("1048576 tokens"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(gpu_training_memory(c, 4096, std::vector<bool>(3, true)), lm::Error);
+}
+
 // Communication per GPU and step (model::training_traffic): nothing on one GPU; data parallel with ZeRO-1 moves
 // 6 bytes per held parameter around the ring (fp32 gradients reduce-scattered, bf16 weights gathered), without it
 // 8 (an fp32 all-reduce); expert and context parallel add their own terms; cp splits activations and must divide
