@@ -90,12 +90,12 @@ void GpuModel::Impl::kda_forward(int64_t i, const void* xn, float* y, const floa
   in.q = qc, in.k = kc_, in.v = vc, in.g_raw = f, in.beta_raw = braw;
   in.A_log = M(A + "A_log"), in.dt_bias = M(A + "dt_bias");
   sec.emplace(section("kda.core.fwd"));
-  static const bool keep = env::kda_save();
+  static const bool save_on = env::kda_save();
   if (kda_saved.size() != size_t(L)) kda_saved.assign(size_t(L), nullptr);
   const kc::Problem kp = kda_problem();
   // Every training forward keeps them (a recomputed layer's into the shared set): its output is then the one the
   // recompute will give, since the saving forward computes o with the backward's products.
-  const size_t kb = training && keep ? kc::saved_bytes(kp) : 0;
+  const size_t kb = training && save_on ? kc::saved_bytes(kp) : 0;
   kda_saved[i] = kb ? grow(a.saved, kb) : nullptr;
   fork();  // the core on its stream; the output gate's projections beside it
   if (inf.mode == Mode::Decode) {
