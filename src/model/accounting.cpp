@@ -149,14 +149,20 @@ InferenceMemory inference_memory(const ModelConfig& c, int64_t context, int64_t 
 
 namespace {
 
+// The GPU model's fused KDA input projection width (q, k, v, f_a, β side by side, 16-byte rows: Impl::kda_in_ld) and
+// the KDA operator's padded head dim.
+double kda_in_ld(const ModelConfig& c) {
+  return double((3 * c.kda_key_dim() + c.kda_head_dim + c.kda_num_heads + 7) / 8 * 8);
+}
+double kda_kp(const ModelConfig& c) { return double((c.kda_head_dim + 63) / 64 * 64); }
+
 // Bytes per token of layer i's internals kept for its backward (model/cuda/gpu_model_impl.hpp: LayerActs; the KDA
 // operator's kept tensors as ops/kda/cuda/api.cu lays them out per 64-token chunk and head, when `saved`): its
 // mixer's, its FFN's, and the norm outputs and mid state around them.
 double gpu_mixer_per_token(const ModelConfig& c, int64_t i, bool saved = true) {
   if (c.is_kda(i)) {
     const double H = double(c.kda_num_heads), K = double(c.kda_head_dim), HK = double(c.kda_key_dim());
-    const double LF = double((3 * c.kda_key_dim() + c.kda_head_dim + c.kda_num_heads + 7) / 8 * 8);
-    const double KP = double((c.kda_head_dim + 63) / 64 * 64);
+    const double LF = kda_in_ld(c), KP = kda_kp(c);
     return 2 * LF + 7 * 2 * HK + 4 * H + (c.kda_full_rank_gate ? 0 : 2 * K) +
            (saved ? H * (4 * 64 * KP * 2 + 4096 * 2 + KP * 4 + 2 * 4096 * 2 + KP * KP * 2 + 64 * KP * 2) / 64 : 0);
   }
@@ -222,8 +228,7 @@ GpuTrainingMemory gpu_training_memory(const ModelConfig& c, int64_t rows, std::v
   // ffn_dh, ffn_dab: the dense FFN and the shared expert).
   double mixer_sc = 0, both_sc = 0, glu_sc = 0;
   if (c.num_kda_layers() > 0) {
-    const double HK = double(c.kda_key_dim()), K = double(c.kda_head_dim);
-    const double LF = double((3 * c.kda_key_dim() + c.kda_head_dim + c.kda_num_heads + 7) / 8 * 8);
+    const double HK = double(c.kda_key_dim()), K = double(c.kda_head_dim), LF = kda_in_ld(c);
     mixer_sc += 2 * LF + 4 * HK + 2 * 2 * HK + 2 * K;
     both_sc = std::max(both_sc, 4 * 2 * HK);
   }
@@ -242,15 +247,14 @@ GpuTrainingMemory gpu_training_memory(const ModelConfig& c, int64_t rows, std::v
     if (c.num_shared_experts > 0) glu_sc = 8 * Is;
   }
   if (c.num_dense_ffn_layers() > 0) glu_sc = std::max(glu_sc, 8 * double(c.intermediate_size));
-  // (the FFN backward runs 16,384 rows at a time: GpuModel::ffn_rows)
-  m.scratch = sc + n * (mixer_sc + both_sc + moe_sc) + std::min(n, 16384.0) * glu_sc;
+  m.scratch = sc + n * (mixer_sc + both_sc + moe_sc) + std::min(n, double(kGpuFfnRows)) * glu_sc;
   // Transients (the largest): the attention backward's fp32 dQ accumulator and statistics, the KDA backward's
   // state gradients, an expert FFN's hidden rows, an AttnRes backward's rebuilt state.
   double tr = 4 * d;
   if (c.num_mla_layers() > 0)
     tr = std::max(tr, double(c.num_attention_heads) * (8 + 4 * double(c.mla_qk_head_dim())));
   if (c.num_kda_layers() > 0) {
-    const double KP = double((c.kda_head_dim + 63) / 64 * 64);
+    const double KP = kda_kp(c);
     tr = std::max(tr, double(c.kda_num_heads) * (KP * KP * 2 + 64 * KP * 2 + KP * 4 + 4) / 64);
   }
   if (c.num_experts > 0) tr = std::max(tr, double(c.num_experts_per_token) * double(c.moe_intermediate_size) * 2);

@@ -104,6 +104,8 @@ InferenceMemory inference_memory(const ModelConfig& c, int64_t context, int64_t 
 // two moments), the states every layer keeps (its input state; AttnRes block states), the kept layers' internals,
 // the shared set of the recomputed ones, the backward's scratch, the largest transient workspace of a kernel (held
 // in the stream-ordered pool), and `workspace` (the CUDA context, cuBLAS workspaces).
+// Rows per piece of the GPU model's FFN backward (GpuModel::ffn_rows' default): its scratch is that many rows.
+inline constexpr int64_t kGpuFfnRows = 16384;
 struct GpuTrainingMemory {
   std::vector<bool> keep;  // [L]
   int64_t rows = 0, kept_layers = 0;

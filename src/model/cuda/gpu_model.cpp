@@ -203,10 +203,7 @@ GpuModel::LossStats GpuModel::forward_backward(const int32_t* ids, const int32_t
   m.ffn_rows = ffn_rows;
   m.profiling = profiling;
   m.training = true;  // through the backward (layer_acts: a recompute's buffers)
-  struct Leave {
-    bool& f;
-    ~Leave() { f = false; }
-  } leave{m.training};
+  const ClearOnExit leave{m.training};
   const int64_t n_here = m.forward(ids, targets, s);
   const int64_t n_norm = n_valid_total > 0 ? n_valid_total : n_here;
   float* d_hn = grow<float>(m.scratch.d_hn, size_t(m.rows) * m.d * 4);

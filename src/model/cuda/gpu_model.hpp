@@ -136,7 +136,7 @@ class GpuModel {
   std::vector<float> extend(int64_t slot, const int32_t* ids, int64_t n, std::vector<float>* all_logits = nullptr);
   int64_t prefill_chunk = 16384;
   // Rows per piece of a training step's dense-FFN and shared-expert backward (their fp32 scratch stays that size).
-  int64_t ffn_rows = 16384;
+  int64_t ffn_rows = kGpuFfnRows;
   // One token for each of the S slots [first, first + S), each after what it holds: logits [S, V]. Same checks
   // (and a slot that is full or empty); on an error no slot changes. The second step of a (first, S) is captured
   // into a CUDA graph, replayed by the later ones (set_decode_graphs(false): every step eager).

@@ -48,6 +48,12 @@ inline constexpr cu::Checker ck{"gpu model"};
 
 constexpr double kLoraEps = 1e-6;  // the MLA q_a / kv_a norms (as mla.cpp)
 
+// Clears a flag however the scope ends (a training step's `training`, a recompute's `recomputing`).
+struct ClearOnExit {
+  bool& f;
+  ~ClearOnExit() { f = false; }
+};
+
 // A device buffer that only grows (activations are reused between steps of the same shape).
 struct DBuf {
   // Counts reallocations of any DBuf: a CUDA graph that captured buffer addresses is stale once it moves.
@@ -466,7 +472,7 @@ struct GpuModel::Impl {
   void ffn_down_forward(FfnActs& a, const std::string& prefix, const void* ab, int64_t ldab, int64_t n, int64_t din,
                         int64_t I, float* y, const float* base);
   // Rows per piece of the FFN backward (its fp32 dh and dab scratch are [ffn_rows, ·]; GpuModel::ffn_rows).
-  int64_t ffn_rows = 16384;
+  int64_t ffn_rows = kGpuFfnRows;
   void ffn_down_piece(const std::string& prefix, const void* h, const void* ab, int64_t ldab, int64_t r, int64_t m,
                       int64_t din, int64_t I, const void* dy, void* dab, int64_t lddab);
   // Its backward down to the gate/up product's gradient dab [n, 2I] (row stride lddab), ffn_rows rows at a time.

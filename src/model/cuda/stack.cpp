@@ -203,10 +203,7 @@ void GpuModel::Impl::ffn_bwd(int64_t i, const void* dyb, float* dyn) {
 // plain residual stream runs in a scratch copy.
 void GpuModel::Impl::recompute(int64_t i) {
   recomputing = true;
-  struct Leave {
-    bool& f;
-    ~Leave() { f = false; }
-  } leave{recomputing};
+  const ClearOnExit leave{recomputing};
   if (plan.attn_res) {
     layer_forward(i, state_in[size_t(i)], block_src);
   } else {
