@@ -23,21 +23,23 @@ int run(const Args& a) {
   infer::SamplingParams sp = a.sampling();
   infer::LoadedModel m = a.load();
   const io::Tokenizer& tok = *m.tokenizer;
-  infer::Session s(*m.model, a.session_options());
+  infer::OwnedEngine engine = a.engine(m);
   const bool tty = isatty(STDIN_FILENO) && isatty(STDOUT_FILENO);
   sp.stop_tokens.push_back(tok.special("<|end|>"));
   if (tok.eos() >= 0) sp.stop_tokens.push_back(tok.eos());
   const int32_t end = tok.special("<|end|>");
-  infer::Sequence seq = s.new_sequence();
-  std::vector<int32_t> conv;  // every token of the conversation; seq.tokens is always a prefix of it
+  infer::EngineSequence seq(*engine);
+  std::vector<int32_t> conv;  // every token of the conversation; seq.tokens() is always a prefix of it
   auto reset = [&] {
-    seq = s.new_sequence();
+    seq.reset();
     conv = infer::chat_tokens(tok, a.system.empty() ? std::vector<infer::ChatMessage>{}
                                                     : std::vector<infer::ChatMessage>{{"system", a.system}},
                               false);
   };
   reset();
-  if (tty) std::printf("longmoe chat (%s). /reset starts over, /exit or Ctrl-D ends.\n", m.name.c_str());
+  if (tty)
+    std::printf("longmoe chat (%s, %s). /reset starts over, /exit or Ctrl-D ends.\n", m.name.c_str(),
+                engine->describe().c_str());
   std::string line;
   uint64_t turn = 0;
   while (true) {
@@ -50,9 +52,9 @@ int run(const Args& a) {
     }
     const auto user = infer::chat_tokens(tok, {{"user", line}}, true, false);
     conv.insert(conv.end(), user.begin(), user.end());
-    if (static_cast<int64_t>(conv.size()) >= s.max_context()) {
+    if (static_cast<int64_t>(conv.size()) >= seq.max_context()) {
       std::printf("[the conversation reached the context limit of %ld tokens; /reset to start over]\n",
-                  static_cast<long>(s.max_context()));
+                  static_cast<long>(seq.max_context()));
       conv.resize(conv.size() - user.size());
       continue;
     }
@@ -60,7 +62,7 @@ int run(const Args& a) {
     infer::SamplingParams tp = sp;
     tp.seed = sp.seed + turn++;
     const std::vector<int32_t> delta(conv.begin() + seq.pos(), conv.end());
-    const infer::Generation g = infer::generate(s, seq, tok, delta, tp, [](const std::string& piece) {
+    const infer::Generation g = infer::generate(seq, tok, delta, tp, [](const std::string& piece) {
       std::fwrite(piece.data(), 1, piece.size(), stdout);
       std::fflush(stdout);
     });

@@ -32,7 +32,7 @@ struct Args : app::InferArgs {
 };
 
 // Perplexity: each document as [<s>] + tokens, cut into windows scored independently.
-void perplexity(infer::Session& s, const io::Tokenizer& tok, const Args& a) {
+void perplexity(infer::Engine& s, const io::Tokenizer& tok, const Args& a) {
   const auto docs = io::read_corpus(a.data, io::parse_corpus_format(a.format));
   const int64_t V = s.vocab_size(), W = std::min(a.window, s.max_context());
   double nll = 0;
@@ -48,9 +48,9 @@ void perplexity(infer::Session& s, const io::Tokenizer& tok, const Args& a) {
     ids.insert(ids.end(), e.begin(), e.end());
     for (size_t w0 = 0; w0 + 1 < ids.size(); w0 += static_cast<size_t>(W)) {
       const size_t w1 = std::min(ids.size(), w0 + static_cast<size_t>(W) + 1);  // + the last target
-      infer::Sequence seq = s.new_sequence();
+      const infer::EngineSequence seq(s);
       std::vector<float> logits;
-      s.prefill(seq, std::span(ids.data() + w0, w1 - w0 - 1), &logits, false);
+      s.prefill(seq.id(), std::span(ids.data() + w0, w1 - w0 - 1), &logits, false);
       for (size_t t = 0; t + 1 < w1 - w0; ++t) {
         const float* l = logits.data() + t * static_cast<size_t>(V);
         const float mx = *std::max_element(l, l + V);
@@ -70,14 +70,14 @@ void perplexity(infer::Session& s, const io::Tokenizer& tok, const Args& a) {
 }
 
 // Greedy answer of up to `n` tokens.
-std::string answer(infer::Session& s, const io::Tokenizer& tok, const std::vector<int32_t>& prompt, int64_t n) {
+std::string answer(infer::Engine& s, const io::Tokenizer& tok, const std::vector<int32_t>& prompt, int64_t n) {
   infer::SamplingParams sp;
   sp.temperature = 0;
   sp.max_tokens = n;
   if (tok.eos() >= 0) sp.stop_tokens.push_back(tok.eos());
   sp.stop_tokens.push_back(tok.special("<|doc|>"));  // a trained document ends there
-  infer::Sequence seq = s.new_sequence();
-  return infer::generate(s, seq, tok, prompt, sp, [](const std::string&) {}).text();
+  infer::EngineSequence seq(s);
+  return infer::generate(seq, tok, prompt, sp, [](const std::string&) {}).text();
 }
 
 std::vector<int32_t> encode_prompt(const io::Tokenizer& tok, const std::string& text) {
@@ -88,7 +88,7 @@ std::vector<int32_t> encode_prompt(const io::Tokenizer& tok, const std::string& 
   return ids;
 }
 
-void retrieval(infer::Session& s, const io::Tokenizer& tok, const Args& a, bool multi) {
+void retrieval(infer::Engine& s, const io::Tokenizer& tok, const Args& a, bool multi) {
   const Rng rng{a.seed, multi ? 2u : 1u};
   const char* words[] = {"apple", "river", "candle", "falcon", "marble", "violet", "harbor", "quartz"};
   for (int64_t L : multi ? a.needles_at : a.passkey) {
@@ -136,9 +136,11 @@ int run(const Args& a) {
            "eval: nothing to do (give --data, --passkey and/or --multi-needle)");
   LM_CHECK(a.trials >= 1 && a.needles >= 1 && a.window >= 2, "eval: --trials, --needles must be >= 1, --window >= 2");
   infer::LoadedModel m = a.load();
-  infer::SessionOptions so = a.session_options();
-  so.prefix_cache_bytes = 0;
-  infer::Session s(*m.model, so);
+  Args no_prefix = a;  // (every prompt is new: nothing to reuse)
+  no_prefix.prefix_cache_mb = 0;
+  infer::OwnedEngine engine = no_prefix.engine(m);
+  infer::Engine& s = *engine;
+  std::printf("engine: %s\n", s.describe().c_str());
   for (int64_t L : a.passkey) {
     LM_CHECK(L >= 128 && L <= s.max_context(), "eval: passkey length {} outside [128, {}]", L, s.max_context());
     LM_CHECK(L >= io::passkey_min_tokens(*m.tokenizer),

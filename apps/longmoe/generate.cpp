@@ -14,15 +14,12 @@ namespace {
 using namespace lm;
 
 struct Args : app::InferArgs {
-  std::string prompt, prompt_file, system, device = "cpu";
+  std::string prompt, prompt_file, system;
   bool chat = false, quiet = false;
 };
 
 int run(const Args& a) {
   LM_CHECK(a.prompt.empty() != a.prompt_file.empty(), "generate: give exactly one of --prompt and --prompt-file");
-  LM_CHECK(a.device == "cpu" || a.device == "cuda", "generate: --device must be cpu or cuda, not '{}'", a.device);
-  LM_CHECK(a.device == "cpu" || model::cuda::available(), "generate --device cuda: no usable CUDA device{}",
-           model::cuda::built_with_cuda() ? "" : " (longmoe was built without CUDA)");
   const infer::SamplingParams sp0 = a.sampling();
   infer::LoadedModel m = a.load();
   const io::Tokenizer& tok = *m.tokenizer;
@@ -41,24 +38,12 @@ int run(const Args& a) {
     const auto e = tok.encode(text);
     ids.insert(ids.end(), e.begin(), e.end());
   }
-  // The engine: the CPU session, or the GPU model with one sequence slot of the context.
-  std::unique_ptr<infer::Session> session;
-  std::unique_ptr<infer::Sequence> cpu_seq;
-  std::unique_ptr<model::cuda::GpuModel> gpu;
-  std::unique_ptr<infer::SequenceEngine> seq;
-  if (a.device == "cuda") {
-    gpu = std::make_unique<model::cuda::GpuModel>(m.config, model::cuda::GpuModel::Inference{});
-    gpu->upload(m.model->params());
-    seq = std::make_unique<infer::GpuSequence>(*gpu, infer::context_limit(m.config, a.context));
-  } else {
-    session = std::make_unique<infer::Session>(*m.model, a.session_options());
-    cpu_seq = std::make_unique<infer::Sequence>(session->new_sequence());
-    seq = std::make_unique<infer::SessionSequence>(*session, *cpu_seq);
-  }
+  infer::OwnedEngine engine = a.engine(m);
+  infer::EngineSequence seq(*engine);
   const auto t0 = std::chrono::steady_clock::now();
   double t_first = 0;
   bool first = true;
-  const infer::Generation g = infer::generate(*seq, tok, ids, sp, [&](const std::string& piece) {
+  const infer::Generation g = infer::generate(seq, tok, ids, sp, [&](const std::string& piece) {
     if (first) t_first = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), first = false;
     std::fwrite(piece.data(), 1, piece.size(), stdout);
     std::fflush(stdout);
@@ -72,7 +57,7 @@ int run(const Args& a) {
                  "[%zu prompt tokens, %zu generated (%s); %.2f s total, first text after %.2f s, %.1f tokens/s "
                  "decode; cache %.2f MiB]\n",
                  ids.size(), g.generated().size(), g.finish_reason().c_str(), t, t_first,
-                 n > 1 ? (n - 1) / std::max(1e-9, t - t_first) : 0.0, seq->cache_bytes() / 1048576.0);
+                 n > 1 ? (n - 1) / std::max(1e-9, t - t_first) : 0.0, engine->cache_bytes() / 1048576.0);
   }
   return 0;
 }
@@ -86,8 +71,6 @@ app::Register reg({"generate", "Generate text from a checkpoint, streamed to std
                      sub.add_flag("--chat", a->chat, "wrap the prompt in the chat template (one user turn)");
                      sub.add_option("--system", a->system, "system message (with --chat)");
                      sub.add_flag("--quiet", a->quiet, "no statistics on stderr");
-                     sub.add_option("--device", a->device, "cpu or cuda (the GPU: bf16 weights, fp32 KDA states, bf16 "
-                                    "latent cache)");
                      return [a] { return run(*a); };
                    }});
 

@@ -1,5 +1,5 @@
 #pragma once
-// Options shared by the inference verbs (generate, chat, serve, eval): the checkpoint, the session and
+// Options shared by the inference verbs (generate, chat, serve, eval): the checkpoint, the device, the engine and
 // the sampling flags, registered on a CLI11 subcommand.
 #include <CLI/CLI.hpp>
 #include <string>
@@ -13,7 +13,11 @@ namespace lm::app {
 struct InferArgs {
   std::string model;  // checkpoint directory
   std::string init_config, tokenizer;  // or: random weights for this config, with this tokenizer
-  int64_t context = 0, prefill_chunk = 512, prefix_cache_mb = 256;
+  std::string device = "cpu";
+  int64_t context = 0, prefill_chunk = 0, prefix_cache_mb = 256;
+  // The prefill chunk when --prefill-chunk is not given: small on the CPU (the server interleaves chunks with
+  // other requests' tokens), large on the GPU (a chunk's GEMMs fill the device only from a few thousand rows).
+  int64_t cpu_chunk = 512, gpu_chunk = 16384;
   infer::SamplingParams sp;
   std::vector<std::string> stop;
 
@@ -24,8 +28,11 @@ struct InferArgs {
     // Ranges are checked on what the user gives (a bad value is an error, never silently replaced).
     sub.add_option("--context", context, "context limit in tokens (default: max_position_embeddings, else 131072)")
         ->check(CLI::Range(int64_t(1), int64_t(1) << 26));
-    sub.add_option("--prefill-chunk", prefill_chunk, "tokens per prefill step (also the prefix-cache grid)")
+    sub.add_option("--prefill-chunk", prefill_chunk, fmt::format("tokens per prefill step (also the prefix-cache grid; "
+                   "default: cpu {}, cuda {})", cpu_chunk, gpu_chunk))
         ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+    sub.add_option("--device", device, "cpu, or cuda (the GPU: bf16 weights, fp32 KDA states, bf16 latent cache)")
+        ->check(CLI::IsMember({"cpu", "cuda"}));
     sub.add_option("--prefix-cache-mb", prefix_cache_mb, "prefix-cache budget in MiB (0: off)")
         ->check(CLI::Range(int64_t(0), int64_t(1) << 24));
   }
@@ -40,6 +47,8 @@ struct InferArgs {
   }
   infer::LoadedModel load() const {
     LM_CHECK(model.empty() != init_config.empty(), "give exactly one of --model and --init-config");
+    LM_CHECK(device != "cuda" || model::cuda::available(), "--device cuda: no usable CUDA device{}",
+             model::cuda::built_with_cuda() ? "" : " (longmoe was built without CUDA)");  // (before loading)
     if (!model.empty()) return infer::load_model_dir(model);
     LM_CHECK(!tokenizer.empty(), "--init-config needs --tokenizer");
     return infer::random_model(init_config, tokenizer);
@@ -47,9 +56,17 @@ struct InferArgs {
   infer::SessionOptions session_options() const {
     infer::SessionOptions o;
     o.max_context = context;
-    o.prefill_chunk = prefill_chunk;
+    o.prefill_chunk = prefill_chunk > 0 ? prefill_chunk : device == "cuda" ? gpu_chunk : cpu_chunk;
     o.prefix_cache_bytes = prefix_cache_mb << 20;
     return o;
+  }
+  // The engine of the loaded model on --device, holding up to `sequences` sequences at once (on the GPU: its slots).
+  infer::OwnedEngine engine(infer::LoadedModel& m, int64_t sequences = 1) const {
+    infer::EngineOptions o;
+    o.device = device;
+    o.session = session_options();
+    o.max_sequences = sequences;
+    return infer::make_engine(*m.model, o);
   }
   infer::SamplingParams sampling() const {
     infer::SamplingParams p = sp;

@@ -72,16 +72,19 @@ int run(Args a) {
   mallopt(M_MMAP_THRESHOLD, 128 << 10);
   mallopt(M_TRIM_THRESHOLD, 8 << 20);
   infer::LoadedModel m = a.load();
-  infer::Session s(*m.model, a.session_options());
+  // On the GPU, every sequence of a batch has a slot (KDA states) and a share of the latent pool.
+  infer::OwnedEngine engine = a.engine(m, a.so.max_batch);
+  infer::Engine& s = *engine;
   // (The built-in default is capped at the context per request; a value given explicitly must fit.)
   LM_CHECK(!a.default_max_tokens_given || a.so.default_max_tokens <= s.max_context(),
            "--default-max-tokens {} exceeds the context limit of {} tokens", a.so.default_max_tokens, s.max_context());
   if (a.so.model_name.empty()) a.so.model_name = m.name;
   serve::Server server(s, *m.tokenizer, a.so);
   const int port = server.bind();
-  std::fprintf(stderr, "longmoe serve: model '%s' (%s) on http://%s:%d, context %ld, batch %ld%s\n",
+  std::fprintf(stderr, "longmoe serve: model '%s' (%s) on http://%s:%d, context %ld, batch %ld, %s%s\n",
                a.so.model_name.c_str(), m.dir.c_str(), a.so.host.c_str(), port, static_cast<long>(s.max_context()),
-               static_cast<long>(a.so.max_batch), a.so.api_key.empty() ? "" : ", API key required");
+               static_cast<long>(a.so.max_batch), s.describe().c_str(),
+               a.so.api_key.empty() ? "" : ", API key required");
   waiter.server = &server;
   server.run();
   waiter.finish();
@@ -99,7 +102,9 @@ app::Register reg({"serve", "OpenAI-compatible HTTP server (completions, chat co
                      // chunk than the other verbs' 512 keeps a long prompt from holding up short requests
                      // (k3-small, 2 cores: a 2-token request during an 8K-token prefill waits ~3x its
                      // unloaded time with 128, ~12x with 512), for ~25% slower long prefills.
-                     a->prefill_chunk = 128;
+                     a->cpu_chunk = 128;
+                     // The GPU's GEMMs want thousands of rows; its chunks still interleave with decode steps.
+                     a->gpu_chunk = 2048;
                      a->add_model(sub);
                      a->so.model_name.clear();
                      auto& so = a->so;

@@ -132,32 +132,4 @@ Generation generate(SequenceEngine& seq, const io::Tokenizer& tok, const std::ve
   return g;
 }
 
-GpuSequence::GpuSequence(model::cuda::GpuModel& g, int64_t context) : g_(g), context_(context) {
-  g_.reserve_caches(1, context_);
-}
-int64_t GpuSequence::vocab_size() const { return g_.config().vocab_size; }
-int64_t GpuSequence::cache_bytes() const { return static_cast<int64_t>(g_.cache_bytes()); }
-
-std::vector<float> GpuSequence::prefill(std::span<const int32_t> t) {
-  LM_CHECK(!t.empty(), "prefill of no tokens");
-  LM_CHECK(pos() + static_cast<int64_t>(t.size()) <= context_,
-           "a prompt of {} tokens after {} cached exceeds the context of {} tokens", t.size(), pos(), context_);
-  const int64_t n = static_cast<int64_t>(t.size());
-  std::vector<float> lg;
-  try {
-    lg = tokens_.empty() ? g_.prefill(0, t.data(), n) : g_.extend(0, t.data(), n);
-  } catch (...) {
-    tokens_.clear();  // (the model left the slot empty)
-    throw;
-  }
-  tokens_.insert(tokens_.end(), t.begin(), t.end());
-  return lg;
-}
-
-std::vector<float> GpuSequence::decode(int32_t t) {
-  std::vector<float> lg = g_.decode(0, 1, &t);
-  tokens_.push_back(t);
-  return lg;
-}
-
 }  // namespace lm::infer

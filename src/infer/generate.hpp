@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "infer/engine.hpp"
 #include "infer/sampler.hpp"
 #include "infer/session.hpp"
 #include "io/tokenizer.hpp"
-#include "model/cuda/gpu_model.hpp"
 #include "model/model.hpp"
 
 namespace lm::infer {
@@ -73,8 +73,8 @@ class Generation {
   std::string finish_reason_;
 };
 
-// One sequence on an engine, what generate() drives: the CPU Session (SessionSequence) or a slot of the GPU
-// model (GpuSequence).
+// One sequence, what generate() drives: a sequence of an Engine (EngineSequence), or a Session's own Sequence
+// (SessionSequence).
 class SequenceEngine {
  public:
   virtual ~SequenceEngine() = default;
@@ -84,7 +84,6 @@ class SequenceEngine {
   virtual const std::vector<int32_t>& tokens() const = 0;  // consumed so far
   virtual int64_t max_context() const = 0;
   virtual int64_t vocab_size() const = 0;
-  virtual int64_t cache_bytes() const = 0;
   int64_t pos() const { return static_cast<int64_t>(tokens().size()); }
 };
 
@@ -96,29 +95,33 @@ class SessionSequence final : public SequenceEngine {
   const std::vector<int32_t>& tokens() const override { return seq_.tokens; }
   int64_t max_context() const override { return s_.max_context(); }
   int64_t vocab_size() const override { return s_.vocab_size(); }
-  int64_t cache_bytes() const override { return seq_.cache_bytes(); }
 
  private:
   Session& s_;
   Sequence& seq_;
 };
 
-// The GPU engine (model::cuda::GpuModel, weights uploaded) with one slot of `context` tokens. A prefill after the
-// first runs its tokens as decode steps (continuing a cached sequence in chunks is not on the GPU yet).
-class GpuSequence final : public SequenceEngine {
+// A sequence of an engine, opened here and closed with this object; reset() starts it over.
+class EngineSequence final : public SequenceEngine {
  public:
-  GpuSequence(model::cuda::GpuModel& g, int64_t context);
-  std::vector<float> prefill(std::span<const int32_t> t) override;
-  std::vector<float> decode(int32_t t) override;
-  const std::vector<int32_t>& tokens() const override { return tokens_; }
-  int64_t max_context() const override { return context_; }
-  int64_t vocab_size() const override;
-  int64_t cache_bytes() const override;
+  explicit EngineSequence(Engine& e) : e_(e), id_(e.open()) {}
+  ~EngineSequence() override { e_.close(id_); }
+  EngineSequence(const EngineSequence&) = delete;
+  EngineSequence& operator=(const EngineSequence&) = delete;
+  std::vector<float> prefill(std::span<const int32_t> t) override { return e_.prefill(id_, t); }
+  std::vector<float> decode(int32_t t) override { return e_.decode(std::span(&id_, 1), std::span(&t, 1)); }
+  const std::vector<int32_t>& tokens() const override { return e_.tokens(id_); }
+  int64_t max_context() const override { return e_.max_context(); }
+  int64_t vocab_size() const override { return e_.vocab_size(); }
+  void reset() {
+    e_.close(id_);
+    id_ = e_.open();
+  }
+  Engine::Id id() const { return id_; }
 
  private:
-  model::cuda::GpuModel& g_;
-  int64_t context_;
-  std::vector<int32_t> tokens_;
+  Engine& e_;
+  Engine::Id id_;
 };
 
 // Prefill `prompt` into the sequence and generate until a stop condition, calling `on_text` with each piece of

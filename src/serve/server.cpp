@@ -480,8 +480,9 @@ struct Request {
   bool done = false;
   std::string finish_reason, error;
   int64_t completion_tokens = 0;
+  int64_t reserve = 0;  // tokens of cache it may grow to: prompt + max_tokens, at most the context
   // Scheduler side only.
-  infer::Sequence seq;
+  infer::Engine::Id seq = 0;  // its sequence in the engine (0: none)
   std::unique_ptr<infer::Generation> gen;
   int32_t next_token = -1;
   int64_t skipped = 0;  // scheduler iterations this prefill was passed over (ageing)
@@ -501,7 +502,8 @@ struct Server::Impl {
     friend struct Impl;
   };
 
-  infer::Session& session;
+  std::unique_ptr<infer::Engine> own_engine;  // (a Server made over a Session)
+  infer::Engine& engine;
   const io::Tokenizer& tok;
   ServerOptions o;
   Http http;
@@ -526,12 +528,15 @@ struct Server::Impl {
   std::mutex log_mu;
   std::FILE* log_file = nullptr;
 
-  Impl(infer::Session& s, const io::Tokenizer& t, ServerOptions opt)
-      : session(s), tok(t), o(std::move(opt)), http(*this), budget(o.max_inflight_bytes),
+  Impl(std::unique_ptr<infer::Engine> own, infer::Engine& e, const io::Tokenizer& t, ServerOptions opt)
+      : own_engine(std::move(own)), engine(e), tok(t), o(std::move(opt)), http(*this), budget(o.max_inflight_bytes),
         conns(static_cast<size_t>(o.http_threads)) {
     o.validate();
-    LM_CHECK(t.vocab_size() <= s.vocab_size(), "server: tokenizer vocabulary {} exceeds the model's {}", t.vocab_size(),
-             s.vocab_size());
+    LM_CHECK(e.max_sequences() == 0 || o.max_batch <= e.max_sequences(),
+             "server: --max-batch {} exceeds the {} sequences the engine holds ({})", o.max_batch, e.max_sequences(),
+             e.describe());
+    LM_CHECK(t.vocab_size() <= e.vocab_size(), "server: tokenizer vocabulary {} exceeds the model's {}", t.vocab_size(),
+             e.vocab_size());
     if (tok.eos() >= 0) completion_stops.push_back(tok.eos()), chat_stops.push_back(tok.eos());
     chat_stops.push_back(tok.special("<|end|>"));
     const std::string h = lower(o.host);
@@ -815,7 +820,7 @@ struct Server::Impl {
   // A text prompt's ids (plain text, after `prefix`), or a 400 when it cannot fit the context: first from
   // its size alone, then while tokenizing (which stops once the limit is passed).
   std::vector<int32_t> prompt_ids(const std::string& text, std::vector<int32_t> prefix, const char* field) const {
-    const int64_t limit = session.max_context() - 1;
+    const int64_t limit = engine.max_context() - 1;
     const int64_t room = limit - static_cast<int64_t>(prefix.size());
     if (static_cast<int64_t>(text.size()) > room * tok.max_piece_bytes())
       throw too_long(fmt::format("at least {}", (static_cast<int64_t>(text.size()) + tok.max_piece_bytes() - 1) /
@@ -830,7 +835,7 @@ struct Server::Impl {
   BadRequest too_long(const std::string& n, const std::string& field) const {
     return BadRequest{fmt::format("the prompt has {} tokens; the context limit is {} (prompt plus at least one "
                                   "generated token)",
-                                  n, session.max_context()),
+                                  n, engine.max_context()),
                       field, 400, "context_length_exceeded"};
   }
 
@@ -917,7 +922,7 @@ struct Server::Impl {
     get_int(j, "n", 1, 1, 1);
     if (j.contains("user") && !j["user"].is_null() && !j["user"].is_string())
       throw BadRequest{"'user' must be a string", "user"};
-    const int64_t ctx = session.max_context();
+    const int64_t ctx = engine.max_context();
     auto& sp = r->sp;
     const int64_t mt = get_int(j, "max_tokens", -1, 1, ctx);
     const int64_t mct = get_int(j, "max_completion_tokens", -1, 1, ctx);
@@ -928,7 +933,7 @@ struct Server::Impl {
     sp.temperature = static_cast<float>(get_number(j, "temperature", 1.0, 0.0, 2.0));
     // Below the smallest float a nucleus keeps the most likely token alone, as FLT_MIN does.
     sp.top_p = std::max(static_cast<float>(get_number(j, "top_p", 1.0, 0.0, 1.0, true)), FLT_MIN);
-    sp.top_k = get_int(j, "top_k", 0, 0, session.vocab_size());
+    sp.top_k = get_int(j, "top_k", 0, 0, engine.vocab_size());
     sp.repetition_penalty = static_cast<float>(get_number(j, "repetition_penalty", 1.0, 0.01, 10.0));
     sp.seed = static_cast<uint64_t>(get_int(j, "seed", 0, 0, INT64_MAX));
     if (chat) {
@@ -1065,13 +1070,13 @@ struct Server::Impl {
       count(&ServerStats::completed);
       r.cv.notify_all();
     }
-    r.seq = infer::Sequence{};  // release the caches now, not when the last handler lets go
+    if (r.seq) engine.close(r.seq), r.seq = 0;  // release the caches now, not when the last handler lets go
     r.gen.reset();
   }
 
   // Feeds logits to the request's generation; returns true while it goes on.
   bool step(Request& r, const float* logits) {
-    infer::Generation::Step s = r.gen->next(logits, session.vocab_size());
+    infer::Generation::Step s = r.gen->next(logits, engine.vocab_size());
     Piece p{std::move(s.text), {}};
     if (r.logprobs >= 0 && s.emitted >= 0) p.lps.push_back(std::move(s.lp));
     push_piece(r, std::move(p));
@@ -1080,7 +1085,7 @@ struct Server::Impl {
       return false;
     }
     r.next_token = s.token;
-    if (r.seq.pos() >= session.max_context()) {
+    if (engine.pos(r.seq) >= engine.max_context()) {
       finish(r, "length");
       return false;
     }
@@ -1100,14 +1105,9 @@ struct Server::Impl {
   }
 
   // A new sequence for an admitted request, resumed from the longest stored prefix of its prompt.
-  void start(Request& r) {
-    r.seq = session.new_sequence();
-    if (session.options().prefix_cache_bytes > 0)
-      if (infer::Snapshot snap = session.lookup_prefix(r.prompt, static_cast<int64_t>(r.prompt.size()) - 1))
-        r.seq = infer::Session::resume(snap);
-  }
+  void start(Request& r) { r.seq = engine.open(r.prompt, r.reserve); }
 
-  // One prefill chunk's worth of prompt tokens: pieces that end on the session's grid, shortest remaining
+  // One prefill chunk's worth of prompt tokens: pieces that end on the engine's grid, shortest remaining
   // prompt first (a prefill passed over moves up by one chunk per iteration), at least one piece.
   // While sequences are decoding, a prompt that has had its first piece continues only when the decode
   // steps since have taken as long as its pieces did (prefill_debt_s): running streams keep at least half
@@ -1115,9 +1115,9 @@ struct Server::Impl {
   void prefill_round() {
     if (prefilling.empty()) return;
     if (active.empty()) prefill_debt_s = 0;
-    const int64_t Cp = session.options().prefill_chunk;
+    const int64_t Cp = engine.prefill_chunk();
     auto key = [&](const Request& r) {
-      return static_cast<int64_t>(r.prompt.size()) - r.seq.pos() - r.skipped * Cp;
+      return static_cast<int64_t>(r.prompt.size()) - engine.pos(r.seq) - r.skipped * Cp;
     };
     std::vector<std::shared_ptr<Request>> order = prefilling;
     std::stable_sort(order.begin(), order.end(), [&](const auto& a, const auto& b) { return key(*a) < key(*b); });
@@ -1126,7 +1126,7 @@ struct Server::Impl {
     std::vector<Request*> ended;
     for (auto& rp : order) {
       Request& r = *rp;
-      const int64_t n = static_cast<int64_t>(r.prompt.size()), p = r.seq.pos();
+      const int64_t n = static_cast<int64_t>(r.prompt.size()), p = engine.pos(r.seq);
       const int64_t piece = std::min(n - p, Cp - p % Cp);
       if (r.prefill_pieces > 0 && prefill_debt_s > 0) continue;
       if (!first && piece > room) {
@@ -1140,12 +1140,12 @@ struct Server::Impl {
         // Only the prompt's last grid point is worth a prefix-cache snapshot (as in one prefill call).
         const bool store = p + piece == n / Cp * Cp;
         const std::vector<float> logits =
-            session.prefill(r.seq, std::span<const int32_t>(r.prompt).subspan(static_cast<size_t>(p),
+            engine.prefill(r.seq, std::span<const int32_t>(r.prompt).subspan(static_cast<size_t>(p),
                                                                               static_cast<size_t>(piece)),
                             nullptr, store);
         count(&ServerStats::prefill_chunks);
         if (r.prefill_pieces++ > 0 && !active.empty()) prefill_debt_s += std::chrono::duration<double>(Clock::now() - t0).count();
-        if (r.seq.pos() == n) {
+        if (engine.pos(r.seq) == n) {
           count(&ServerStats::prompt_tokens, n);
           r.gen = std::make_unique<infer::Generation>(&tok, r.sp, r.prompt, r.id);
           if (step(r, logits.data())) active.push_back(rp);
@@ -1167,11 +1167,11 @@ struct Server::Impl {
       Clock::time_point t0;
       ~Repay() { debt = std::max(0.0, debt - std::chrono::duration<double>(Clock::now() - t0).count()); }
     } repay{prefill_debt_s, t0};
-    std::vector<infer::Sequence*> seqs;
+    std::vector<infer::Engine::Id> seqs;
     std::vector<int32_t> toks;
-    for (auto& r : active) seqs.push_back(&r->seq), toks.push_back(r->next_token);
+    for (auto& r : active) seqs.push_back(r->seq), toks.push_back(r->next_token);
     try {
-      const std::vector<float> logits = session.decode(seqs, toks);
+      const std::vector<float> logits = engine.decode(seqs, toks);
       {
         std::lock_guard<std::mutex> lk(smu);
         ++st.decode_steps;
@@ -1180,7 +1180,7 @@ struct Server::Impl {
       }
       std::vector<std::shared_ptr<Request>> keep;
       for (size_t i = 0; i < active.size(); ++i)
-        if (step(*active[i], logits.data() + i * static_cast<size_t>(session.vocab_size()))) keep.push_back(active[i]);
+        if (step(*active[i], logits.data() + i * static_cast<size_t>(engine.vocab_size()))) keep.push_back(active[i]);
       active.swap(keep);
     } catch (const std::exception& e) {
       for (auto& r : active) finish(*r, "error", e.what());
@@ -1206,14 +1206,23 @@ struct Server::Impl {
           queue.pop_front();
         }
       }
-      for (auto& r : admit) {
-        if (expired(*r, Clock::now())) continue;
+      // First come, first served while the engine can hold the next one to its limit (the GPU's latent pool);
+      // the rest go back to the head of the queue, in order.
+      size_t started = 0;
+      for (; started < admit.size(); ++started) {
+        Request& r = *admit[started];
+        if (expired(r, Clock::now())) continue;
+        if (!engine.fits(r.reserve)) break;
         try {
-          start(*r);
-          prefilling.push_back(r);
+          start(r);
+          prefilling.push_back(admit[started]);
         } catch (const std::exception& e) {
-          finish(*r, "error", e.what());
+          finish(r, "error", e.what());
         }
+      }
+      if (started < admit.size()) {
+        std::lock_guard<std::mutex> lk(qmu);
+        queue.insert(queue.begin(), admit.begin() + static_cast<std::ptrdiff_t>(started), admit.end());
       }
       n_prefilling = static_cast<int64_t>(prefilling.size());
       const auto now = Clock::now();
@@ -1351,6 +1360,15 @@ struct Server::Impl {
       return respond_error(res, e.status, e.message, "invalid_request_error", e.param, e.code);
     }
     body = std::string();
+    r->reserve = std::min(engine.max_context(), static_cast<int64_t>(r->prompt.size()) + r->sp.max_tokens);
+    if (!engine.can_ever_fit(r->reserve)) {
+      count(&ServerStats::bad_requests);
+      return respond_error(res, 400,
+                           fmt::format("the prompt ({} tokens) and max_tokens ({}) need more cache than this server "
+                                       "holds for one request ({}); ask for fewer tokens",
+                                       r->prompt.size(), r->sp.max_tokens, engine.describe()),
+                           "invalid_request_error", "max_tokens", "context_length_exceeded");
+    }
     // While it runs: the prompt's ids and echo text, and the text and log-probabilities it may produce.
     const int64_t running = static_cast<int64_t>(r->prompt.size()) * 4 + static_cast<int64_t>(r->echo_text.size()) +
                             r->sp.max_tokens * (r->logprobs >= 0 ? 64 + 16 * r->logprobs : 16) + 4096;
@@ -1485,7 +1503,7 @@ struct Server::Impl {
 
   json model_object() const {
     return json{{"id", o.model_name}, {"object", "model"}, {"created", 0}, {"owned_by", "longmoe"},
-                {"context_length", session.max_context()}};
+                {"context_length", engine.max_context()}};
   }
 
   void access_log(const httplib::Request& req, const httplib::Response& res) {
@@ -1506,7 +1524,14 @@ struct Server::Impl {
 };
 
 Server::Server(infer::Session& session, const io::Tokenizer& tok, ServerOptions o)
-    : impl_(std::make_unique<Impl>(session, tok, std::move(o))) {
+    : Server(std::make_unique<infer::CpuEngine>(session), nullptr, tok, std::move(o)) {}
+
+Server::Server(infer::Engine& engine, const io::Tokenizer& tok, ServerOptions o)
+    : Server(nullptr, &engine, tok, std::move(o)) {}
+
+Server::Server(std::unique_ptr<infer::Engine> own, infer::Engine* engine, const io::Tokenizer& tok, ServerOptions o) {
+  infer::Engine& served = engine ? *engine : *own;
+  impl_ = std::make_unique<Impl>(std::move(own), served, tok, std::move(o));
   Impl& I = *impl_;
   auto& h = I.http;
   // A thread per connection up to the cap, and a few more to answer 503 when every one is busy.

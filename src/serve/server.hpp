@@ -1,5 +1,5 @@
 #pragma once
-// OpenAI-compatible HTTP server over one infer::Session (cpp-httplib):
+// OpenAI-compatible HTTP server over one infer::Engine (the CPU Session or the GPU model; cpp-httplib):
 //   GET  /health                 {"status": "ok", memory and request counts}   (open without the API key)
 //   GET  /v1/models              the one served model
 //   GET  /v1/models/{id}         that model, or 404 model_not_found
@@ -109,7 +109,8 @@ struct Request;  // one generation request, shared by its handler and the schedu
 
 class Server {
  public:
-  Server(infer::Session& session, const io::Tokenizer& tok, ServerOptions o);
+  Server(infer::Engine& engine, const io::Tokenizer& tok, ServerOptions o);  // the engine outlives the server
+  Server(infer::Session& session, const io::Tokenizer& tok, ServerOptions o);  // over a CpuEngine of the session
   ~Server();
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;
@@ -123,6 +124,7 @@ class Server {
   struct Impl;
 
  private:
+  Server(std::unique_ptr<infer::Engine> own, infer::Engine* engine, const io::Tokenizer& tok, ServerOptions o);
   std::unique_ptr<Impl> impl_;
   std::atomic<bool> running_{false};
 };

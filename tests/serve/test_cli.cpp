@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "model/cuda/gpu_model.hpp"
 #include "tests/serve/harness.hpp"
 
 using namespace lm;
@@ -70,6 +71,8 @@ TEST(ServeCli, BadValuesAreClearErrors) {
       {"serve --prefill-chunk 0 " + f.model(), "--prefill-chunk"},
       {"serve --cors https://x.example/ " + f.model(), "CORS origin"},
       {"serve --context 256 --default-max-tokens 300 " + f.model(), "--default-max-tokens"},
+      {"serve --device tpu " + f.model(), "--device"},
+      {"generate --device gpu --prompt x " + f.model(), "--device"},
   };
   for (const auto& [args, what] : cases) {
     const CliRun r = longmoe(args);
@@ -87,4 +90,17 @@ TEST(ServeCli, BusyPortIsAnError) {
   EXPECT_EQ(r.rc, 2) << r.out;
   EXPECT_NE(r.out.find(std::to_string(h.port)), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("in use"), std::string::npos) << r.out;
+}
+
+// --device cuda where no GPU can be used (CI): every inference verb says so before loading the model.
+TEST(ServeCli, InferenceVerbsOnTheGpuWithoutOne) {
+  if (!fs::exists(LONGMOE_BINARY)) GTEST_SKIP() << LONGMOE_BINARY << " is not built";
+  if (model::cuda::available()) GTEST_SKIP() << "a GPU is usable here";
+  Files f;
+  for (const std::string verb : {"generate --prompt x", "chat", "eval --passkey 256", "serve"}) {
+    const CliRun r = longmoe(verb + " --device cuda " + f.model());
+    EXPECT_GT(r.rc, 0) << verb << " was accepted:\n" << r.out;
+    EXPECT_LT(r.rc, 128) << verb << " crashed:\n" << r.out;
+    EXPECT_NE(r.out.find("no usable CUDA device"), std::string::npos) << verb << ":\n" << r.out;
+  }
 }

@@ -1,0 +1,225 @@
+// The engines of engine.hpp: the CPU Session's sequences by id, and the GPU model's slots.
+#include "infer/engine.hpp"
+
+#include <algorithm>
+
+#include "core/error.hpp"
+#include "model/accounting.hpp"
+
+namespace lm::infer {
+
+// ---- CpuEngine -----------------------------------------------------------------------------------------
+const Sequence& CpuEngine::get(Id id) const {
+  const auto it = seqs_.find(id);
+  LM_CHECK(it != seqs_.end(), "engine: no open sequence {}", id);
+  return it->second;
+}
+
+Engine::Id CpuEngine::open(std::span<const int32_t> prompt, int64_t reserve) {
+  LM_CHECK(reserve <= s_.max_context(), "engine: a sequence of {} tokens exceeds the context limit of {} tokens",
+           reserve, s_.max_context());
+  Sequence seq = s_.new_sequence();
+  if (prefix_cache() && prompt.size() > 1)
+    if (Snapshot snap = s_.lookup_prefix(prompt, static_cast<int64_t>(prompt.size()) - 1)) seq = Session::resume(snap);
+  const Id id = next_++;
+  seqs_.emplace(id, std::move(seq));
+  return id;
+}
+
+std::vector<float> CpuEngine::prefill(Id id, std::span<const int32_t> t, std::vector<float>* all_logits,
+                                      bool store_prefix) {
+  return s_.prefill(get(id), t, all_logits, store_prefix);
+}
+
+std::vector<float> CpuEngine::decode(std::span<const Id> ids, std::span<const int32_t> t) {
+  std::vector<Sequence*> seqs;
+  for (Id id : ids) seqs.push_back(&get(id));
+  return s_.decode(seqs, t);
+}
+
+int64_t CpuEngine::cache_bytes() const {
+  int64_t b = 0;
+  for (const auto& [id, s] : seqs_) b += s.cache_bytes();
+  return b;
+}
+
+// ---- GpuEngine -----------------------------------------------------------------------------------------
+int64_t default_pool_tokens(const model::ModelConfig& c, int64_t max_sequences, int64_t context,
+                            int64_t prefill_chunk, double device_bytes) {
+  constexpr int64_t B = 64;  // the latent pool's block (model/cuda InferState::kBlock)
+  const int64_t slots = max_sequences + 1, want = max_sequences * ((context + B - 1) / B) * B;
+  if (c.num_mla_layers() == 0) return want;
+  const double budget = 0.92 * device_bytes;
+  const auto total = [&](int64_t pool) { return model::inference_memory(c, context, slots, prefill_chunk, pool).total(); };
+  const double base = total(B), per_token = (total(B + (int64_t(1) << 20)) - base) / double(int64_t(1) << 20);
+  const int64_t fit = B + static_cast<int64_t>((budget - base) / per_token) / B * B;
+  LM_CHECK(base <= budget && fit >= context,
+           "gpu engine: one context of {} tokens does not fit the device: {:.1f} GiB of weights, caches and "
+           "activations with its latent cache, {:.1f} GiB usable; give a shorter --context",
+           context, total(context) / 1073741824.0, budget / 1073741824.0);
+  return std::min(want, fit);
+}
+
+GpuEngine::GpuEngine(model::cuda::GpuModel& g, GpuEngineOptions o) : g_(g), o_(o) {
+  const model::ModelConfig& c = g_.config();
+  LM_CHECK(o_.max_sequences >= 1, "gpu engine: {} sequences", o_.max_sequences);
+  LM_CHECK(o_.prefill_chunk >= 1, "gpu engine: prefill chunk {}", o_.prefill_chunk);
+  o_.context = context_limit(c, o_.context);
+  if (o_.pool_tokens == 0)
+    o_.pool_tokens = default_pool_tokens(c, o_.max_sequences, o_.context, o_.prefill_chunk,
+                                         static_cast<double>(model::cuda::device_memory_total()));
+  g_.prefill_chunk = o_.prefill_chunk;
+  g_.reserve_caches(o_.max_sequences + 1, o_.context, o_.pool_tokens);
+  pool_blocks_ = g_.free_cache_tokens() / 64;
+  at_.assign(static_cast<size_t>(o_.max_sequences + 1), 0);
+}
+
+const GpuEngine::Entry& GpuEngine::get(Id id) const {
+  const auto it = seqs_.find(id);
+  LM_CHECK(it != seqs_.end(), "engine: no open sequence {}", id);
+  return it->second;
+}
+
+int64_t GpuEngine::vocab_size() const { return g_.config().vocab_size; }
+int64_t GpuEngine::cache_bytes() const { return static_cast<int64_t>(g_.cache_bytes()); }
+std::string GpuEngine::describe() const {
+  return fmt::format("cuda: {} sequences of up to {} tokens, latent pool {} tokens, {}-token prefill chunks",
+                     o_.max_sequences, o_.context, o_.pool_tokens, o_.prefill_chunk);
+}
+
+// A model without MLA layers keeps no latent rows: every sequence fits.
+int64_t GpuEngine::blocks_for(int64_t reserve) const {
+  if (g_.config().num_mla_layers() == 0) return 0;
+  return ((reserve > 0 ? reserve : o_.context) + 63) / 64;
+}
+
+bool GpuEngine::can_ever_fit(int64_t reserve) const {
+  return reserve <= o_.context && blocks_for(reserve) <= pool_blocks_;
+}
+
+bool GpuEngine::fits(int64_t reserve) const {
+  return can_ever_fit(reserve) && static_cast<int64_t>(seqs_.size()) < o_.max_sequences &&
+         reserved_blocks_ + blocks_for(reserve) <= pool_blocks_;
+}
+
+Engine::Id GpuEngine::open(std::span<const int32_t>, int64_t reserve) {
+  LM_CHECK(static_cast<int64_t>(seqs_.size()) < o_.max_sequences, "gpu engine: all {} sequences are in use",
+           o_.max_sequences);
+  LM_CHECK(reserve <= o_.context, "gpu engine: a sequence of {} tokens exceeds the context limit of {} tokens",
+           reserve, o_.context);
+  const int64_t need = blocks_for(reserve);
+  LM_CHECK(reserved_blocks_ + need <= pool_blocks_,
+           "gpu engine: the latent cache cannot hold {} more tokens: {} of its {} tokens are reserved by open "
+           "sequences", need * 64, reserved_blocks_ * 64, pool_blocks_ * 64);
+  const int64_t slot = free_slot(-1);
+  const Id id = next_++;
+  seqs_[id] = Entry{slot, need, {}};
+  at_[size_t(slot)] = id;
+  reserved_blocks_ += need;
+  return id;
+}
+
+void GpuEngine::close(Id id) {
+  const auto it = seqs_.find(id);
+  if (it == seqs_.end()) return;
+  g_.release_slot(it->second.slot);
+  at_[size_t(it->second.slot)] = 0;
+  reserved_blocks_ -= it->second.reserve_blocks;
+  seqs_.erase(it);
+}
+
+// A free slot other than `except`, from the top (the low slots are where decode batches go).
+int64_t GpuEngine::free_slot(int64_t except) const {
+  for (int64_t s = static_cast<int64_t>(at_.size()) - 1; s >= 0; --s)
+    if (at_[size_t(s)] == 0 && s != except) return s;
+  fail("gpu engine: no free slot (an internal error: {} slots hold {} sequences)", at_.size(), seqs_.size());
+}
+
+void GpuEngine::move(Id id, int64_t to) {
+  Entry& e = get(id);
+  LM_CHECK(at_[size_t(to)] == 0, "gpu engine: slot {} is taken", to);
+  g_.copy_slot(e.slot, to);
+  g_.release_slot(e.slot);
+  at_[size_t(e.slot)] = 0;
+  at_[size_t(to)] = id;
+  e.slot = to;
+  ++moves_;
+}
+
+std::vector<float> GpuEngine::prefill(Id id, std::span<const int32_t> t, std::vector<float>* all_logits, bool) {
+  Entry& e = get(id);
+  const int64_t n = static_cast<int64_t>(t.size());
+  LM_CHECK(n >= 1, "prefill: no tokens");
+  LM_CHECK(e.tokens.size() + t.size() <= size_t(o_.context),
+           "prompt of {} tokens (after {} cached) exceeds the context limit of {} tokens", n, e.tokens.size(),
+           o_.context);
+  std::vector<float> lg;
+  try {
+    lg = e.tokens.empty() ? g_.prefill(e.slot, t.data(), n, all_logits) : g_.extend(e.slot, t.data(), n, all_logits);
+  } catch (...) {
+    e.tokens.clear();  // (the model left the slot empty)
+    throw;
+  }
+  e.tokens.insert(e.tokens.end(), t.begin(), t.end());
+  return lg;
+}
+
+std::vector<float> GpuEngine::decode(std::span<const Id> ids, std::span<const int32_t> t) {
+  const int64_t S = static_cast<int64_t>(ids.size());
+  LM_CHECK(S >= 1 && t.size() == ids.size(), "decode: {} sequences and {} tokens", ids.size(), t.size());
+  std::vector<char> in_step(at_.size(), 0);
+  for (Id id : ids) {
+    const Entry& e = get(id);
+    LM_CHECK(!e.tokens.empty(), "decode: sequence {} holds no tokens (prefill it first)", id);
+    LM_CHECK(!in_step[size_t(e.slot)], "decode: sequence {} is asked for twice", id);
+    in_step[size_t(e.slot)] = 1;
+  }
+  // The sequences of this step into slots [0, S): free targets first, then those held by other sequences.
+  std::vector<int64_t> targets;
+  for (int pass = 0; pass < 2; ++pass)
+    for (int64_t s = 0; s < S; ++s)
+      if (!in_step[size_t(s)] && (at_[size_t(s)] == 0) == (pass == 0)) targets.push_back(s);
+  size_t next = 0;
+  for (Id id : ids) {
+    if (get(id).slot < S) continue;
+    const int64_t to = targets[next++];
+    if (const Id other = at_[size_t(to)]) move(other, free_slot(to));
+    move(id, to);
+  }
+  std::vector<int32_t> by_slot(static_cast<size_t>(S));
+  for (int64_t i = 0; i < S; ++i) by_slot[size_t(get(ids[size_t(i)]).slot)] = t[size_t(i)];
+  const std::vector<float> lg = g_.decode(0, S, by_slot.data());
+  const size_t V = static_cast<size_t>(vocab_size());
+  std::vector<float> out(static_cast<size_t>(S) * V);
+  for (int64_t i = 0; i < S; ++i) {
+    Entry& e = get(ids[size_t(i)]);
+    std::copy_n(lg.begin() + static_cast<std::ptrdiff_t>(size_t(e.slot) * V), V,
+                out.begin() + static_cast<std::ptrdiff_t>(size_t(i) * V));
+    e.tokens.push_back(t[size_t(i)]);
+  }
+  return out;
+}
+
+// ---- make_engine ---------------------------------------------------------------------------------------
+OwnedEngine make_engine(model::Model<float>& m, const EngineOptions& o) {
+  LM_CHECK(o.device == "cpu" || o.device == "cuda", "--device must be cpu or cuda, not '{}'", o.device);
+  OwnedEngine e;
+  if (o.device == "cpu") {
+    e.session = std::make_unique<Session>(m, o.session);
+    e.engine = std::make_unique<CpuEngine>(*e.session);
+    return e;
+  }
+  LM_CHECK(model::cuda::available(), "--device cuda: no usable CUDA device{}",
+           model::cuda::built_with_cuda() ? "" : " (longmoe was built without CUDA)");
+  e.gpu = std::make_unique<model::cuda::GpuModel>(m.config(), model::cuda::GpuModel::Inference{});
+  e.gpu->upload(m.params());
+  GpuEngineOptions g;
+  g.max_sequences = o.max_sequences;
+  g.context = o.session.max_context;
+  g.prefill_chunk = o.session.prefill_chunk;
+  g.pool_tokens = o.pool_tokens;
+  e.engine = std::make_unique<GpuEngine>(*e.gpu, g);
+  return e;
+}
+
+}  // namespace lm::infer
