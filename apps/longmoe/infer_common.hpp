@@ -23,7 +23,8 @@ struct InferArgs {
 
   void add_model(CLI::App& sub) {
     sub.add_option("--model", model, "checkpoint directory (config.json, model.safetensors, tokenizer.model)");
-    sub.add_option("--init-config", init_config, "instead of --model: random weights for this config.json");
+    sub.add_option("--init-config", init_config, "instead of --model: random weights for this config.json (with "
+                   "--device cuda drawn on the GPU, so any shape that fits the device runs)");
     sub.add_option("--tokenizer", tokenizer, "tokenizer.model (with --init-config)");
     // Ranges are checked on what the user gives (a bad value is an error, never silently replaced).
     sub.add_option("--context", context, "context limit in tokens (default: max_position_embeddings, else 131072)")
@@ -51,7 +52,7 @@ struct InferArgs {
              model::cuda::built_with_cuda() ? "" : " (longmoe was built without CUDA)");  // (before loading)
     if (!model.empty()) return infer::load_model_dir(model);
     LM_CHECK(!tokenizer.empty(), "--init-config needs --tokenizer");
-    return infer::random_model(init_config, tokenizer);
+    return infer::random_model(init_config, tokenizer, 1, device == "cpu");  // (on the GPU: drawn there)
   }
   infer::SessionOptions session_options() const {
     infer::SessionOptions o;
@@ -66,7 +67,7 @@ struct InferArgs {
     o.device = device;
     o.session = session_options();
     o.max_sequences = sequences;
-    return infer::make_engine(*m.model, o);
+    return infer::make_engine(m.config, m.model.get(), o);
   }
   infer::SamplingParams sampling() const {
     infer::SamplingParams p = sp;

@@ -31,10 +31,11 @@ std::vector<float> CpuEngine::prefill(Id id, std::span<const int32_t> t, std::ve
   return s_.prefill(get(id), t, all_logits, store_prefix);
 }
 
-std::vector<float> CpuEngine::decode(std::span<const Id> ids, std::span<const int32_t> t) {
+const std::vector<float>& CpuEngine::decode(std::span<const Id> ids, std::span<const int32_t> t) {
   std::vector<Sequence*> seqs;
   for (Id id : ids) seqs.push_back(&get(id));
-  return s_.decode(seqs, t);
+  logits_ = s_.decode(seqs, t);
+  return logits_;
 }
 
 int64_t CpuEngine::cache_bytes() const {
@@ -72,6 +73,28 @@ GpuEngine::GpuEngine(model::cuda::GpuModel& g, GpuEngineOptions o) : g_(g), o_(o
   g_.reserve_caches(o_.max_sequences + 1, o_.context, o_.pool_tokens);
   pool_blocks_ = g_.free_cache_tokens() / 64;
   at_.assign(static_cast<size_t>(o_.max_sequences + 1), 0);
+  warm_up();
+}
+
+// Two prefill chunks in slot 0 (the second continues from the cache), one token in each other slot, then a decode
+// step of every batch size from M down to 1, each captured into its CUDA graph; then nothing is kept. Every
+// activation buffer gets the largest size the engine will ask for, so none grows later: a growth invalidates the
+// captured graphs, and with continuous batching, whose batch size changes at every join and end, each size would
+// then be captured again (two eager steps and an instantiation) many times over.
+void GpuEngine::warm_up() {
+  const int64_t M = o_.max_sequences, B = 64;
+  const int64_t n = std::min(o_.prefill_chunk, (o_.context - M - 1) / 2);
+  if (n < 1) return;
+  const bool mla = g_.config().num_mla_layers() > 0;
+  if (mla && (2 * n + M + B) / B + (M - 1) * ((M + 1 + B) / B) > pool_blocks_) return;  // (a small pool: skipped)
+  const std::vector<int32_t> zeros(static_cast<size_t>(std::max(2 * n, M)), 0);
+  try {
+    g_.prefill(0, zeros.data(), 2 * n);
+    for (int64_t s = 1; s < M; ++s) g_.prefill(s, zeros.data(), 1);
+    for (int64_t S = M; S >= 1; --S) g_.decode(0, S, zeros.data());
+  } catch (const Error&) {  // (only an optimisation: a step that cannot run here sizes its buffers when it runs)
+  }
+  for (int64_t s = 0; s < M; ++s) g_.release_slot(s);
 }
 
 const GpuEngine::Entry& GpuEngine::get(Id id) const {
@@ -164,7 +187,7 @@ std::vector<float> GpuEngine::prefill(Id id, std::span<const int32_t> t, std::ve
   return lg;
 }
 
-std::vector<float> GpuEngine::decode(std::span<const Id> ids, std::span<const int32_t> t) {
+const std::vector<float>& GpuEngine::decode(std::span<const Id> ids, std::span<const int32_t> t) {
   const int64_t S = static_cast<int64_t>(ids.size());
   LM_CHECK(S >= 1 && t.size() == ids.size(), "decode: {} sequences and {} tokens", ids.size(), t.size());
   std::vector<char> in_step(at_.size(), 0);
@@ -188,31 +211,32 @@ std::vector<float> GpuEngine::decode(std::span<const Id> ids, std::span<const in
   }
   std::vector<int32_t> by_slot(static_cast<size_t>(S));
   for (int64_t i = 0; i < S; ++i) by_slot[size_t(get(ids[size_t(i)]).slot)] = t[size_t(i)];
-  const std::vector<float> lg = g_.decode(0, S, by_slot.data());
   const size_t V = static_cast<size_t>(vocab_size());
-  std::vector<float> out(static_cast<size_t>(S) * V);
+  by_slot_.resize(size_t(S) * V), logits_.resize(size_t(S) * V);
+  g_.decode(0, S, by_slot.data(), by_slot_.data());
   for (int64_t i = 0; i < S; ++i) {
     Entry& e = get(ids[size_t(i)]);
-    std::copy_n(lg.begin() + static_cast<std::ptrdiff_t>(size_t(e.slot) * V), V,
-                out.begin() + static_cast<std::ptrdiff_t>(size_t(i) * V));
+    std::copy_n(by_slot_.data() + size_t(e.slot) * V, V, logits_.data() + size_t(i) * V);
     e.tokens.push_back(t[size_t(i)]);
   }
-  return out;
+  return logits_;
 }
 
 // ---- make_engine ---------------------------------------------------------------------------------------
-OwnedEngine make_engine(model::Model<float>& m, const EngineOptions& o) {
+OwnedEngine make_engine(const model::ModelConfig& c, model::Model<float>* m, const EngineOptions& o, uint64_t seed) {
   LM_CHECK(o.device == "cpu" || o.device == "cuda", "--device must be cpu or cuda, not '{}'", o.device);
   OwnedEngine e;
   if (o.device == "cpu") {
-    e.session = std::make_unique<Session>(m, o.session);
+    LM_CHECK(m != nullptr, "the cpu engine needs the model's weights on the host");
+    e.session = std::make_unique<Session>(*m, o.session);
     e.engine = std::make_unique<CpuEngine>(*e.session);
     return e;
   }
   LM_CHECK(model::cuda::available(), "--device cuda: no usable CUDA device{}",
            model::cuda::built_with_cuda() ? "" : " (longmoe was built without CUDA)");
-  e.gpu = std::make_unique<model::cuda::GpuModel>(m.config(), model::cuda::GpuModel::Inference{});
-  e.gpu->upload(m.params());
+  e.gpu = std::make_unique<model::cuda::GpuModel>(c, model::cuda::GpuModel::Inference{});
+  if (m) e.gpu->upload(m->params());
+  else e.gpu->init_random(seed);
   GpuEngineOptions g;
   g.max_sequences = o.max_sequences;
   g.context = o.session.max_context;

@@ -46,8 +46,9 @@ class Engine {
   // ids outside the vocabulary or a length past the context (the sequence is then unchanged, or empty on the GPU).
   virtual std::vector<float> prefill(Id id, std::span<const int32_t> t, std::vector<float>* all_logits = nullptr,
                                      bool store_prefix = true) = 0;
-  // One token for each of the S sequences: logits [S, V] in the order asked. On an error no sequence changes.
-  virtual std::vector<float> decode(std::span<const Id> ids, std::span<const int32_t> t) = 0;
+  // One token for each of the S sequences: logits [S, V] in the order asked, in the engine's buffer (valid until the
+  // next decode: a step allocates nothing). On an error no sequence changes.
+  virtual const std::vector<float>& decode(std::span<const Id> ids, std::span<const int32_t> t) = 0;
   virtual int64_t max_context() const = 0;
   virtual int64_t vocab_size() const = 0;
   virtual int64_t prefill_chunk() const = 0;    // Cp
@@ -68,7 +69,7 @@ class CpuEngine final : public Engine {
   const std::vector<int32_t>& tokens(Id id) const override { return get(id).tokens; }
   std::vector<float> prefill(Id id, std::span<const int32_t> t, std::vector<float>* all_logits = nullptr,
                              bool store_prefix = true) override;
-  std::vector<float> decode(std::span<const Id> ids, std::span<const int32_t> t) override;
+  const std::vector<float>& decode(std::span<const Id> ids, std::span<const int32_t> t) override;
   int64_t max_context() const override { return s_.max_context(); }
   int64_t vocab_size() const override { return s_.vocab_size(); }
   int64_t prefill_chunk() const override { return s_.options().prefill_chunk; }
@@ -83,6 +84,7 @@ class CpuEngine final : public Engine {
   Sequence& get(Id id) { return const_cast<Sequence&>(std::as_const(*this).get(id)); }
   Session& s_;
   std::map<Id, Sequence> seqs_;
+  std::vector<float> logits_;
   Id next_ = 1;
 };
 
@@ -104,7 +106,7 @@ class GpuEngine final : public Engine {
   const std::vector<int32_t>& tokens(Id id) const override { return get(id).tokens; }
   std::vector<float> prefill(Id id, std::span<const int32_t> t, std::vector<float>* all_logits = nullptr,
                              bool store_prefix = true) override;
-  std::vector<float> decode(std::span<const Id> ids, std::span<const int32_t> t) override;
+  const std::vector<float>& decode(std::span<const Id> ids, std::span<const int32_t> t) override;
   int64_t max_context() const override { return o_.context; }
   int64_t vocab_size() const override;
   int64_t prefill_chunk() const override { return o_.prefill_chunk; }
@@ -124,12 +126,14 @@ class GpuEngine final : public Engine {
   const Entry& get(Id id) const;
   Entry& get(Id id) { return const_cast<Entry&>(std::as_const(*this).get(id)); }
   int64_t blocks_for(int64_t reserve) const;
+  void warm_up();
   int64_t free_slot(int64_t except) const;
   void move(Id id, int64_t to);
   model::cuda::GpuModel& g_;
   GpuEngineOptions o_;
   std::map<Id, Entry> seqs_;
   std::vector<Id> at_;  // [M + 1] the sequence in each slot (0: free)
+  std::vector<float> by_slot_, logits_;  // a step's logits [S, V] in slot order and in the order asked
   int64_t reserved_blocks_ = 0, pool_blocks_ = 0, moves_ = 0;
   Id next_ = 1;
 };
@@ -154,7 +158,9 @@ struct OwnedEngine {
   Engine& operator*() const { return *engine; }
   Engine* operator->() const { return engine.get(); }
 };
-// lm::Error for an unknown device, or cuda without a usable GPU (or a build without CUDA).
-OwnedEngine make_engine(model::Model<float>& m, const EngineOptions& o);
+// The weights are `m`'s; with m null (cuda only), random ones drawn on the device from `seed`. lm::Error for an
+// unknown device, or cuda without a usable GPU (or a build without CUDA).
+OwnedEngine make_engine(const model::ModelConfig& c, model::Model<float>* m, const EngineOptions& o,
+                        uint64_t seed = 1);
 
 }  // namespace lm::infer

@@ -36,13 +36,16 @@ LoadedModel load_model_dir(const std::string& path, bool need_tokenizer) {
   return lm;
 }
 
-LoadedModel random_model(const std::string& config, const std::string& tokenizer_path, uint64_t seed) {
+LoadedModel random_model(const std::string& config, const std::string& tokenizer_path, uint64_t seed,
+                         bool host_weights) {
   LoadedModel lm;
   lm.dir = config;
   lm.name = "random";
   lm.config = model::ModelConfig::load(config);
-  lm.model = std::make_unique<model::Model<float>>(lm.config);
-  lm.model->params().init(seed);
+  if (host_weights) {
+    lm.model = std::make_unique<model::Model<float>>(lm.config);
+    lm.model->params().init(seed);
+  }
   lm.tokenizer = std::make_shared<io::Tokenizer>(io::Tokenizer::load(tokenizer_path));
   LM_CHECK(lm.tokenizer->vocab_size() <= lm.config.vocab_size,
            "{}: the tokenizer has {} tokens but the model's vocabulary is {}", tokenizer_path,

@@ -25,13 +25,16 @@ namespace lm::infer {
 struct LoadedModel {
   std::string dir, name;  // name: the directory's last component
   model::ModelConfig config;
-  std::unique_ptr<model::Model<float>> model;
+  std::unique_ptr<model::Model<float>> model;  // null: random weights to be drawn on the GPU (random_model)
   std::shared_ptr<io::Tokenizer> tokenizer;  // null when the directory has no tokenizer.model
 };
 // `path`: a checkpoint directory, or a training run folder (its `latest` checkpoint).
 LoadedModel load_model_dir(const std::string& path, bool need_tokenizer = true);
-// A model with random weights (ParamStore::init(seed)) and a tokenizer file, for benchmarks and load tests.
-LoadedModel random_model(const std::string& config, const std::string& tokenizer_path, uint64_t seed = 1);
+// A model with random weights (ParamStore::init(seed)) and a tokenizer file, for benchmarks and load tests. Without
+// `host_weights` no model is allocated on the host (a 48B shape's fp32 weights would not fit there): the GPU engine
+// draws its bf16 weights on the device (GpuModel::init_random).
+LoadedModel random_model(const std::string& config, const std::string& tokenizer_path, uint64_t seed = 1,
+                         bool host_weights = true);
 
 struct ChatMessage {
   std::string role;  // "system", "user" or "assistant"

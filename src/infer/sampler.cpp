@@ -103,6 +103,10 @@ std::vector<float> Sampler::distribution(const float* logits, int64_t V, const s
 
 int32_t Sampler::sample(const float* logits, int64_t V, const std::vector<int32_t>& history, TokenLogprobs* lp) {
   LM_CHECK(V >= 1, "sample: empty logits");
+  if (p_.temperature == 0.0f && !lp && p_.repetition_penalty == 1.0f) {  // greedy: no copy of the row
+    ++i_;
+    return static_cast<int32_t>(std::max_element(logits, logits + V) - logits);  // first max: lowest id
+  }
   const std::vector<float> x = penalised(logits, V, history, p_.repetition_penalty);
   const uint64_t i = static_cast<uint64_t>(i_++);
   const int64_t top_n = std::max<int64_t>(0, p_.top_logprobs);

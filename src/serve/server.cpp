@@ -1143,7 +1143,11 @@ struct Server::Impl {
             engine.prefill(r.seq, std::span<const int32_t>(r.prompt).subspan(static_cast<size_t>(p),
                                                                               static_cast<size_t>(piece)),
                             nullptr, store);
-        count(&ServerStats::prefill_chunks);
+        {
+          std::lock_guard<std::mutex> lk(smu);
+          ++st.prefill_chunks;
+          st.prefill_s += std::chrono::duration<double>(Clock::now() - t0).count();
+        }
         if (r.prefill_pieces++ > 0 && !active.empty()) prefill_debt_s += std::chrono::duration<double>(Clock::now() - t0).count();
         if (engine.pos(r.seq) == n) {
           count(&ServerStats::prompt_tokens, n);
@@ -1171,9 +1175,10 @@ struct Server::Impl {
     std::vector<int32_t> toks;
     for (auto& r : active) seqs.push_back(r->seq), toks.push_back(r->next_token);
     try {
-      const std::vector<float> logits = engine.decode(seqs, toks);
+      const std::vector<float>& logits = engine.decode(seqs, toks);
       {
         std::lock_guard<std::mutex> lk(smu);
+        st.decode_s += std::chrono::duration<double>(Clock::now() - t0).count();
         ++st.decode_steps;
         st.decode_tokens += static_cast<int64_t>(seqs.size());
         st.max_batch_seen = std::max<int64_t>(st.max_batch_seen, static_cast<int64_t>(seqs.size()));
@@ -1563,6 +1568,13 @@ Server::Server(std::unique_ptr<infer::Engine> own, infer::Engine* engine, const 
                               {"completed", s.completed},
                               {"active", s.active},
                               {"prefilling", s.prefilling},
+                              {"engine", I.engine.describe()},
+                              {"decode_steps", s.decode_steps},
+                              {"decode_tokens", s.decode_tokens},
+                              {"decode_seconds", s.decode_s},
+                              {"prefill_chunks", s.prefill_chunks},
+                              {"prompt_tokens", s.prompt_tokens},
+                              {"prefill_seconds", s.prefill_s},
                               {"connections", I.conns.size()},
                               {"inflight_bytes", I.budget.used()},
                               {"resident_bytes", resident_bytes()},

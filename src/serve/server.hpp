@@ -1,6 +1,7 @@
 #pragma once
 // OpenAI-compatible HTTP server over one infer::Engine (the CPU Session or the GPU model; cpp-httplib):
-//   GET  /health                 {"status": "ok", memory and request counts}   (open without the API key)
+//   GET  /health                 {"status": "ok", memory, request counts, the engine and its time in decode
+//                                steps and prefill chunks}                     (open without the API key)
 //   GET  /v1/models              the one served model
 //   GET  /v1/models/{id}         that model, or 404 model_not_found
 //   POST /v1/completions         {"prompt": "...", ...}             (optionally SSE-streamed)
@@ -36,11 +37,14 @@
 // new connection closes the one that has waited longest for its request (idle keep-alive or still sending
 // its head), else it gets 503. A request's head and body must arrive within header_timeout_s in all (not
 // per line). A client that disconnects cancels its request (streaming or not), as does the request timeout.
-// The scheduler prefills long prompts one chunk (SessionOptions::prefill_chunk, on the session's absolute
-// grid, so the result is bit for bit that of one prefill call) per iteration, shortest remaining prompt
-// first (with ageing), between the decode steps of running sequences; while sequences decode, a prompt
-// past its first chunk gets at most half of the time. A long prompt never stalls other streams: a new
-// request waits at most for the chunk in flight (`serve` uses 128-token chunks for that reason).
+// The scheduler prefills long prompts one chunk (Engine::prefill_chunk, on the engine's absolute grid, so on
+// the CPU the result is bit for bit that of one prefill call) per iteration, shortest remaining prompt first
+// (with ageing), between the decode steps of running sequences; while sequences decode, a prompt past its first
+// chunk gets at most half of the time. A long prompt never stalls other streams: a new request waits at most
+// for the chunk in flight (`serve` uses 128-token chunks on the CPU, 2048 on the GPU, for that reason).
+// Admission: a request reserves the cache for its prompt plus max_tokens (Engine::open); on the GPU, whose
+// latent pool is fixed, requests wait in the queue, first come first served, until the pool can hold them,
+// and one that could never fit gets 400 at once.
 // A closed door by default: with an API key (ServerOptions::api_key; `serve --api-key` or LONGMOE_API_KEY)
 // every route but /health needs "Authorization: Bearer <key>" (compared in constant time); on a loopback
 // bind the Host header must be localhost, 127.0.0.1 or [::1] (any port) or one of allowed_hosts (DNS
@@ -48,8 +52,8 @@
 // gets Access-Control-Allow-Origin, and OPTIONS answers preflights); POST bodies must be application/json;
 // the port must be free (no SO_REUSEPORT sharing); an optional access log writes one JSON line per request.
 //
-// Concurrency: HTTP handler threads parse and validate, then hand the request to one scheduler thread
-// that owns the Session. Each scheduler iteration admits waiting requests (up to max_batch sequences
+// Concurrency: HTTP handler threads parse and validate, then hand the request to one scheduler thread, the
+// only one that calls the engine. Each scheduler iteration admits waiting requests (up to max_batch sequences
 // prefilling or decoding), runs one prefill chunk and one decode step over every decoding sequence
 // (continuous batching). Text flows back through a per-request event queue; a streaming handler turns
 // events into SSE `data: {...}` lines and ends with `data: [DONE]`.
@@ -99,6 +103,7 @@ struct ServerStats {
   int64_t evicted = 0;       // connections closed to make room
   int64_t connections = 0;   // open now
   int64_t inflight_bytes = 0;
+  double decode_s = 0, prefill_s = 0;  // seconds in the engine's decode steps and prefill chunks
 };
 
 // Resident and peak resident memory of this process in bytes (/proc/self/statm, /proc/self/status).

@@ -79,6 +79,9 @@ TEST(GpuEngine, AnySubsetInAnyOrderEqualsDecodingAlone) {
   GpuModelFixture a, b;
   const int64_t V = a.m.config().vocab_size, M = 4, G = 24;
   infer::GpuEngine many(a.g, engine_options(M, 512)), one(b.g, engine_options(1, 512));
+  // The warm-up captured the step of every batch size 1..M once, after sizing every buffer.
+  const int64_t captured = a.g.decode_captures();
+  EXPECT_EQ(captured, M);
   std::vector<std::vector<int32_t>> prompt, fed;
   for (int64_t i = 0; i < M; ++i) prompt.push_back(tokens(20 + 37 * i, V, 10 + uint64_t(i))), fed.push_back(tokens(G, V, 50 + uint64_t(i)));
   // The references: each sequence alone.
@@ -116,9 +119,10 @@ TEST(GpuEngine, AnySubsetInAnyOrderEqualsDecodingAlone) {
     }
   }
   for (int64_t i = 0; i < M; ++i) EXPECT_EQ(many.pos(ids[size_t(i)]), int64_t(prompt[size_t(i)].size()) + G);
-  std::printf("[ measure  ] %lld steps compared, %lld beyond 1e-2, worst %.2e; %lld slot moves\n",
+  std::printf("[ measure  ] %lld steps compared, %lld beyond 1e-2, worst %.2e; %lld slot moves, %lld decode graphs "
+              "captured\n",
               static_cast<long long>(compared), static_cast<long long>(off), worst,
-              static_cast<long long>(many.moves()));
+              static_cast<long long>(many.moves()), static_cast<long long>(a.g.decode_captures()));
   EXPECT_EQ(off, 0);
   EXPECT_GT(many.moves(), 0);
   // A bad call changes nothing: an unknown id, a sequence asked for twice, an empty one.
@@ -183,7 +187,7 @@ TEST(GpuServer, ConcurrentRequestsGiveTheEnginesTextAlone) {
     if (tokenizer().bos() >= 0) ids.push_back(tokenizer().bos());
     const auto t = tokenizer().encode_text(p);
     ids.insert(ids.end(), t.begin(), t.end());
-    expect.push_back(infer::generate(seq, tokenizer(), ids, sp, [](const std::string&) {}).text());
+    expect.push_back(as_json_text(infer::generate(seq, tokenizer(), ids, sp, [](const std::string&) {}).text()));
   }
   serve::ServerOptions o = opts();
   o.port = 0;
@@ -203,9 +207,9 @@ TEST(GpuServer, ConcurrentRequestsGiveTheEnginesTextAlone) {
       auto r = c.Post("/v1/completions", req.dump(), "application/json");
       if (!r) return;
       status[size_t(i)] = r->status;
-      if (r->status == 200)
-        got[size_t(i)] = i % 2 == 0 ? sse_text(r->body, false)
-                                    : json::parse(r->body)["choices"][0]["text"].get<std::string>();
+      got[size_t(i)] = r->status != 200 ? r->body
+                       : i % 2 == 0       ? sse_text(r->body, false)
+                                          : json::parse(r->body)["choices"][0]["text"].get<std::string>();
     });
   for (auto& t : th) t.join();
   const serve::ServerStats st = server.stats();
@@ -213,11 +217,13 @@ TEST(GpuServer, ConcurrentRequestsGiveTheEnginesTextAlone) {
   run.join();
   int same = 0;
   for (int i = 0; i < N; ++i) {
-    EXPECT_EQ(status[size_t(i)], 200) << i;
+    EXPECT_EQ(status[size_t(i)], 200) << i << ": " << got[size_t(i)];
     same += got[size_t(i)] == expect[size_t(i) % prompts.size()];
   }
-  std::printf("[ measure  ] %d of %d texts equal the engine's alone; largest batch %lld, %lld slot moves\n", same, N,
-              static_cast<long long>(st.max_batch_seen), static_cast<long long>(e.moves()));
+  std::printf("[ measure  ] %d of %d texts equal the engine's alone; largest batch %lld, %lld slot moves, %lld decode "
+              "graphs captured\n", same, N, static_cast<long long>(st.max_batch_seen), static_cast<long long>(e.moves()),
+              static_cast<long long>(f.g.decode_captures()));
+  EXPECT_EQ(f.g.decode_captures(), 8);  // (the warm-up's, one per batch size)
   EXPECT_GE(same, N - N / 6);
   EXPECT_GT(st.max_batch_seen, 1);
 }

@@ -48,12 +48,14 @@ void GpuModel::reserve_caches(int64_t, int64_t, int64_t) { no_cuda(); }
 int64_t GpuModel::free_cache_tokens() const { no_cuda(); }
 void GpuModel::set_decode_graphs(bool) { no_cuda(); }
 bool GpuModel::decode_graphs() const { no_cuda(); }
+int64_t GpuModel::decode_captures() const { no_cuda(); }
 int64_t GpuModel::cache_slots() const { no_cuda(); }
 int64_t GpuModel::slot_tokens(int64_t) const { no_cuda(); }
 size_t GpuModel::cache_bytes() const { no_cuda(); }
 std::vector<float> GpuModel::prefill(int64_t, const int32_t*, int64_t, std::vector<float>*) { no_cuda(); }
 std::vector<float> GpuModel::extend(int64_t, const int32_t*, int64_t, std::vector<float>*) { no_cuda(); }
 std::vector<float> GpuModel::decode(int64_t, int64_t, const int32_t*) { no_cuda(); }
+void GpuModel::decode(int64_t, int64_t, const int32_t*, float*) { no_cuda(); }
 void GpuModel::copy_slot(int64_t, int64_t) { no_cuda(); }
 void GpuModel::release_slot(int64_t) { no_cuda(); }
 }  // namespace lm::model::cuda

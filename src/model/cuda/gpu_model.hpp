@@ -138,11 +138,16 @@ class GpuModel {
   // Rows per piece of a training step's dense-FFN and shared-expert backward (their fp32 scratch stays that size).
   int64_t ffn_rows = kGpuFfnRows;
   // One token for each of the S slots [first, first + S), each after what it holds: logits [S, V]. Same checks
-  // (and a slot that is full or empty); on an error no slot changes. The second step of a (first, S) is captured
-  // into a CUDA graph, replayed by the later ones (set_decode_graphs(false): every step eager).
+  // (and a slot that is full or empty); on an error no slot changes. The first step of a (first, S) runs eagerly and
+  // is captured into a CUDA graph, replayed by the later ones (set_decode_graphs(false): every step eager).
   std::vector<float> decode(int64_t first, int64_t S, const int32_t* ids);
+  void decode(int64_t first, int64_t S, const int32_t* ids, float* logits);  // the same into logits [S, V]
   void set_decode_graphs(bool on);
   bool decode_graphs() const;  // false also once a capture failed (steps then run eagerly)
+  // Decode graphs captured so far. A graph is captured again when an activation buffer grew since its capture (a
+  // larger prefill chunk or batch): GpuEngine sizes them all first (its warm-up) so that each batch size is captured
+  // once.
+  int64_t decode_captures() const;
   // Slot `to` continues exactly as `from` would: a copy of its states, its latent blocks shared (copied on write).
   void copy_slot(int64_t from, int64_t to);
   // Drops the sequence of `slot`: its latent blocks go back to the pool (those no other slot shares).

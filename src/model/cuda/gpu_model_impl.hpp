@@ -275,6 +275,7 @@ struct InferState {
   };
   std::map<std::pair<int64_t, int64_t>, Graph> graphs;
   bool use_graphs = true;
+  int64_t captures = 0;  // decode graphs captured so far
   size_t bytes() const;
   void drop_graphs();
   ~InferState();

@@ -11,6 +11,7 @@
 
 #include "model/cuda/gpu_model_impl.hpp"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/cuda/stream.hpp"
@@ -191,6 +192,7 @@ void GpuModel::Impl::decode_walk(int64_t first, int64_t S) {
   if (failed.empty() && end == cudaSuccess && DBuf::epoch() == epoch &&
       cudaGraphInstantiate(&exec, g, 0) == cudaSuccess) {
     f.graphs[key] = {exec, epoch};
+    ++f.captures;
   } else {  // a walk that cannot be captured runs eagerly from now on
     cudaGetLastError();
     f.use_graphs = false;
@@ -218,6 +220,7 @@ void GpuModel::set_decode_graphs(bool on) {
   if (!on) p_->inf.drop_graphs();
 }
 bool GpuModel::decode_graphs() const { return p_->inf.use_graphs; }
+int64_t GpuModel::decode_captures() const { return p_->inf.captures; }
 
 // n tokens after what `slot` holds, prefill_chunk at a time: each chunk through the walk in prefill mode, where the
 // mixers continue from the caches (a chunk after the first: kda_forward from the cached state and conv inputs,
@@ -284,6 +287,12 @@ std::vector<float> GpuModel::extend(int64_t slot, const int32_t* ids, int64_t n,
 }
 
 std::vector<float> GpuModel::decode(int64_t first, int64_t S, const int32_t* ids) {
+  std::vector<float> lg(size_t(S) * size_t(p_->V));
+  decode(first, S, ids, lg.data());
+  return lg;
+}
+
+void GpuModel::decode(int64_t first, int64_t S, const int32_t* ids, float* logits) {
   Impl& m = *p_;
   InferState& f = m.inf;
   LM_CHECK(S >= 1 && first >= 0 && first + S <= f.slots, "gpu model: decode slots [{}, {}) outside [0, {})", first,
@@ -302,7 +311,7 @@ std::vector<float> GpuModel::decode(int64_t first, int64_t S, const int32_t* ids
   m.decode_walk(first, S);
   ck(cudaStreamSynchronize(f.stream), "decode");
   for (int64_t s = first; s < first + S; ++s) ++f.pos[size_t(s)];
-  return std::vector<float>(f.logits_pin + first * m.V, f.logits_pin + (first + S) * m.V);
+  std::copy_n(f.logits_pin + first * m.V, size_t(S) * size_t(m.V), logits);
 }
 
 void GpuModel::release_slot(int64_t slot) {

@@ -134,7 +134,8 @@ void GpuModel::Impl::mla_prefill_attend(int64_t i, const void* q, const void* k,
   bs.Tk = n, bs.k_pos0 = start;
   oc::attention_forward_block(bs, q, k, v, o_part, lse_part);
   oc::attention_merge(n, H, Dv, o_part, lse_part, o_acc, lse_acc, true);
-  const int64_t kb_max = std::min(kPrefillKeys, start);
+  // (sized for the longest block at once: buffers that grew with the context would invalidate the decode graphs)
+  const int64_t kb_max = start > 0 ? std::min(kPrefillKeys, inf.max_tokens) : 0;
   auto* cn = grow<uint16_t>(w.cn, size_t(kb_max) * R * 2);
   float* ckr = grow<float>(w.ckr, size_t(kb_max) * RD * 4);
   void* kv = grow(w.kv, size_t(kb_max) * H * Dkv * 2);
