@@ -48,8 +48,7 @@ struct InferArgs {
   }
   infer::LoadedModel load() const {
     LM_CHECK(model.empty() != init_config.empty(), "give exactly one of --model and --init-config");
-    LM_CHECK(device != "cuda" || model::cuda::available(), "--device cuda: no usable CUDA device{}",
-             model::cuda::built_with_cuda() ? "" : " (longmoe was built without CUDA)");  // (before loading)
+    infer::check_device(device);  // (before loading)
     if (!model.empty()) return infer::load_model_dir(model);
     LM_CHECK(!tokenizer.empty(), "--init-config needs --tokenizer");
     return infer::random_model(init_config, tokenizer, 1, device == "cpu");  // (on the GPU: drawn there)

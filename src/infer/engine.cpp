@@ -8,6 +8,10 @@
 
 namespace lm::infer {
 
+namespace {
+constexpr int64_t kBlock = model::cuda::GpuModel::kCacheBlock;  // the latent pool's reservation unit
+}  // namespace
+
 // ---- CpuEngine -----------------------------------------------------------------------------------------
 const Sequence& CpuEngine::get(Id id) const {
   const auto it = seqs_.find(id);
@@ -47,13 +51,15 @@ int64_t CpuEngine::cache_bytes() const {
 // ---- GpuEngine -----------------------------------------------------------------------------------------
 int64_t default_pool_tokens(const model::ModelConfig& c, int64_t max_sequences, int64_t context,
                             int64_t prefill_chunk, double device_bytes) {
-  constexpr int64_t B = 64;  // the latent pool's block (model/cuda InferState::kBlock)
-  const int64_t slots = max_sequences + 1, want = max_sequences * ((context + B - 1) / B) * B;
+  const int64_t slots = max_sequences + 1, want = max_sequences * ((context + kBlock - 1) / kBlock) * kBlock;
   if (c.num_mla_layers() == 0) return want;
   const double budget = 0.92 * device_bytes;
-  const auto total = [&](int64_t pool) { return model::inference_memory(c, context, slots, prefill_chunk, pool).total(); };
-  const double base = total(B), per_token = (total(B + (int64_t(1) << 20)) - base) / double(int64_t(1) << 20);
-  const int64_t fit = B + static_cast<int64_t>((budget - base) / per_token) / B * B;
+  const auto total = [&](int64_t pool) {
+    return model::inference_memory(c, context, slots, prefill_chunk, pool).total();
+  };
+  constexpr int64_t probe = int64_t(1) << 20;  // (the cost of a token of pool, from a million of them)
+  const double base = total(kBlock), per_token = (total(kBlock + probe) - base) / double(probe);
+  const int64_t fit = kBlock + static_cast<int64_t>((budget - base) / per_token) / kBlock * kBlock;
   LM_CHECK(base <= budget && fit >= context,
            "gpu engine: one context of {} tokens does not fit the device: {:.1f} GiB of weights, caches and "
            "activations with its latent cache, {:.1f} GiB usable; give a shorter --context",
@@ -71,7 +77,7 @@ GpuEngine::GpuEngine(model::cuda::GpuModel& g, GpuEngineOptions o) : g_(g), o_(o
                                          static_cast<double>(model::cuda::device_memory_total()));
   g_.prefill_chunk = o_.prefill_chunk;
   g_.reserve_caches(o_.max_sequences + 1, o_.context, o_.pool_tokens);
-  pool_blocks_ = g_.free_cache_tokens() / 64;
+  pool_blocks_ = g_.free_cache_tokens() / kBlock;
   at_.assign(static_cast<size_t>(o_.max_sequences + 1), 0);
   warm_up();
 }
@@ -82,11 +88,10 @@ GpuEngine::GpuEngine(model::cuda::GpuModel& g, GpuEngineOptions o) : g_(g), o_(o
 // captured graphs, and with continuous batching, whose batch size changes at every join and end, each size would
 // then be captured again (two eager steps and an instantiation) many times over.
 void GpuEngine::warm_up() {
-  const int64_t M = o_.max_sequences, B = 64;
+  const int64_t M = o_.max_sequences;
   const int64_t n = std::min(o_.prefill_chunk, (o_.context - M - 1) / 2);
   if (n < 1) return;
-  const bool mla = g_.config().num_mla_layers() > 0;
-  if (mla && (2 * n + M + B) / B + (M - 1) * ((M + 1 + B) / B) > pool_blocks_) return;  // (a small pool: skipped)
+  if (blocks_for(2 * n + M) + (M - 1) * blocks_for(M + 1) > pool_blocks_) return;  // (a small pool: skipped)
   const std::vector<int32_t> zeros(static_cast<size_t>(std::max(2 * n, M)), 0);
   try {
     g_.prefill(0, zeros.data(), 2 * n);
@@ -113,7 +118,7 @@ std::string GpuEngine::describe() const {
 // A model without MLA layers keeps no latent rows: every sequence fits.
 int64_t GpuEngine::blocks_for(int64_t reserve) const {
   if (g_.config().num_mla_layers() == 0) return 0;
-  return ((reserve > 0 ? reserve : o_.context) + 63) / 64;
+  return ((reserve > 0 ? reserve : o_.context) + kBlock - 1) / kBlock;
 }
 
 bool GpuEngine::can_ever_fit(int64_t reserve) const {
@@ -133,7 +138,7 @@ Engine::Id GpuEngine::open(std::span<const int32_t>, int64_t reserve) {
   const int64_t need = blocks_for(reserve);
   LM_CHECK(reserved_blocks_ + need <= pool_blocks_,
            "gpu engine: the latent cache cannot hold {} more tokens: {} of its {} tokens are reserved by open "
-           "sequences", need * 64, reserved_blocks_ * 64, pool_blocks_ * 64);
+           "sequences", need * kBlock, reserved_blocks_ * kBlock, pool_blocks_ * kBlock);
   const int64_t slot = free_slot(-1);
   const Id id = next_++;
   seqs_[id] = Entry{slot, need, {}};
@@ -223,8 +228,14 @@ const std::vector<float>& GpuEngine::decode(std::span<const Id> ids, std::span<c
 }
 
 // ---- make_engine ---------------------------------------------------------------------------------------
+void check_device(const std::string& device) {
+  LM_CHECK(device == "cpu" || device == "cuda", "--device must be cpu or cuda, not '{}'", device);
+  LM_CHECK(device == "cpu" || model::cuda::available(), "--device cuda: no usable CUDA device{}",
+           model::cuda::built_with_cuda() ? "" : " (longmoe was built without CUDA)");
+}
+
 OwnedEngine make_engine(const model::ModelConfig& c, model::Model<float>* m, const EngineOptions& o, uint64_t seed) {
-  LM_CHECK(o.device == "cpu" || o.device == "cuda", "--device must be cpu or cuda, not '{}'", o.device);
+  check_device(o.device);
   OwnedEngine e;
   if (o.device == "cpu") {
     LM_CHECK(m != nullptr, "the cpu engine needs the model's weights on the host");
@@ -232,8 +243,6 @@ OwnedEngine make_engine(const model::ModelConfig& c, model::Model<float>* m, con
     e.engine = std::make_unique<CpuEngine>(*e.session);
     return e;
   }
-  LM_CHECK(model::cuda::available(), "--device cuda: no usable CUDA device{}",
-           model::cuda::built_with_cuda() ? "" : " (longmoe was built without CUDA)");
   e.gpu = std::make_unique<model::cuda::GpuModel>(c, model::cuda::GpuModel::Inference{});
   if (m) e.gpu->upload(m->params());
   else e.gpu->init_random(seed);

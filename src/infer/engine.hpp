@@ -77,7 +77,6 @@ class CpuEngine final : public Engine {
   bool prefix_cache() const override { return s_.options().prefix_cache_bytes > 0; }
   int64_t cache_bytes() const override;
   std::string describe() const override { return "cpu"; }
-  Session& session() { return s_; }
 
  private:
   const Sequence& get(Id id) const;
@@ -115,7 +114,6 @@ class GpuEngine final : public Engine {
   int64_t cache_bytes() const override;
   std::string describe() const override;
   int64_t pool_tokens() const { return o_.pool_tokens; }
-  int64_t slot_of(Id id) const { return get(id).slot; }  // (for tests)
   int64_t moves() const { return moves_; }             // slot moves so far (for tests and the server's stats)
 
  private:
@@ -158,8 +156,9 @@ struct OwnedEngine {
   Engine& operator*() const { return *engine; }
   Engine* operator->() const { return engine.get(); }
 };
-// The weights are `m`'s; with m null (cuda only), random ones drawn on the device from `seed`. lm::Error for an
-// unknown device, or cuda without a usable GPU (or a build without CUDA).
+// lm::Error for a device other than cpu and cuda, or cuda without a usable GPU (or a build without CUDA).
+void check_device(const std::string& device);
+// The weights are `m`'s; with m null (cuda only), random ones drawn on the device from `seed`. check_device first.
 OwnedEngine make_engine(const model::ModelConfig& c, model::Model<float>* m, const EngineOptions& o,
                         uint64_t seed = 1);
 

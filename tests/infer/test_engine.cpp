@@ -7,27 +7,14 @@
 #include "core/rng.hpp"
 #include "infer/engine.hpp"
 #include "infer/generate.hpp"
-#include "io/json.hpp"
 #include "model/model.hpp"
+#include "tests/serve/harness.hpp"
 
 using namespace lm;
 
 namespace {
 
-model::ModelConfig config() {
-  const std::string s = R"({"model_type": "kimi_linear", "vocab_size": 97,
-    "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 2,
-    "kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
-    "mla_use_nope": true, "mla_use_output_gate": true,
-    "linear_attn_config": {"num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 4, "use_full_rank_gate": true,
-       "gate_lower_bound": -5.0, "kda_layers": [1, 2], "full_attn_layers": [3]},
-    "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
-    "intermediate_size": 40, "first_k_dense_replace": 1, "moe_layer_freq": 1, "num_experts": 4,
-    "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": 16,
-    "routed_expert_hidden_size": 24, "moe_router_activation_func": "sigmoid", "moe_renormalize": true,
-    "routed_scaling_factor": 1.0, "attn_res_block_size": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
-  return model::ModelConfig::from_json(io::json::parse(s), "engine test config");
-}
+model::ModelConfig config() { return serve_test::small_config(97); }
 
 std::vector<int32_t> tokens(int64_t n, uint64_t seed) {
   Rng r{seed, 5};

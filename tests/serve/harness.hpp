@@ -64,6 +64,17 @@ inline model::ModelConfig small_config(int64_t vocab) {
   return model::ModelConfig::from_json(io::json::parse(s), "serve test config");
 }
 
+// Random weights would stop at <|end|> / </s> whenever they like; make those logits 0 and every other one large, so
+// generations run to max_tokens (timeouts and shutdown need long requests).
+inline void never_stop(model::Model<float>& m) {
+  auto& head = m.params().at("lm_head.weight");
+  const int64_t d = m.config().hidden_size;
+  for (int64_t v = 0; v < m.config().vocab_size; ++v) {
+    const bool stop = v == tokenizer().eos() || v == tokenizer().special("<|end|>");
+    for (int64_t c = 0; c < d; ++c) head.w()[v * d + c] *= stop ? 0.0f : 50.0f;
+  }
+}
+
 inline serve::ServerOptions opts() {
   serve::ServerOptions o;
   o.model_name = "tiny";
@@ -86,14 +97,7 @@ struct Harness {
         server(s, tokenizer(), (o.port = 0, o)),
         port(0) {
     m.params().init(7);
-    // Random weights would stop at <|end|> / </s> whenever they like; make those logits 0 and every other
-    // one large, so generations run to max_tokens (timeouts and shutdown need long requests).
-    auto& head = m.params().at("lm_head.weight");
-    const int64_t d = m.config().hidden_size;
-    for (int64_t v = 0; v < m.config().vocab_size; ++v) {
-      const bool stop = v == tokenizer().eos() || v == tokenizer().special("<|end|>");
-      for (int64_t c = 0; c < d; ++c) head.w()[v * d + c] *= stop ? 0.0f : 50.0f;
-    }
+    never_stop(m);
     port = server.bind();
     th = std::thread([this] { server.run(); });
   }

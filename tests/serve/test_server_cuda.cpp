@@ -46,13 +46,32 @@ struct GpuModelFixture {
   model::cuda::GpuModel g;
   GpuModelFixture() : m(gpu_config(tokenizer().vocab_size())), g(m.config(), model::cuda::GpuModel::Inference{}) {
     m.params().init(7);
-    auto& head = m.params().at("lm_head.weight");
-    const int64_t d = m.config().hidden_size;
-    for (int64_t v = 0; v < m.config().vocab_size; ++v) {
-      const bool stop = v == tokenizer().eos() || v == tokenizer().special("<|end|>");
-      for (int64_t c = 0; c < d; ++c) head.w()[v * d + c] *= stop ? 0.0f : 50.0f;
-    }
+    never_stop(m);
     g.upload(m.params());
+  }
+};
+
+// The server over `e` on a free loopback port, running until destroyed.
+struct Running {
+  serve::Server server;
+  int port;
+  std::thread th;
+  explicit Running(infer::Engine& e)
+      : server(e, tokenizer(), [] {
+          serve::ServerOptions o = opts();
+          o.port = 0;
+          return o;
+        }()),
+        port(server.bind()),
+        th([this] { server.run(); }) {}
+  ~Running() {
+    server.stop();
+    th.join();
+  }
+  httplib::Result complete(const json& req) const {
+    httplib::Client c("127.0.0.1", port);
+    c.set_read_timeout(60, 0);
+    return c.Post("/v1/completions", req.dump(), "application/json");
   }
 };
 
@@ -189,22 +208,15 @@ TEST(GpuServer, ConcurrentRequestsGiveTheEnginesTextAlone) {
     ids.insert(ids.end(), t.begin(), t.end());
     expect.push_back(as_json_text(infer::generate(seq, tokenizer(), ids, sp, [](const std::string&) {}).text()));
   }
-  serve::ServerOptions o = opts();
-  o.port = 0;
-  serve::Server server(e, tokenizer(), o);
-  const int port = server.bind();
-  std::thread run([&] { server.run(); });
+  Running run(e);
   const int N = 12;
   std::vector<std::string> got(N);
   std::vector<int> status(N, 0);
   std::vector<std::thread> th;
   for (int i = 0; i < N; ++i)
     th.emplace_back([&, i] {
-      httplib::Client c("127.0.0.1", port);
-      c.set_read_timeout(60, 0);
-      const json req = {{"prompt", prompts[size_t(i) % prompts.size()]}, {"max_tokens", 20}, {"temperature", 0},
-                        {"stream", i % 2 == 0}};
-      auto r = c.Post("/v1/completions", req.dump(), "application/json");
+      auto r = run.complete({{"prompt", prompts[size_t(i) % prompts.size()]}, {"max_tokens", 20}, {"temperature", 0},
+                             {"stream", i % 2 == 0}});
       if (!r) return;
       status[size_t(i)] = r->status;
       got[size_t(i)] = r->status != 200 ? r->body
@@ -212,9 +224,7 @@ TEST(GpuServer, ConcurrentRequestsGiveTheEnginesTextAlone) {
                                           : json::parse(r->body)["choices"][0]["text"].get<std::string>();
     });
   for (auto& t : th) t.join();
-  const serve::ServerStats st = server.stats();
-  server.stop();
-  run.join();
+  const serve::ServerStats st = run.server.stats();
   int same = 0;
   for (int i = 0; i < N; ++i) {
     EXPECT_EQ(status[size_t(i)], 200) << i << ": " << got[size_t(i)];
@@ -234,27 +244,18 @@ TEST(GpuServer, RequestsBeyondTheLatentPoolWaitTheirTurn) {
   REQUIRE_GPU();
   GpuModelFixture f;
   infer::GpuEngine e(f.g, engine_options(8, 1024, 64, 512));
-  serve::ServerOptions o = opts();
-  o.port = 0;
-  serve::Server server(e, tokenizer(), o);
-  const int port = server.bind();
-  std::thread run([&] { server.run(); });
+  Running run(e);
   const int N = 12;
   std::vector<int> status(N, 0);
   std::vector<std::thread> th;
   for (int i = 0; i < N; ++i)
     th.emplace_back([&, i] {
-      httplib::Client c("127.0.0.1", port);
-      c.set_read_timeout(60, 0);
-      auto r = c.Post("/v1/completions", json{{"prompt", "alpha beta"}, {"max_tokens", 100}}.dump(), "application/json");
+      auto r = run.complete({{"prompt", "alpha beta"}, {"max_tokens", 100}});
       if (r) status[size_t(i)] = r->status;
     });
   for (auto& t : th) t.join();
-  httplib::Client c("127.0.0.1", port);
-  auto big = c.Post("/v1/completions", json{{"prompt", "alpha"}, {"max_tokens", 900}}.dump(), "application/json");
-  const serve::ServerStats st = server.stats();
-  server.stop();
-  run.join();
+  auto big = run.complete({{"prompt", "alpha"}, {"max_tokens", 900}});
+  const serve::ServerStats st = run.server.stats();
   for (int i = 0; i < N; ++i) EXPECT_EQ(status[size_t(i)], 200) << i;
   EXPECT_LE(st.max_batch_seen, 4);
   EXPECT_GE(st.max_batch_seen, 2);

@@ -47,6 +47,7 @@ struct ParamSlot {
 
 class GpuModel {
  public:
+  static constexpr int64_t kCacheBlock = 64;  // tokens per block of the MLA latent pool (the decode kernel's tile)
   // `decays` says which trainable parameters get weight decay (null: every tensor with ndim >= 2).
   explicit GpuModel(const ModelConfig& c, std::function<bool(const ParamSpec&)> decays = nullptr);
   // Inference only: the bf16 weights (and an fp32 copy of the small tensors the forward reads in fp32: norms, convs,

@@ -242,7 +242,7 @@ struct Scratch {
 // its inputs (ids, lengths) come from pinned host arrays and its logits go to one, all copied inside the graph.
 struct InferState {
   enum class Mode { Off, Prefill, Decode };
-  static constexpr int64_t kBlock = 64;  // tokens per latent block (the decode kernel's tile)
+  static constexpr int64_t kBlock = GpuModel::kCacheBlock;
   Mode mode = Mode::Off;
   int64_t slots = 0, max_tokens = 0;
   int64_t first = 0, S = 0;   // the slots of the call: prefill one (S = 1), decode [first, first + S)
