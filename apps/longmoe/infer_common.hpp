@@ -34,7 +34,8 @@ struct InferArgs {
         ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
     sub.add_option("--device", device, "cpu, or cuda (the GPU: bf16 weights, fp32 KDA states, bf16 latent cache)")
         ->check(CLI::IsMember({"cpu", "cuda"}));
-    sub.add_option("--prefix-cache-mb", prefix_cache_mb, "prefix-cache budget in MiB (0: off)")
+    sub.add_option("--prefix-cache-mb", prefix_cache_mb, "prefix-cache budget in MiB (0: off; cuda: pinned host "
+                   "memory for the snapshots' KDA states, their latent rows staying shared in the pool)")
         ->check(CLI::Range(int64_t(0), int64_t(1) << 24));
   }
   void add_sampling(CLI::App& sub) {

@@ -78,6 +78,11 @@ GpuEngine::GpuEngine(model::cuda::GpuModel& g, GpuEngineOptions o) : g_(g), o_(o
   g_.prefill_chunk = o_.prefill_chunk;
   g_.reserve_caches(o_.max_sequences + 1, o_.context, o_.pool_tokens);
   pool_blocks_ = g_.free_cache_tokens() / kBlock;
+  LM_CHECK(o_.prefix_cache_bytes >= 0, "gpu engine: a prefix cache of {} bytes", o_.prefix_cache_bytes);
+  // (a model without KDA layers saves no states: its snapshots are counted as 64 KiB each)
+  const int64_t per = std::max<int64_t>(static_cast<int64_t>(g_.snapshot_bytes()), int64_t(1) << 16);
+  g_.reserve_snapshots(o_.prefix_cache_bytes / per);
+  for (int64_t k = g_.snapshot_count() - 1; k >= 0; --k) free_snaps_.push_back(k);
   at_.assign(static_cast<size_t>(o_.max_sequences + 1), 0);
   warm_up();
 }
@@ -111,8 +116,10 @@ const GpuEngine::Entry& GpuEngine::get(Id id) const {
 int64_t GpuEngine::vocab_size() const { return g_.config().vocab_size; }
 int64_t GpuEngine::cache_bytes() const { return static_cast<int64_t>(g_.cache_bytes()); }
 std::string GpuEngine::describe() const {
-  return fmt::format("cuda: {} sequences of up to {} tokens, latent pool {} tokens, {}-token prefill chunks",
-                     o_.max_sequences, o_.context, o_.pool_tokens, o_.prefill_chunk);
+  return fmt::format("cuda: {} sequences of up to {} tokens, latent pool {} tokens, {}-token prefill chunks, "
+                     "prefix cache of {} snapshots ({:.1f} MiB each)",
+                     o_.max_sequences, o_.context, o_.pool_tokens, o_.prefill_chunk, g_.snapshot_count(),
+                     g_.snapshot_bytes() / 1048576.0);
 }
 
 // A model without MLA layers keeps no latent rows: every sequence fits.
@@ -130,7 +137,7 @@ bool GpuEngine::fits(int64_t reserve) const {
          reserved_blocks_ + blocks_for(reserve) <= pool_blocks_;
 }
 
-Engine::Id GpuEngine::open(std::span<const int32_t>, int64_t reserve) {
+Engine::Id GpuEngine::open(std::span<const int32_t> prompt, int64_t reserve) {
   LM_CHECK(static_cast<int64_t>(seqs_.size()) < o_.max_sequences, "gpu engine: all {} sequences are in use",
            o_.max_sequences);
   LM_CHECK(reserve <= o_.context, "gpu engine: a sequence of {} tokens exceeds the context limit of {} tokens",
@@ -141,10 +148,42 @@ Engine::Id GpuEngine::open(std::span<const int32_t>, int64_t reserve) {
            "sequences", need * kBlock, reserved_blocks_ * kBlock, pool_blocks_ * kBlock);
   const int64_t slot = free_slot(-1);
   const Id id = next_++;
-  seqs_[id] = Entry{slot, need, {}};
+  Entry& e = seqs_[id] = Entry{slot, need, {}};
   at_[size_t(slot)] = id;
   reserved_blocks_ += need;
+  resume(e, prompt);
   return id;
+}
+
+void GpuEngine::resume(Entry& e, std::span<const int32_t> prompt) {
+  if (!prefix_cache() || prompt.size() < 2 || e.looked_up) return;
+  e.looked_up = true;
+  const auto* hit = prefix_.longest(prompt, static_cast<int64_t>(prompt.size()) - 1, o_.prefill_chunk);
+  if (!hit) return;
+  g_.load_snapshot(hit->value, e.slot);
+  e.tokens = hit->tokens;
+}
+
+void GpuEngine::evict() {
+  const int64_t snap = prefix_.pop_lru();
+  g_.drop_snapshot(snap);
+  free_snaps_.push_back(snap);
+}
+
+void GpuEngine::make_room(int64_t blocks) {
+  while (g_.free_cache_tokens() / kBlock < blocks && !prefix_.empty()) evict();
+}
+
+void GpuEngine::store(Entry& e) {
+  if (prefix_.find(e.tokens)) return;
+  if (free_snaps_.empty()) evict();
+  const int64_t snap = free_snaps_.back();
+  free_snaps_.pop_back();
+  g_.save_snapshot(e.slot, snap);
+  if (const auto displaced = prefix_.insert(e.tokens, snap, static_cast<int64_t>(g_.snapshot_bytes()))) {
+    g_.drop_snapshot(*displaced);
+    free_snaps_.push_back(*displaced);
+  }
 }
 
 void GpuEngine::close(Id id) {
@@ -174,21 +213,49 @@ void GpuEngine::move(Id id, int64_t to) {
   ++moves_;
 }
 
-std::vector<float> GpuEngine::prefill(Id id, std::span<const int32_t> t, std::vector<float>* all_logits, bool) {
-  Entry& e = get(id);
-  const int64_t n = static_cast<int64_t>(t.size());
-  LM_CHECK(n >= 1, "prefill: no tokens");
-  LM_CHECK(e.tokens.size() + t.size() <= size_t(o_.context),
-           "prompt of {} tokens (after {} cached) exceeds the context limit of {} tokens", n, e.tokens.size(),
-           o_.context);
+// `t` after what e holds, in one call to the model (its latent blocks made room for first).
+std::vector<float> GpuEngine::run(Entry& e, std::span<const int32_t> t, std::vector<float>* all_logits) {
+  const int64_t p = e.pos(), n = static_cast<int64_t>(t.size());
+  make_room(g_.blocks_needed(e.slot, n));
   std::vector<float> lg;
   try {
-    lg = e.tokens.empty() ? g_.prefill(e.slot, t.data(), n, all_logits) : g_.extend(e.slot, t.data(), n, all_logits);
+    lg = p == 0 ? g_.prefill(e.slot, t.data(), n, all_logits) : g_.extend(e.slot, t.data(), n, all_logits);
   } catch (...) {
-    e.tokens.clear();  // (the model left the slot empty)
+    e.tokens.clear(), e.on_grid = true;  // (the model left the slot empty)
     throw;
   }
   e.tokens.insert(e.tokens.end(), t.begin(), t.end());
+  return lg;
+}
+
+std::vector<float> GpuEngine::prefill(Id id, std::span<const int32_t> t, std::vector<float>* all_logits,
+                                      bool store_prefix) {
+  Entry& e = get(id);
+  LM_CHECK(!t.empty(), "prefill: no tokens");
+  LM_CHECK(e.tokens.size() + t.size() <= size_t(o_.context),
+           "prompt of {} tokens (after {} cached) exceeds the context limit of {} tokens", t.size(), e.tokens.size(),
+           o_.context);
+  if (e.tokens.empty() && !all_logits) {
+    resume(e, t);
+    t = t.subspan(e.tokens.size());
+  }
+  const int64_t Cp = o_.prefill_chunk, p = e.pos(), end = p + static_cast<int64_t>(t.size());
+  if (p % Cp != 0) e.on_grid = false;
+  if (!store_prefix || !prefix_cache() || !e.on_grid || end < p / Cp * Cp + Cp) return run(e, t, all_logits);
+  // Snapshots at the last grid point of the call and, when the call ends on it, at the one before as well (a repeat
+  // of the prompt resumes there: it must prefill at least its last token). The call runs in pieces between them: the
+  // same chunks as in one call.
+  std::vector<int64_t> at = {end / Cp * Cp};
+  if (at[0] == end && end - Cp > p) at.insert(at.begin(), end - Cp);
+  std::vector<float> lg, part;
+  if (all_logits) all_logits->clear();
+  for (size_t k = 0; k <= at.size(); ++k) {
+    const int64_t to = k < at.size() ? at[k] : end, from = e.pos();
+    if (to == from) break;
+    lg = run(e, t.subspan(size_t(from - p), size_t(to - from)), all_logits ? &part : nullptr);
+    if (all_logits) all_logits->insert(all_logits->end(), part.begin(), part.end());
+    if (k < at.size()) store(e);
+  }
   return lg;
 }
 
@@ -214,6 +281,9 @@ const std::vector<float>& GpuEngine::decode(std::span<const Id> ids, std::span<c
     if (const Id other = at_[size_t(to)]) move(other, free_slot(to));
     move(id, to);
   }
+  int64_t need = 0;
+  for (Id id : ids) need += g_.blocks_needed(get(id).slot, 1);
+  make_room(need);
   std::vector<int32_t> by_slot(static_cast<size_t>(S));
   for (int64_t i = 0; i < S; ++i) by_slot[size_t(get(ids[size_t(i)]).slot)] = t[size_t(i)];
   const size_t V = static_cast<size_t>(vocab_size());
@@ -223,6 +293,7 @@ const std::vector<float>& GpuEngine::decode(std::span<const Id> ids, std::span<c
     Entry& e = get(ids[size_t(i)]);
     std::copy_n(by_slot_.data() + size_t(e.slot) * V, V, logits_.data() + size_t(i) * V);
     e.tokens.push_back(t[size_t(i)]);
+    e.on_grid = false;  // (a decoded token's rows are the decode kernels': a snapshot needs a prefill's)
   }
   return logits_;
 }
@@ -251,6 +322,7 @@ OwnedEngine make_engine(const model::ModelConfig& c, model::Model<float>* m, con
   g.context = o.session.max_context;
   g.prefill_chunk = o.session.prefill_chunk;
   g.pool_tokens = o.pool_tokens;
+  g.prefix_cache_bytes = o.session.prefix_cache_bytes;
   e.engine = std::make_unique<GpuEngine>(*e.gpu, g);
   return e;
 }

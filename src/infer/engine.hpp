@@ -15,6 +15,13 @@
 // Admission: a sequence opened with `reserve` tokens holds that many of the latent pool (rounded up to its 64-token
 // blocks) until it closes, so sequences admitted together can always run to their limits; fits() says whether one
 // more would.
+// GPU prefix cache: at the last grid point a prefill call reaches (a multiple of Cp, the sequence prefilled on the
+// grid from its start), the slot is saved into a snapshot (GpuModel::save_snapshot: its KDA states and conv inputs
+// in pinned host memory, its latent blocks kept in the pool, shared). A sequence opened on a prompt, or an empty one
+// prefilled, loads the longest stored prefix of prompt[0 : n − 1] and prefills the rest; prefill chunks end on the
+// absolute grid (GpuModel), so the resumed sequence computes what the whole prefill would, bit for bit. Snapshots
+// are evicted least recently used first: for a new one when all are taken, and for latent blocks when a prefill or
+// a decode step needs more than the pool has free (reservations count only the open sequences: snapshots give way).
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -54,6 +61,7 @@ class Engine {
   virtual int64_t prefill_chunk() const = 0;    // Cp
   virtual int64_t max_sequences() const = 0;    // M (0: no limit but memory)
   virtual bool prefix_cache() const = 0;        // whether open() can resume from stored prefixes
+  virtual PrefixStats prefix_stats() const = 0;
   virtual int64_t cache_bytes() const = 0;      // the caches held now (all sequences)
   virtual std::string describe() const = 0;     // e.g. "cpu" or "cuda: 16 slots, latent pool 1048576 tokens"
 };
@@ -75,6 +83,7 @@ class CpuEngine final : public Engine {
   int64_t prefill_chunk() const override { return s_.options().prefill_chunk; }
   int64_t max_sequences() const override { return 0; }
   bool prefix_cache() const override { return s_.options().prefix_cache_bytes > 0; }
+  PrefixStats prefix_stats() const override { return s_.prefix_stats(); }
   int64_t cache_bytes() const override;
   std::string describe() const override { return "cpu"; }
 
@@ -92,6 +101,7 @@ struct GpuEngineOptions {
   int64_t context = 0;         // per sequence; 0: context_limit(config)
   int64_t prefill_chunk = 2048;
   int64_t pool_tokens = 0;     // latent pool; 0: M × context, capped by what fits in the device's memory
+  int64_t prefix_cache_bytes = 0;  // pinned host memory for prefix snapshots (GpuModel::snapshot_bytes each); 0: off
 };
 
 // The GPU model's slots (the model is borrowed, its weights uploaded or drawn; its caches are reserved here).
@@ -110,7 +120,8 @@ class GpuEngine final : public Engine {
   int64_t vocab_size() const override;
   int64_t prefill_chunk() const override { return o_.prefill_chunk; }
   int64_t max_sequences() const override { return o_.max_sequences; }
-  bool prefix_cache() const override { return false; }
+  bool prefix_cache() const override { return g_.snapshot_count() > 0; }
+  PrefixStats prefix_stats() const override { return prefix_.stats(); }
   int64_t cache_bytes() const override;
   std::string describe() const override;
   int64_t pool_tokens() const { return o_.pool_tokens; }
@@ -120,6 +131,9 @@ class GpuEngine final : public Engine {
   struct Entry {
     int64_t slot = -1, reserve_blocks = 0;
     std::vector<int32_t> tokens;
+    bool on_grid = true;  // every token prefilled in calls that started on the grid (what a snapshot may hold)
+    bool looked_up = false;  // the prefix cache was asked for this sequence's prompt (once: a miss counts once)
+    int64_t pos() const { return static_cast<int64_t>(tokens.size()); }
   };
   const Entry& get(Id id) const;
   Entry& get(Id id) { return const_cast<Entry&>(std::as_const(*this).get(id)); }
@@ -127,6 +141,11 @@ class GpuEngine final : public Engine {
   void warm_up();
   int64_t free_slot(int64_t except) const;
   void move(Id id, int64_t to);
+  void resume(Entry& e, std::span<const int32_t> prompt);  // from the longest stored prefix of prompt[0 : n − 1]
+  void store(Entry& e);                                    // a snapshot of e (already stored: made the most recent)
+  void evict();                                            // the least recently used snapshot
+  void make_room(int64_t blocks);                          // evicts until the pool has `blocks` free (or none is left)
+  std::vector<float> run(Entry& e, std::span<const int32_t> t, std::vector<float>* all_logits);
   model::cuda::GpuModel& g_;
   GpuEngineOptions o_;
   std::map<Id, Entry> seqs_;
@@ -134,6 +153,8 @@ class GpuEngine final : public Engine {
   std::vector<float> by_slot_, logits_;  // a step's logits [S, V] in slot order and in the order asked
   int64_t reserved_blocks_ = 0, pool_blocks_ = 0, moves_ = 0;
   Id next_ = 1;
+  PrefixIndex<int64_t> prefix_;  // the stored prefixes and their snapshots
+  std::vector<int64_t> free_snaps_;
 };
 
 // The latent pool GpuEngine gets by default: M × context tokens, or fewer so that inference_memory() stays within
@@ -145,7 +166,7 @@ int64_t default_pool_tokens(const model::ModelConfig& c, int64_t max_sequences, 
 // (cuda: bf16 weights, fp32 KDA states, bf16 latent cache).
 struct EngineOptions {
   std::string device = "cpu";  // "cpu" or "cuda"
-  SessionOptions session;      // max_context and prefill_chunk apply to both devices, the prefix cache to the cpu
+  SessionOptions session;      // max_context, prefill_chunk and the prefix cache's budget apply to both devices
   int64_t max_sequences = 1;   // cuda: sequences open at once
   int64_t pool_tokens = 0;     // cuda: the latent pool (0: default_pool_tokens)
 };

@@ -73,15 +73,6 @@ int64_t context_limit(const model::ModelConfig& c, int64_t requested) {
   return requested > 0 ? requested : c.max_position_embeddings.value_or(131072);
 }
 
-uint64_t hash_tokens(std::span<const int32_t> t) {
-  uint64_t h = 1469598103934665603ull;
-  for (int32_t x : t) {
-    h ^= static_cast<uint32_t>(x);
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
 // ---- Session setup --------------------------------------------------------------------------------------
 
 Session::Session(model::Model<float>& m, SessionOptions o) : m_(m), cfg_(m.config()), plan_(m.plan()), opt_(o) {
@@ -327,70 +318,17 @@ Sequence Session::resume(const Snapshot& s) {
 }
 
 void Session::store_prefix(const Sequence& s) {
-  const uint64_t key = hash_tokens(s.tokens);
-  if (auto it = index_.find(key); it != index_.end()) {
-    if (it->second->second.snap->tokens == s.tokens) {
-      lru_.splice(lru_.begin(), lru_, it->second);
-      return;
-    }
-    cache_bytes_ -= it->second->second.bytes;  // hash collision: the newer prefix replaces it
-    lru_.erase(it->second);
-    index_.erase(it);
-  }
+  if (prefix_.find(s.tokens)) return;  // (made the most recent)
   Snapshot snap = snapshot(s);
-  const int64_t bytes = snap->cache_bytes() + static_cast<int64_t>(snap->tokens.size() * sizeof(int32_t));
+  const int64_t bytes = snap->cache_bytes() + static_cast<int64_t>(s.tokens.size() * sizeof(int32_t));
   if (bytes > opt_.prefix_cache_bytes) return;
-  while (cache_bytes_ + bytes > opt_.prefix_cache_bytes && !lru_.empty()) {
-    cache_bytes_ -= lru_.back().second.bytes;
-    index_.erase(lru_.back().first);
-    lru_.pop_back();
-  }
-  lru_.emplace_front(key, Entry{std::move(snap), bytes});
-  index_[key] = lru_.begin();
-  cache_bytes_ += bytes;
+  while (prefix_.bytes() + bytes > opt_.prefix_cache_bytes && !prefix_.empty()) prefix_.pop_lru();
+  prefix_.insert(s.tokens, std::move(snap), bytes);
 }
 
 Snapshot Session::lookup_prefix(std::span<const int32_t> tokens, int64_t max_len) {
-  const int64_t Cp = opt_.prefill_chunk;
-  max_len = std::min<int64_t>(max_len, static_cast<int64_t>(tokens.size()));
-  if (lru_.empty() || max_len < Cp) {
-    ++stats_.misses;
-    return nullptr;
-  }
-  // Prefix hashes at every grid point, then the longest stored one that matches token for token.
-  std::vector<uint64_t> h;
-  uint64_t acc = 1469598103934665603ull;
-  for (int64_t i = 0; i < max_len / Cp * Cp; ++i) {
-    acc ^= static_cast<uint32_t>(tokens[static_cast<size_t>(i)]);
-    acc *= 1099511628211ull;
-    if ((i + 1) % Cp == 0) h.push_back(acc);
-  }
-  for (int64_t g = static_cast<int64_t>(h.size()); g >= 1; --g) {
-    auto it = index_.find(h[static_cast<size_t>(g - 1)]);
-    if (it == index_.end()) continue;
-    const Snapshot& snap = it->second->second.snap;
-    if (snap->pos() == g * Cp && std::equal(snap->tokens.begin(), snap->tokens.end(), tokens.begin())) {
-      lru_.splice(lru_.begin(), lru_, it->second);
-      ++stats_.hits;
-      stats_.tokens_reused += snap->pos();
-      return snap;
-    }
-  }
-  ++stats_.misses;
-  return nullptr;
-}
-
-Session::PrefixStats Session::prefix_stats() const {
-  PrefixStats s = stats_;
-  s.entries = static_cast<int64_t>(lru_.size());
-  s.bytes = cache_bytes_;
-  return s;
-}
-
-void Session::clear_prefix_cache() {
-  lru_.clear();
-  index_.clear();
-  cache_bytes_ = 0;
+  auto* e = prefix_.longest(tokens, max_len, opt_.prefill_chunk);
+  return e ? e->value : nullptr;
 }
 
 }  // namespace lm::infer

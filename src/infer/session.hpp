@@ -22,13 +22,12 @@
 // Not thread-safe: one thread drives a Session (the server's scheduler).
 #include <chrono>
 #include <cstdint>
-#include <list>
 #include <memory>
 #include <span>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
+#include "infer/prefix_index.hpp"
 #include "model/model.hpp"
 
 namespace lm::infer {
@@ -96,11 +95,8 @@ class Session {
   static Sequence resume(const Snapshot& s);
 
   // Prefix cache.
-  struct PrefixStats {
-    int64_t entries = 0, bytes = 0, hits = 0, misses = 0, tokens_reused = 0;
-  };
-  PrefixStats prefix_stats() const;
-  void clear_prefix_cache();
+  PrefixStats prefix_stats() const { return prefix_.stats(); }
+  void clear_prefix_cache() { prefix_.clear(); }
   // The longest stored snapshot whose tokens are a prefix of `tokens[0 : max_len]` (null if none).
   Snapshot lookup_prefix(std::span<const int32_t> tokens, int64_t max_len);
 
@@ -135,21 +131,10 @@ class Session {
   const float* out_w_ = nullptr;
   const float* out_g_ = nullptr;
 
-  // Prefix cache: key = hash of the token prefix; LRU by insertion/use.
-  struct Entry {
-    Snapshot snap;
-    int64_t bytes;
-  };
-  std::list<std::pair<uint64_t, Entry>> lru_;  // front = most recent
-  std::unordered_map<uint64_t, std::list<std::pair<uint64_t, Entry>>::iterator> index_;
-  int64_t cache_bytes_ = 0;
-  PrefixStats stats_;
+  PrefixIndex<Snapshot> prefix_;  // within opt_.prefix_cache_bytes
 };
 
 // The context limit of a model: `requested` when positive, else max_position_embeddings, else 131072.
 int64_t context_limit(const model::ModelConfig& c, int64_t requested);
-
-// FNV-1a over token ids (prefix-cache key; collisions are ruled out by comparing the tokens).
-uint64_t hash_tokens(std::span<const int32_t> t);
 
 }  // namespace lm::infer

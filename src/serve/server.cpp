@@ -1147,6 +1147,7 @@ struct Server::Impl {
           std::lock_guard<std::mutex> lk(smu);
           ++st.prefill_chunks;
           st.prefill_s += std::chrono::duration<double>(Clock::now() - t0).count();
+          st.prefix = engine.prefix_stats();
         }
         if (r.prefill_pieces++ > 0 && !active.empty()) prefill_debt_s += std::chrono::duration<double>(Clock::now() - t0).count();
         if (engine.pos(r.seq) == n) {
@@ -1575,6 +1576,11 @@ Server::Server(std::unique_ptr<infer::Engine> own, infer::Engine* engine, const 
                               {"prefill_chunks", s.prefill_chunks},
                               {"prompt_tokens", s.prompt_tokens},
                               {"prefill_seconds", s.prefill_s},
+                              {"prefix_cache", json{{"entries", s.prefix.entries},
+                                                    {"bytes", s.prefix.bytes},
+                                                    {"hits", s.prefix.hits},
+                                                    {"misses", s.prefix.misses},
+                                                    {"tokens_reused", s.prefix.tokens_reused}}},
                               {"connections", I.conns.size()},
                               {"inflight_bytes", I.budget.used()},
                               {"resident_bytes", resident_bytes()},

@@ -104,6 +104,7 @@ struct ServerStats {
   int64_t connections = 0;   // open now
   int64_t inflight_bytes = 0;
   double decode_s = 0, prefill_s = 0;  // seconds in the engine's decode steps and prefill chunks
+  infer::PrefixStats prefix;           // the engine's prefix cache after the last prefill
 };
 
 // Resident and peak resident memory of this process in bytes (/proc/self/statm, /proc/self/status).

@@ -6,6 +6,7 @@
 // Legend: M sequences the engine holds, G decode steps, V vocabulary.
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <map>
 
 #include "core/error.hpp"
@@ -262,4 +263,156 @@ TEST(GpuServer, RequestsBeyondTheLatentPoolWaitTheirTurn) {
   ASSERT_TRUE(big);
   EXPECT_EQ(big->status, 400) << big->body;
   EXPECT_NE(big->body.find("max_tokens"), std::string::npos) << big->body;
+}
+
+// ---- the GPU prefix cache ------------------------------------------------------------------------------
+namespace {
+
+// Bit for bit: the same floats (on a difference, how far apart they are).
+::testing::AssertionResult same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0)
+    return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "sizes " << a.size() << " and " << b.size() << ", relative RMS "
+                                       << (a.size() == b.size() ? lm::testing::rel_rms_vec(a, b) : -1.0);
+}
+
+// A sequence opened on `prompt` (resumed from a stored prefix where the engine has one), prefilled as the server
+// does (pieces ending on the grid) or in one call, then G greedy steps: the logits after the prompt and after each
+// step. The sequence stays open when `keep` is given.
+std::vector<std::vector<float>> greedy(infer::Engine& e, const std::vector<int32_t>& prompt, int64_t G,
+                                       bool pieces = false, infer::Engine::Id* keep = nullptr) {
+  const infer::Engine::Id id = e.open(prompt);
+  const int64_t n = static_cast<int64_t>(prompt.size()), Cp = e.prefill_chunk();
+  std::vector<std::vector<float>> out;
+  std::vector<float> lg;
+  for (int64_t p = e.pos(id); p < n; p = e.pos(id)) {
+    const int64_t piece = pieces ? std::min(n - p, Cp - p % Cp) : n - p;
+    lg = e.prefill(id, std::span(prompt).subspan(size_t(p), size_t(piece)), nullptr, p + piece == n / Cp * Cp || !pieces);
+  }
+  out.push_back(lg);
+  for (int64_t k = 0; k < G; ++k) {
+    const int32_t t = static_cast<int32_t>(std::max_element(lg.begin(), lg.end()) - lg.begin());
+    lg = e.decode(std::span(&id, 1), std::span(&t, 1));
+    out.push_back(lg);
+  }
+  if (keep) *keep = id;
+  else e.close(id);
+  return out;
+}
+
+::testing::AssertionResult same_run(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << a.size() << " and " << b.size() << " steps";
+  for (size_t k = 0; k < a.size(); ++k)
+    if (auto r = same_bits(a[k], b[k]); !r) return r << " at step " << k;
+  return ::testing::AssertionSuccess();
+}
+
+std::vector<int32_t> join(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+}  // namespace
+
+// A grid of 96 tokens (not a multiple of the 64-token latent blocks: a snapshot's last block is shared half full and
+// copied on its first write) against an engine without the cache, bit for bit: a prompt that is an exact multiple of
+// the grid (its repeat resumes one grid point early, leaving a token to prefill), the same prompt in pieces, a hit
+// followed by divergence inside a block, three sequences opened together on one prefix and decoded as one batch, and
+// every decode step after a resume (the states are copied as they lie, never transposed).
+TEST(GpuPrefixCache, HitsResumeBitForBit) {
+  REQUIRE_GPU();
+  GpuModelFixture a, b;
+  const int64_t V = a.m.config().vocab_size, Cp = 96, G = 12;
+  infer::GpuEngineOptions o = engine_options(3, 1024, Cp);
+  infer::GpuEngine ref(b.g, o);
+  o.prefix_cache_bytes = int64_t(64) << 20;
+  infer::GpuEngine e(a.g, o);
+  ASSERT_TRUE(e.prefix_cache());
+  EXPECT_FALSE(ref.prefix_cache());
+  const std::vector<int32_t> x = tokens(3 * Cp, V, 1);  // 288: an exact multiple of the grid
+  const auto want_x = greedy(ref, x, G);
+  EXPECT_TRUE(same_run(greedy(e, x, G), want_x));     // a miss: stores 192 and 288
+  EXPECT_EQ(e.prefix_stats().entries, 2);
+  EXPECT_TRUE(same_run(greedy(e, x, G), want_x));     // a hit at 192
+  EXPECT_TRUE(same_run(greedy(ref, x, G, true), want_x));  // pieces on the grid: the whole prompt's bits
+  EXPECT_EQ(e.prefix_stats().hits, 1);
+  EXPECT_EQ(e.prefix_stats().tokens_reused, 2 * Cp);
+  // x continued: resumes at 288, where the block of 256..319 is half x's and shared: copied on the first write.
+  const std::vector<int32_t> y = join(x, tokens(40, V, 2));
+  EXPECT_TRUE(same_run(greedy(e, y, G), greedy(ref, y, G)));
+  // Divergence at 250: resumes at 192 (the snapshot at 288 holds x's tokens, not w's).
+  const std::vector<int32_t> w = join(std::vector<int32_t>(x.begin(), x.begin() + 250), tokens(70, V, 5));
+  EXPECT_TRUE(same_run(greedy(e, w, G), greedy(ref, w, G)));
+  EXPECT_EQ(e.prefix_stats().hits, 3);
+  // Three at once on x's first 200 tokens: each resumes from 192, they share its blocks; one decode batch.
+  std::vector<std::vector<int32_t>> z;
+  for (uint64_t i = 0; i < 3; ++i)
+    z.push_back(join(std::vector<int32_t>(x.begin(), x.begin() + 200), tokens(30 + 17 * int64_t(i), V, 3 + i)));
+  auto together = [&](infer::Engine& en) {
+    std::vector<infer::Engine::Id> ids;
+    std::vector<std::vector<float>> out;
+    std::vector<int32_t> next;
+    for (const auto& p : z) {
+      ids.push_back(en.open(p));
+      const std::vector<float> lg = en.prefill(ids.back(), std::span(p).subspan(size_t(en.pos(ids.back()))));
+      out.push_back(lg);
+      next.push_back(static_cast<int32_t>(std::max_element(lg.begin(), lg.end()) - lg.begin()));
+    }
+    for (int64_t k = 0; k < G; ++k) {
+      const std::vector<float>& lg = en.decode(ids, next);
+      out.push_back(lg);
+      for (size_t i = 0; i < ids.size(); ++i)
+        next[i] = static_cast<int32_t>(std::max_element(lg.begin() + int64_t(i) * V, lg.begin() + int64_t(i + 1) * V) -
+                                       (lg.begin() + int64_t(i) * V));
+    }
+    for (infer::Engine::Id id : ids) en.close(id);
+    return out;
+  };
+  const int64_t hits = e.prefix_stats().hits;
+  EXPECT_TRUE(same_run(together(e), together(ref)));
+  EXPECT_EQ(e.prefix_stats().hits, hits + 3);
+  // The first prompt again, after all that: its snapshots were not disturbed by the sequences that shared them.
+  EXPECT_TRUE(same_run(greedy(e, x, G), want_x));
+  // An empty sequence prefilled (as EngineSequence does) resumes too.
+  {
+    infer::EngineSequence seq(e);
+    const std::vector<float> lg = seq.prefill(w);
+    EXPECT_TRUE(same_bits(lg, greedy(ref, w, 0)[0]));
+  }
+  EXPECT_EQ(e.prefix_stats().hits, hits + 5);
+}
+
+// Eviction: a budget of two snapshots keeps the two most recent prefixes (the oldest gives way, and its prompt,
+// a miss now, still gives the same bits); a latent pool of one context where a closed sequence's snapshot holds
+// blocks that a new sequence needs: the snapshot is evicted and the new sequence runs to its limit.
+TEST(GpuPrefixCache, EvictionUnderPressure) {
+  REQUIRE_GPU();
+  GpuModelFixture a, b;
+  const int64_t V = a.m.config().vocab_size, Cp = 64, G = 4;
+  infer::GpuEngineOptions o = engine_options(1, 512, Cp, 512);
+  infer::GpuEngine ref(b.g, o);
+  const int64_t per = static_cast<int64_t>(b.g.snapshot_bytes());
+  ASSERT_GT(per, 0);
+  o.prefix_cache_bytes = 2 * per;
+  infer::GpuEngine e(a.g, o);
+  EXPECT_EQ(a.g.snapshot_count(), 2);
+  std::vector<std::vector<int32_t>> p;
+  for (uint64_t i = 0; i < 3; ++i) p.push_back(tokens(100 + 10 * int64_t(i), V, 20 + i));  // one snapshot each (64)
+  std::vector<std::vector<std::vector<float>>> want;
+  for (const auto& q : p) want.push_back(greedy(ref, q, G));
+  for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(same_run(greedy(e, p[i], G), want[i])) << i;
+  EXPECT_EQ(e.prefix_stats().entries, 2);
+  const int64_t misses = e.prefix_stats().misses;
+  EXPECT_TRUE(same_run(greedy(e, p[0], G), want[0]));  // evicted: a miss (which stores it again)
+  EXPECT_EQ(e.prefix_stats().misses, misses + 1);
+  EXPECT_TRUE(same_run(greedy(e, p[2], G), want[2]));  // still there
+  EXPECT_EQ(e.prefix_stats().misses, misses + 1);
+  // The pool: a 450-token prompt stores its snapshot at 448 (7 of the 8 blocks, kept after the sequence closes); a
+  // new prompt of 500 tokens then needs all 8: the snapshots give way.
+  const std::vector<int32_t> big = tokens(450, V, 30), other = tokens(500, V, 31);
+  EXPECT_TRUE(same_run(greedy(e, big, 2), greedy(ref, big, 2)));
+  EXPECT_LE(a.g.free_cache_tokens(), 64);
+  EXPECT_TRUE(e.fits(0));  // (reservations count open sequences only)
+  EXPECT_TRUE(same_run(greedy(e, other, 8), greedy(ref, other, 8)));
+  EXPECT_TRUE(same_run(greedy(e, big, 2), greedy(ref, big, 2)));  // big's snapshot is gone: a miss, same bits
 }

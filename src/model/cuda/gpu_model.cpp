@@ -46,6 +46,7 @@ std::vector<float> GpuModel::final_hidden() const { no_cuda(); }
 std::vector<std::pair<std::string, double>> GpuModel::detail_profile() const { no_cuda(); }
 void GpuModel::reserve_caches(int64_t, int64_t, int64_t) { no_cuda(); }
 int64_t GpuModel::free_cache_tokens() const { no_cuda(); }
+int64_t GpuModel::blocks_needed(int64_t, int64_t) const { no_cuda(); }
 void GpuModel::set_decode_graphs(bool) { no_cuda(); }
 bool GpuModel::decode_graphs() const { no_cuda(); }
 int64_t GpuModel::decode_captures() const { no_cuda(); }
@@ -58,6 +59,13 @@ std::vector<float> GpuModel::decode(int64_t, int64_t, const int32_t*) { no_cuda(
 void GpuModel::decode(int64_t, int64_t, const int32_t*, float*) { no_cuda(); }
 void GpuModel::copy_slot(int64_t, int64_t) { no_cuda(); }
 void GpuModel::release_slot(int64_t) { no_cuda(); }
+void GpuModel::reserve_snapshots(int64_t) { no_cuda(); }
+int64_t GpuModel::snapshot_count() const { no_cuda(); }
+size_t GpuModel::snapshot_bytes() const { no_cuda(); }
+void GpuModel::save_snapshot(int64_t, int64_t) { no_cuda(); }
+void GpuModel::load_snapshot(int64_t, int64_t) { no_cuda(); }
+void GpuModel::drop_snapshot(int64_t) { no_cuda(); }
+int64_t GpuModel::snapshot_tokens(int64_t) const { no_cuda(); }
 }  // namespace lm::model::cuda
 
 #else

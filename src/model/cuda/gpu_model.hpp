@@ -125,7 +125,9 @@ class GpuModel {
   void reserve_caches(int64_t slots, int64_t max_tokens, int64_t pool_tokens = 0);
   int64_t cache_slots() const;
   int64_t slot_tokens(int64_t slot) const;  // tokens cached in `slot`
-  int64_t free_cache_tokens() const;        // latent pool tokens no slot holds
+  int64_t free_cache_tokens() const;        // latent pool tokens no slot or snapshot holds
+  // The pool blocks that n more tokens in `slot` take: new ones, and copies of the shared ones they write into.
+  int64_t blocks_needed(int64_t slot, int64_t n) const;
   size_t cache_bytes() const;               // the caches and the inference scratch now allocated
   // A fresh sequence in `slot` (what it held is dropped): runs the n prompt tokens and returns the logits after the
   // last one [V] (with all_logits, every token's [n, V]). lm::Error for a bad slot, ids outside the vocabulary,
@@ -153,6 +155,17 @@ class GpuModel {
   void copy_slot(int64_t from, int64_t to);
   // Drops the sequence of `slot`: its latent blocks go back to the pool (those no other slot shares).
   void release_slot(int64_t slot);
+  // Snapshots of slots (GpuEngine's prefix cache): `count` of them in pinned host memory, each holding a slot's KDA
+  // states and conv inputs (snapshot_bytes() apiece) and keeping its latent blocks in the pool (shared with the slots
+  // and copied on write, like copy_slot's) until it is dropped. reserve_caches drops them all and frees the memory.
+  void reserve_snapshots(int64_t count);
+  int64_t snapshot_count() const;
+  size_t snapshot_bytes() const;  // (known once the caches are reserved)
+  void save_snapshot(int64_t slot, int64_t snap);  // what `snap` held is dropped first
+  // Slot `slot` continues exactly as the saved sequence would (what it held is dropped); lm::Error for an empty snap.
+  void load_snapshot(int64_t snap, int64_t slot);
+  void drop_snapshot(int64_t snap);  // its blocks go back to the pool (those no slot shares)
+  int64_t snapshot_tokens(int64_t snap) const;  // 0: empty
 
   // Seconds per finer section ("kda.core.bwd", "moe.experts.fwd", ...) accumulated while profiling.
   std::vector<std::pair<std::string, double>> detail_profile() const;

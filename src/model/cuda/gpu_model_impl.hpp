@@ -254,6 +254,15 @@ struct InferState {
   std::vector<std::vector<int32_t>> table_h;  // [slots] each slot's blocks
   std::vector<int32_t> refs, free_blocks;     // [blocks] slots holding each block; the unused ones
   DBuf table;                                 // int32 [slots, table_ld]
+  // Snapshots: per snapshot the tokens it holds and its latent blocks (counted in refs like a slot's), and its
+  // KDA states and conv inputs in pinned host memory, snap_bytes apiece (every layer's state, then its conv inputs).
+  struct Snap {
+    int64_t pos = 0;
+    std::vector<int32_t> blocks;
+  };
+  std::vector<Snap> snaps;
+  char* snap_pin = nullptr;
+  size_t snap_bytes = 0;
   DBuf lens;                                  // int32 [slots] positions cached before a decode step
   int32_t *ids_pin = nullptr, *lens_pin = nullptr;  // pinned [slots]: a decode step's inputs
   float* logits_pin = nullptr;                      // pinned [slots, V]: its logits
@@ -524,7 +533,18 @@ struct GpuModel::Impl {
   // The latent blocks of `slot` cover positions [0, upto), and the block holding position `from` (and later) is
   // the slot's own (copied first when shared); lm::Error when the pool has no free block left.
   void claim_blocks(int64_t slot, int64_t from, int64_t upto);
-  void release_blocks(int64_t slot);
+  int64_t fresh_blocks(int64_t slot, int64_t from, int64_t upto) const;  // the pool blocks that claim would take
+  void release_blocks(int64_t slot) { release_blocks(inf.table_h[size_t(slot)]); }
+  void release_blocks(std::vector<int32_t>& blocks);  // (emptied)
+  // `slot` (what it held dropped) holds `pos` tokens in `blocks`, shared with their other holders.
+  void share_blocks(int64_t slot, const std::vector<int32_t>& blocks, int64_t pos);
+  // Each per-slot cache buffer (KDA states, then conv inputs) with its bytes per slot.
+  template <class F>
+  void for_each_slot_cache(F&& f) const {
+    for (const std::vector<DBuf>* bufs : {&inf.state, &inf.conv})
+      for (const DBuf& b : *bufs)
+        if (b.p) f(b, b.bytes / size_t(inf.slots));
+  }
 };
 
 }  // namespace lm::model::cuda

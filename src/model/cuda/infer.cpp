@@ -35,7 +35,7 @@ void InferState::drop_graphs() {
 
 InferState::~InferState() {
   drop_graphs();
-  cudaFreeHost(ids_pin), cudaFreeHost(lens_pin), cudaFreeHost(logits_pin);
+  cudaFreeHost(ids_pin), cudaFreeHost(lens_pin), cudaFreeHost(logits_pin), cudaFreeHost(snap_pin);
   if (stream) cudaStreamDestroy(stream);
 }
 
@@ -69,9 +69,14 @@ void GpuModel::Impl::reserve_caches(int64_t n_slots, int64_t max_tokens, int64_t
     }
   }
   f.slots = n_slots, f.max_tokens = max_tokens, f.blocks = blocks, f.table_ld = table_ld;
+  f.snap_bytes = 0;
+  for_each_slot_cache([&](const DBuf&, size_t per_slot) { f.snap_bytes += per_slot; });
   f.pos.assign(size_t(n_slots), 0);
   f.table_h.assign(size_t(n_slots), {});
   f.refs.assign(size_t(blocks), 0);
+  f.snaps.clear();  // (their blocks are gone with the pool)
+  cudaFreeHost(f.snap_pin);
+  f.snap_pin = nullptr;
   f.free_blocks.resize(size_t(blocks));
   for (int64_t b = 0; b < blocks; ++b) f.free_blocks[size_t(b)] = int32_t(blocks - 1 - b);  // block 0 first
   ck(cudaMemset(f.table.ensure(size_t(n_slots) * table_ld * 4), 0, size_t(n_slots) * table_ld * 4), "table");
@@ -84,11 +89,36 @@ void GpuModel::Impl::reserve_caches(int64_t n_slots, int64_t max_tokens, int64_t
   if (!f.stream) ck(cudaStreamCreate(&f.stream), "inference stream");  // (blocking: ordered after uploads)
 }
 
-void GpuModel::Impl::release_blocks(int64_t slot) {
+void GpuModel::Impl::release_blocks(std::vector<int32_t>& blocks) {
   InferState& f = inf;
-  for (int32_t b : f.table_h[size_t(slot)])
+  for (int32_t b : blocks)
     if (--f.refs[size_t(b)] == 0) f.free_blocks.push_back(b);
-  f.table_h[size_t(slot)].clear();
+  blocks.clear();
+}
+
+void GpuModel::Impl::share_blocks(int64_t slot, const std::vector<int32_t>& blocks, int64_t pos) {
+  InferState& f = inf;
+  std::vector<int32_t>& t = f.table_h[size_t(slot)];
+  for (int32_t b : blocks) ++f.refs[size_t(b)];  // (before the release: the two lists may share blocks)
+  release_blocks(t);
+  t = blocks;
+  if (!t.empty())
+    ck(cudaMemcpyAsync(as<int32_t>(f.table.p) + slot * f.table_ld, t.data(), t.size() * 4, cudaMemcpyHostToDevice,
+                       f.stream),
+       "block table");
+  ck(cudaStreamSynchronize(f.stream), "share blocks");  // (t may change on the host from here)
+  f.pos[size_t(slot)] = pos;
+}
+
+int64_t GpuModel::Impl::fresh_blocks(int64_t slot, int64_t from, int64_t upto) const {
+  const InferState& f = inf;
+  constexpr int64_t B = InferState::kBlock;
+  if (c.num_mla_layers() == 0) return 0;
+  const std::vector<int32_t>& t = f.table_h[size_t(slot)];
+  const size_t need = size_t((upto + B - 1) / B), own_from = size_t(from / B);
+  int64_t fresh = need > t.size() ? int64_t(need - t.size()) : 0;
+  for (size_t j = own_from; j < std::min(need, t.size()); ++j) fresh += f.refs[size_t(t[j])] > 1;
+  return fresh;
 }
 
 void GpuModel::Impl::claim_blocks(int64_t slot, int64_t from, int64_t upto) {
@@ -97,8 +127,7 @@ void GpuModel::Impl::claim_blocks(int64_t slot, int64_t from, int64_t upto) {
   if (c.num_mla_layers() == 0) return;
   std::vector<int32_t>& t = f.table_h[size_t(slot)];
   const size_t need = size_t((upto + B - 1) / B), own_from = size_t(from / B);
-  size_t fresh = need > t.size() ? need - t.size() : 0;
-  for (size_t j = own_from; j < std::min(need, t.size()); ++j) fresh += f.refs[size_t(t[j])] > 1;
+  const size_t fresh = size_t(fresh_blocks(slot, from, upto));
   if (fresh == 0) return;  // (the common decode step: its block is there and its own)
   LM_CHECK(fresh <= f.free_blocks.size(),
            "gpu model: the latent cache is full: slot {} needs {} more blocks of {} tokens, {} of {} are free", slot,
@@ -222,9 +251,6 @@ void GpuModel::set_decode_graphs(bool on) {
 bool GpuModel::decode_graphs() const { return p_->inf.use_graphs; }
 int64_t GpuModel::decode_captures() const { return p_->inf.captures; }
 
-// n tokens after what `slot` holds, prefill_chunk at a time: each chunk through the walk in prefill mode, where the
-// mixers continue from the caches (a chunk after the first: kda_forward from the cached state and conv inputs,
-// mla_prefill_attend over the cached latents). On an error the slot is left empty.
 // The checks of a prompt of n tokens after what `slot` holds (prefill and extend), before anything changes.
 void GpuModel::Impl::check_prompt(const char* what, int64_t slot, const int32_t* ids, int64_t n, int64_t chunk) const {
   const InferState& f = inf;
@@ -243,7 +269,9 @@ void GpuModel::Impl::check_prompt(const char* what, int64_t slot, const int32_t*
 
 // n tokens after what `slot` holds, prefill_chunk at a time: each chunk through the walk in prefill mode, where the
 // mixers continue from the caches (a chunk after the first: kda_forward from the cached state and conv inputs,
-// mla_prefill_attend over the cached latents). On an error the slot is left empty.
+// mla_prefill_attend over the cached latents). Chunks end on the absolute grid of multiples of `chunk`, so a prompt
+// is cut at the same positions however it arrives in calls that start on the grid: a sequence resumed from a grid
+// point (a prefix snapshot) continues as the whole prefill would, bit for bit. On an error the slot is left empty.
 std::vector<float> GpuModel::Impl::prefill_chunks(int64_t slot, const int32_t* ids, int64_t n, int64_t chunk,
                                                   std::vector<float>* all_logits) {
   InferState& f = inf;
@@ -258,8 +286,8 @@ std::vector<float> GpuModel::Impl::prefill_chunks(int64_t slot, const int32_t* i
   claim_blocks(slot, f.pos[size_t(slot)], f.pos[size_t(slot)] + n);
   if (all_logits) all_logits->clear();
   std::vector<float> lg;
-  for (int64_t c0 = 0; c0 < n; c0 += chunk) {
-    const int64_t m = std::min(chunk, n - c0);
+  for (int64_t c0 = 0, m = 0; c0 < n; c0 += m) {
+    m = std::min(chunk - f.pos[size_t(slot)] % chunk, n - c0);  // (chunks end on the absolute grid)
     f.mode = InferState::Mode::Prefill, f.first = slot, f.S = 1, f.start = f.pos[size_t(slot)];
     lg = infer(ids + c0, Seqs::batch(1, m), all_logits ? m : 1);
     f.pos[size_t(slot)] += m;
@@ -314,6 +342,12 @@ void GpuModel::decode(int64_t first, int64_t S, const int32_t* ids, float* logit
   std::copy_n(f.logits_pin + first * m.V, size_t(S) * size_t(m.V), logits);
 }
 
+int64_t GpuModel::blocks_needed(int64_t slot, int64_t n) const {
+  LM_CHECK(slot >= 0 && slot < p_->inf.slots, "gpu model: slot {} outside [0, {})", slot, p_->inf.slots);
+  const int64_t pos = p_->inf.pos[size_t(slot)];
+  return p_->fresh_blocks(slot, pos, pos + n);
+}
+
 void GpuModel::release_slot(int64_t slot) {
   InferState& f = p_->inf;
   LM_CHECK(slot >= 0 && slot < f.slots, "gpu model: release_slot {} outside [0, {})", slot, f.slots);
@@ -327,28 +361,78 @@ void GpuModel::copy_slot(int64_t from, int64_t to) {
   LM_CHECK(from >= 0 && from < f.slots && to >= 0 && to < f.slots, "gpu model: copy_slot {} -> {} outside [0, {})",
            from, to, f.slots);
   if (from == to) return;
-  auto copy = [&](const std::vector<DBuf>& bufs) {
-    for (const DBuf& b : bufs)
-      if (b.p) {
-        const size_t per_slot = b.bytes / size_t(f.slots);
-        ck(cudaMemcpyAsync(as<char>(b.p) + to * per_slot, as<char>(b.p) + from * per_slot, per_slot,
-                           cudaMemcpyDeviceToDevice, f.stream),
-           "copy_slot");
-      }
-  };
-  copy(f.state);
-  copy(f.conv);
+  m.for_each_slot_cache([&](const DBuf& b, size_t per_slot) {
+    ck(cudaMemcpyAsync(as<char>(b.p) + to * per_slot, as<char>(b.p) + from * per_slot, per_slot,
+                       cudaMemcpyDeviceToDevice, f.stream),
+       "copy_slot");
+  });
   // The latent blocks are shared, not copied: the first write into a shared block copies it (claim_blocks).
-  m.release_blocks(to);
-  f.table_h[size_t(to)] = f.table_h[size_t(from)];
-  for (int32_t b : f.table_h[size_t(to)]) ++f.refs[size_t(b)];
-  const std::vector<int32_t>& t = f.table_h[size_t(to)];
-  if (!t.empty())
-    ck(cudaMemcpyAsync(as<int32_t>(f.table.p) + to * f.table_ld, t.data(), t.size() * 4, cudaMemcpyHostToDevice,
-                       f.stream),
-       "block table");
-  ck(cudaStreamSynchronize(f.stream), "copy_slot");  // (t may change on the host from here)
-  f.pos[size_t(to)] = f.pos[size_t(from)];
+  m.share_blocks(to, f.table_h[size_t(from)], f.pos[size_t(from)]);
+}
+
+// ---- snapshots ----------------------------------------------------------------------------------------
+void GpuModel::reserve_snapshots(int64_t count) {
+  Impl& m = *p_;
+  InferState& f = m.inf;
+  LM_CHECK(f.slots > 0, "gpu model: reserve_snapshots before reserve_caches");
+  LM_CHECK(count >= 0, "gpu model: {} snapshots", count);
+  for (InferState::Snap& s : f.snaps) m.release_blocks(s.blocks);
+  f.snaps.assign(size_t(count), {});
+  cudaFreeHost(f.snap_pin);
+  f.snap_pin = nullptr;
+  if (count > 0 && f.snap_bytes > 0)
+    ck(cudaMallocHost(reinterpret_cast<void**>(&f.snap_pin), size_t(count) * f.snap_bytes), "pinned snapshots");
+}
+int64_t GpuModel::snapshot_count() const { return int64_t(p_->inf.snaps.size()); }
+size_t GpuModel::snapshot_bytes() const { return p_->inf.snap_bytes; }
+
+int64_t GpuModel::snapshot_tokens(int64_t snap) const {
+  const InferState& f = p_->inf;
+  LM_CHECK(snap >= 0 && snap < int64_t(f.snaps.size()), "gpu model: snapshot {} outside [0, {})", snap,
+           f.snaps.size());
+  return f.snaps[size_t(snap)].pos;
+}
+
+void GpuModel::drop_snapshot(int64_t snap) {
+  snapshot_tokens(snap);  // (the check)
+  InferState::Snap& s = p_->inf.snaps[size_t(snap)];
+  p_->release_blocks(s.blocks);
+  s.pos = 0;
+}
+
+void GpuModel::save_snapshot(int64_t slot, int64_t snap) {
+  Impl& m = *p_;
+  InferState& f = m.inf;
+  LM_CHECK(slot >= 0 && slot < f.slots, "gpu model: save_snapshot of slot {} outside [0, {})", slot, f.slots);
+  drop_snapshot(snap);
+  char* host = f.snap_pin + size_t(snap) * f.snap_bytes;
+  m.for_each_slot_cache([&](const DBuf& b, size_t per_slot) {
+    ck(cudaMemcpyAsync(host, as<char>(b.p) + slot * per_slot, per_slot, cudaMemcpyDeviceToHost, f.stream),
+       "save snapshot");
+    host += per_slot;
+  });
+  ck(cudaStreamSynchronize(f.stream), "save snapshot");
+  InferState::Snap& s = f.snaps[size_t(snap)];
+  s.pos = f.pos[size_t(slot)];
+  // The blocks holding its rows (a slot may hold blocks claimed ahead of its length).
+  const std::vector<int32_t>& t = f.table_h[size_t(slot)];
+  s.blocks.assign(t.begin(), t.begin() + std::min<int64_t>(int64_t(t.size()), (s.pos + InferState::kBlock - 1) /
+                                                                                 InferState::kBlock));
+  for (int32_t b : s.blocks) ++f.refs[size_t(b)];
+}
+
+void GpuModel::load_snapshot(int64_t snap, int64_t slot) {
+  Impl& m = *p_;
+  InferState& f = m.inf;
+  LM_CHECK(slot >= 0 && slot < f.slots, "gpu model: load_snapshot into slot {} outside [0, {})", slot, f.slots);
+  LM_CHECK(snapshot_tokens(snap) > 0, "gpu model: snapshot {} is empty", snap);
+  const char* host = f.snap_pin + size_t(snap) * f.snap_bytes;
+  m.for_each_slot_cache([&](const DBuf& b, size_t per_slot) {
+    ck(cudaMemcpyAsync(as<char>(b.p) + slot * per_slot, host, per_slot, cudaMemcpyHostToDevice, f.stream),
+       "load snapshot");
+    host += per_slot;
+  });
+  m.share_blocks(slot, f.snaps[size_t(snap)].blocks, f.snaps[size_t(snap)].pos);  // (synchronises)
 }
 
 }  // namespace lm::model::cuda
