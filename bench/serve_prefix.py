@@ -1,7 +1,7 @@
 # python3 bench/serve_prefix.py PORT DOC_WORDS
 # Prefix reuse on a running `longmoe serve`: a long document with a question, sent cold, then the same document with
-# other questions (each resumes from the document's stored prefix) and the cold request again; time to the first
-# token (max_tokens 1) and whether each answer equals the one of a cold run of the same prompt (greedy).
+# other questions (each resumes from the document's stored prefix) and the cold request again; time to 16
+# generated tokens and whether each answer equals the one of a cold run of the same prompt (greedy).
 import json, sys, time, http.client
 port, words = int(sys.argv[1]), int(sys.argv[2])
 def get(path):
