@@ -28,6 +28,7 @@ struct Options {
   bool json = false;
   int cache_bytes = 2;  // bytes per cached MLA / conv value: 2 (bf16, GPU) or 4 (fp32, the CPU session)
   double gpu_memory = 139.8;  // GiB of the device the one-GPU training plan is made for (an H200)
+  double host_memory = 64;    // GiB of pinned host memory it may use (GpuModel::plan_memory: half the host's)
 };
 
 std::string bytes_str(double b) {
@@ -274,9 +275,11 @@ int run(const Options& o) {
   {  // what `train --device cuda` plans (GpuModel::plan_memory): micro-batch x seq tokens on one device
     const int64_t rows = plan.micro_batch * plan.seq_len;
     line(fmt::format("Training on one GPU (train / bench model --device cuda, AdamW): {} tokens on {:.1f} GiB "
-                     "(--gpu-memory, less 3%)", rows, o.gpu_memory));
+                     "(--gpu-memory, less 3%), {:.1f} GiB of pinned host memory (--host-memory)", rows, o.gpu_memory,
+                     o.host_memory));
     try {
-      const GpuTrainingMemory g = gpu_training_plan(c, rows, 0.97 * o.gpu_memory * 1073741824.0);
+      const GpuTrainingMemory g =
+          gpu_training_plan(c, rows, 0.97 * o.gpu_memory * 1073741824.0, o.host_memory * 1073741824.0);
       line("  " + gpu_training_summary(g, c));
     } catch (const lm::Error& e) {
       line(fmt::format("  does not fit: {}", e.what()));
@@ -320,6 +323,9 @@ lm::app::Register reg({"params", "Parameter counts, FLOPs per token, decode and 
                                                            "over data-parallel replicas; 0: replicate");
                          sub.add_option("--gpu-memory", o->gpu_memory,
                                         "GiB of the GPU the one-GPU training plan is made for (default 139.8: H200)");
+                         sub.add_option("--host-memory", o->host_memory,
+                                        "GiB of pinned host memory that plan may keep states in (default 64: half "
+                                        "of the H200 machine's 128; train uses half of its host's)");
                          sub.add_flag("--json", o->json, "machine-readable output");
                          sub.add_option("--cache-bytes", o->cache_bytes,
                                         "bytes per cached MLA/conv value in the decode memory: 2 (bf16, default) or "

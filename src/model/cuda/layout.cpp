@@ -45,6 +45,7 @@ GpuModel::Impl::Impl(const ModelConfig& cfg, const std::function<bool(const Para
   wbf.ensure(P * 2);
   ck(cudaMemset(wbf.p, 0, P * 2), "memset");  // (the zero rows of the fused matrices stay zero)
   acts.resize(size_t(L));
+  for (bool t : gpu_transient_states(c)) transient.push_back(t);
   size_t t = 0;
   wT_off.assign(L, 0);
   const size_t per = static_cast<size_t>(c.num_experts) * 3 * c.moe_intermediate_size * c.expert_width();
@@ -73,6 +74,12 @@ GpuModel::Impl::~Impl() {
   for (cudaEvent_t e : {fork_ev, join_ev, started})
     if (e) cudaEventDestroy(e);
   if (core) cudaStreamDestroy(core);
+}
+GpuModel::Impl::StateRing::~StateRing() {
+  if (xfer) cudaStreamSynchronize(xfer), cudaStreamDestroy(xfer);
+  if (pin) cudaFreeHost(pin);
+  for (cudaEvent_t e : {copied[0], copied[1], loaded[0], loaded[1], released[0], released[1], written})
+    if (e) cudaEventDestroy(e);
 }
 // W13ᵀ, W2ᵀ of every MoE layer from the bf16 copy.
 void GpuModel::Impl::refresh_transposed() {
@@ -212,7 +219,7 @@ size_t Scratch::bytes() const {
          bytes_of(d_block) + bytes_of(ar_delta) + bytes_of(ar_coef) + bytes_of(ar_q);
 }
 size_t GpuModel::Impl::act_bytes() const {
-  size_t b = top.bytes() + scratch.bytes() + acts_shared.bytes();
+  size_t b = top.bytes() + scratch.bytes() + acts_shared.bytes() + bytes_of({&ring.buf[0], &ring.buf[1]});
   for (const LayerActs& a : acts) b += a.bytes();
   return b;
 }
