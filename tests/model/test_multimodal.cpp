@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "infer/generate.hpp"
+#include "infer/session.hpp"
 #include "io/checkpoint.hpp"
 #include "io/file.hpp"
 #include "model/accounting.hpp"
@@ -397,4 +398,18 @@ TEST(Multimodal, PlaceholderTargetsCarryNoLoss) {
     if (p.g()) {
       EXPECT_EQ(std::vector<double>(p.g(), p.g() + p.value.numel()), ga[i++]) << p.spec.name;
     }
+}
+
+// Until generation takes images, the inference session of a multimodal model decodes text and refuses a
+// placeholder (which would otherwise embed the placeholder's own row).
+TEST(Multimodal, SessionDecodesTextAndRefusesPlaceholders) {
+  Model<float> m(multimodal());
+  m.params().init(8);
+  infer::Session s(m);
+  infer::Sequence seq = s.new_sequence();
+  const std::vector<int32_t> text = {5, 7, 9, 3};
+  EXPECT_EQ(s.prefill(seq, text).size(), 40u);
+  infer::Sequence seq2 = s.new_sequence();
+  const std::vector<int32_t> with_image = {5, kPh, kPh, kPh, kPh, 3};
+  EXPECT_ERROR(s.prefill(seq2, with_image), "media placeholder", "takes no images");
 }
