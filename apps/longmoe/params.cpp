@@ -128,7 +128,8 @@ int run(const Options& o) {
     if (c.vision) {
       const VisionParamCounts vp = count_vision_params(*c.vision);
       j["vision"] = {{"tower", vp.tower}, {"projector", vp.projector}, {"total", vp.total()},
-                     {"blocks", c.vision->num_layers}, {"hidden_size", c.vision->hidden_size}};
+                     {"blocks", c.vision->num_layers}, {"hidden_size", c.vision->hidden_size},
+                     {"checkpoint_total", pc.total + vp.total()}};
     }
     j["params"] = {{"total", pc.total},
                    {"activated", pc.activated},
@@ -213,13 +214,15 @@ int run(const Options& o) {
     const VisionConfig& v = *c.vision;
     const VisionParamCounts vp = count_vision_params(v);
     line("");
-    line(fmt::format("Vision (SPEC §9; a separate tensor list, not in the totals above): {} blocks, D {}, {} heads x {}, "
+    line(fmt::format("Vision (SPEC §9; not in the text totals above): {} blocks, D {}, {} heads x {}, "
                      "I {}, position table {}x{}, {}x{} merge into d {}",
                      v.num_layers, v.hidden_size, v.num_heads, v.head_dim(), v.intermediate_size, v.init_pos_emb_height,
                      v.init_pos_emb_width, v.merge_h, v.merge_w, v.text_hidden_size));
     line(fmt::format("  {:<26}{:>16}", "vision_tower", params_str(static_cast<double>(vp.tower))));
     line(fmt::format("  {:<26}{:>16}", "mm_projector", params_str(static_cast<double>(vp.projector))));
     line(fmt::format("  exact: {} tower, {} projector, {} together", vp.tower, vp.projector, vp.total()));
+    line(fmt::format("  checkpoint (K3 layout: language_model.*, vision_tower.*, mm_projector.*): {} = {} parameters",
+                     params_str(static_cast<double>(pc.total + vp.total())), pc.total + vp.total()));
   }
   line("");
   line("FLOPs per token");

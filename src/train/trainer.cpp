@@ -468,7 +468,8 @@ StepReport Run::train_step(const Stage& st, int64_t step) {
   // Data parallel: every replica reads the same batch and runs its shard, sequences [r·B/dp, (r+1)·B/dp).
   std::vector<Batch> mb;
   Batch whole = loader_->next(st.cfg.batch_seqs);
-  const int64_t n_valid = whole.predicted();
+  // The model's count: it also drops targets that name the media placeholder (SPEC §9).
+  const int64_t n_valid = model_->count_targets(whole.targets.data(), static_cast<int64_t>(whole.targets.size()));
   const int64_t shard = st.cfg.replica_seqs(cfg_.parallel.dp), first = comm_.rank() * shard;
   const int64_t micro = st.cfg.replica_micro(cfg_.parallel.dp);
   if (micro == st.cfg.batch_seqs) {

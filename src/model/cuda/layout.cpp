@@ -21,6 +21,9 @@ namespace lm::model::cuda {
 GpuModel::Impl::Impl(const ModelConfig& cfg, const std::function<bool(const ParamSpec&)>& decays, bool inference_only)
     : c(cfg), d(cfg.hidden_size), V(cfg.vocab_size), L(cfg.num_hidden_layers), infer_only(inference_only) {
   c.validate("model config");
+  // The CUDA tower is issue 22 item 1's; until then the GPU model would silently leave the tower untrained.
+  LM_CHECK(!c.vision, "the CUDA model has no vision tower yet: a config with vision_config runs on the CPU "
+           "(--device cpu)");
   plan = StackPlan::build(c);
   LM_CHECK(available(), "no usable CUDA device");
   if (env::overlap()) {
