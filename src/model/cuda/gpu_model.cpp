@@ -250,6 +250,7 @@ bool GpuModel::offload_states() const { return p_->offload; }
 GpuTrainingMemory GpuModel::plan_memory(int64_t rows) {
   const double host = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
   GpuTrainingMemory m = gpu_training_plan(p_->c, rows, 0.97 * double(device_memory_total()), 0.5 * host);
+  p_->release_activations();  // (the plan counts only its own buffers)
   set_keep_layers(m.keep);
   set_offload_states(m.offload);
   return m;

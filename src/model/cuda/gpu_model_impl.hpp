@@ -421,6 +421,9 @@ struct GpuModel::Impl {
   void refresh_transposed();  // W13ᵀ, W2ᵀ of every MoE layer from the bf16 copy
   void layout(const std::function<bool(const ParamSpec&)>& decays);
   size_t act_bytes() const;  // every activation and scratch buffer now allocated
+  // Frees every activation and scratch buffer (a new memory plan: buffers only grow, so the last plan's would
+  // stay next to the new one's).
+  void release_activations();
 
   // ---- parameter pointers ----------------------------------------------------------------------
   const Slot& slot(const std::string& n) const {

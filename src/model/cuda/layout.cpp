@@ -12,6 +12,7 @@
 #include "model/cuda/gpu_model_impl.hpp"
 
 #include <cstdlib>
+#include <memory>
 
 #include "core/env.hpp"
 #include "model/cuda/glue_cuda.hpp"
@@ -220,6 +221,18 @@ size_t Scratch::bytes() const {
                    &dcn,   &dqan,  &dqa,   &ffn_dh,   &ffn_dab, &dun, &du,     &d_eo,   &d_topk_w, &e_dh,
                    &e_dab, &dxs,   &moe_dcat, &d_logits, &dz}) +
          bytes_of(d_block) + bytes_of(ar_delta) + bytes_of(ar_coef) + bytes_of(ar_q);
+}
+void GpuModel::Impl::release_activations() {
+  ck(cudaDeviceSynchronize(), "sync");
+  acts.clear();
+  acts.resize(size_t(L));
+  // (DBuf has no assignment: the members are rebuilt in place)
+  std::destroy_at(&acts_shared), std::construct_at(&acts_shared);
+  std::destroy_at(&top), std::construct_at(&top);
+  std::destroy_at(&scratch), std::construct_at(&scratch);
+  for (DBuf& b : ring.buf) std::destroy_at(&b), std::construct_at(&b);
+  kda_saved.clear();
+  ++DBuf::epoch();
 }
 size_t GpuModel::Impl::act_bytes() const {
   size_t b = top.bytes() + scratch.bytes() + acts_shared.bytes() + bytes_of({&ring.buf[0], &ring.buf[1]});
