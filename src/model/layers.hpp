@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/moe_ep.hpp"
 #include "model/cache.hpp"
 #include "model/config.hpp"
 #include "model/params.hpp"
@@ -161,6 +162,10 @@ class LatentMoe {
   // Optional Switch-style auxiliary loss (baseline); 0 disables. The loss value is added by the trainer.
   double aux_coef = 0;
   double last_aux_loss = 0;
+  // Expert parallel (dist/moe_ep.hpp; null: every expert here): this rank runs only its share of the experts, over
+  // the rows every rank of `ep` routes to them; the other experts' weights get no gradient here (their owners'
+  // arrive through the data-parallel gradient sum). Every rank of `ep` runs each forward and backward together.
+  dist::Comm* ep = nullptr;
 
   Param<F> *Wr, *bias_, *Wdown = nullptr, *lnorm = nullptr, *Wup = nullptr;
   std::vector<Param<F>*> W1, W3, W2;  // per expert: gate [I, l], up [I, l], down [l, I]
@@ -176,6 +181,11 @@ class LatentMoe {
   Buf<F> x_, logits_, scores_, topk_w_, z_, zs_, eo_, u_, u_rstd_, un_;
   Buf<int32_t> topk_idx_;
   std::vector<int64_t> offsets_, perm_rows_, perm_pos_;
+  dist::ExpertExchange ex_;  // expert parallel: the last forward's exchange, its grouped rows and their outputs
+  Buf<F> gz_, geo_;
+  // Experts [e0, e0 + n) over rows grouped by expert (expert e0 + j: rows offs[j] .. offs[j + 1]), in parallel.
+  void experts_forward(const F* xs, const int64_t* offs, int64_t e0, int64_t n, F* eo);
+  void experts_backward(const F* xs, const int64_t* offs, int64_t e0, int64_t n, const F* d_eo, F* dxs);
   std::vector<GluFfnActs<F>> ea_;  // per expert
 };
 

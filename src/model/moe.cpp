@@ -74,12 +74,15 @@ void LatentMoe<F>::forward(const F* x, F* y, const Seqs& s) {
   ops::moe_build_permutation(topk_idx_.data(), rows, k, E, offsets_.data(), perm_rows_.data(), perm_pos_.data());
   zs_.resize(rows * k * l), eo_.resize(rows * k * l);
   ops::moe_gather(z, perm_rows_.data(), zs_.data(), rows, k, l);
-  // Experts in parallel; each runs single-threaded GEMMs over its own rows (no shared writes).
-  parallel_for_dynamic(E, [&](int64_t j) {
-    const int64_t r0 = offsets_[j], n = offsets_[j + 1] - r0;
-    glu_ffn_forward(zs_.data() + r0 * l, n, l, I_, W1[j]->w(), W3[j]->w(), W2[j]->w(), p_, eo_.data() + r0 * l, false,
-                    ea_[j]);
-  });
+  if (ep) {
+    ex_ = dist::expert_exchange(*ep, offsets_.data(), E);
+    gz_.resize(ex_.rows() * l), geo_.resize(ex_.rows() * l);
+    dist::to_experts(*ep, ex_, zs_.data(), l, gz_.data());
+    experts_forward(gz_.data(), ex_.local_offsets.data(), ex_.first_expert(), ex_.El, geo_.data());
+    dist::from_experts(*ep, ex_, geo_.data(), l, eo_.data());
+  } else {
+    experts_forward(zs_.data(), offsets_.data(), 0, E, eo_.data());
+  }
   u_.resize(rows * l);
   ops::moe_combine(eo_.data(), topk_w_.data(), perm_pos_.data(), u_.data(), rows, k, l);
   if (latent_) {
@@ -95,6 +98,25 @@ void LatentMoe<F>::forward(const F* x, F* y, const Seqs& s) {
     std::copy(u_.begin(), u_.end(), y);
   }
   if (shared_) shared_->forward(x, y, s, true);
+}
+
+// Each expert runs single-threaded GEMMs over its own rows (no shared writes).
+template <class F>
+void LatentMoe<F>::experts_forward(const F* xs, const int64_t* offs, int64_t e0, int64_t n, F* eo) {
+  const int64_t l = l_;
+  parallel_for_dynamic(n, [&](int64_t j) {
+    const int64_t r0 = offs[j], rows = offs[j + 1] - r0, e = e0 + j;
+    glu_ffn_forward(xs + r0 * l, rows, l, I_, W1[e]->w(), W3[e]->w(), W2[e]->w(), p_, eo + r0 * l, false, ea_[e]);
+  });
+}
+template <class F>
+void LatentMoe<F>::experts_backward(const F* xs, const int64_t* offs, int64_t e0, int64_t n, const F* d_eo, F* dxs) {
+  const int64_t l = l_;
+  parallel_for_dynamic(n, [&](int64_t j) {
+    const int64_t r0 = offs[j], rows = offs[j + 1] - r0, e = e0 + j;
+    glu_ffn_backward(xs + r0 * l, rows, l, I_, W1[e]->w(), W3[e]->w(), W2[e]->w(), p_, d_eo + r0 * l, dxs + r0 * l,
+                     false, W1[e]->g(), W3[e]->g(), W2[e]->g(), ea_[e]);
+  });
 }
 
 template <class F>
@@ -117,11 +139,14 @@ void LatentMoe<F>::backward(const F* dy, F* dx, const Seqs& s) {
   Buf<F> d_eo(rows * k * l), d_topk_w(rows * k), d_zs(rows * k * l);
   ops::moe_combine_backward(eo_.data(), topk_w_.data(), perm_pos_.data(), du.data(), d_eo.data(), d_topk_w.data(), rows,
                             k, l);
-  parallel_for_dynamic(E, [&](int64_t j) {
-    const int64_t r0 = offsets_[j], n = offsets_[j + 1] - r0;
-    glu_ffn_backward(zs_.data() + r0 * l, n, l, I_, W1[j]->w(), W3[j]->w(), W2[j]->w(), p_, d_eo.data() + r0 * l,
-                     d_zs.data() + r0 * l, false, W1[j]->g(), W3[j]->g(), W2[j]->g(), ea_[j]);
-  });
+  if (ep) {
+    Buf<F> gd_eo(ex_.rows() * l), gdz(ex_.rows() * l);
+    dist::to_experts(*ep, ex_, d_eo.data(), l, gd_eo.data());
+    experts_backward(gz_.data(), ex_.local_offsets.data(), ex_.first_expert(), ex_.El, gd_eo.data(), gdz.data());
+    dist::from_experts(*ep, ex_, gdz.data(), l, d_zs.data());
+  } else {
+    experts_backward(zs_.data(), offsets_.data(), 0, E, d_eo.data(), d_zs.data());
+  }
   // Router: gradient through the unbiased scores of the selected experts (and the aux loss).
   Buf<F> d_logits(rows * E);
   ops::router_backward(logits_.data(), topk_idx_.data(), d_topk_w.data(), d_logits.data(), rows, E, rc_, false);

@@ -123,9 +123,12 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
     LM_CHECK(c.parallel.zero == 0 || c.parallel.zero == 1,
              "{}: parallel.zero must be 0 (a whole optimiser state per replica) or 1 (sharded), got {}", ctx,
              c.parallel.zero);
-    for (const char* k : {"ep", "cp"})
-      LM_CHECK(io::get_or<int64_t>(p, k, 1, ctx + " parallel") == 1,
-               "{}: parallel.{} > 1 is not supported yet (data parallel only: parallel.dp)", ctx, k);
+    c.parallel.ep = io::get_or<int64_t>(p, "ep", 1, ctx + " parallel");
+    LM_CHECK(c.parallel.ep == 1 || c.parallel.ep == c.parallel.dp,
+             "{}: parallel.ep must be 1 or equal parallel.dp ({}: one expert-parallel group of every replica), got {}",
+             ctx, c.parallel.dp, c.parallel.ep);
+    LM_CHECK(io::get_or<int64_t>(p, "cp", 1, ctx + " parallel") == 1,
+             "{}: parallel.cp > 1 is not supported yet (parallel.dp and parallel.ep only)", ctx);
   }
   c.validate(ctx);
   return c;
@@ -167,7 +170,8 @@ json RunConfig::to_json() const {
   j["save_every"] = save_every;
   j["keep_checkpoints"] = keep_checkpoints;
   j["max_steps"] = max_steps;
-  if (parallel.dp != 1 || parallel.zero != 1) j["parallel"] = {{"dp", parallel.dp}, {"zero", parallel.zero}};
+  if (parallel.dp != 1 || parallel.ep != 1 || parallel.zero != 1)
+    j["parallel"] = {{"dp", parallel.dp}, {"ep", parallel.ep}, {"zero", parallel.zero}};
   return j;
 }
 
@@ -386,6 +390,13 @@ void Run::load_model() {
     io::write_file_atomic((out_ / "run.json").string(), cfg_.to_json().dump(2) + "\n");
   }
   model_ = std::make_unique<model::Model<float>>(mcfg_);
+  if (cfg_.parallel.ep > 1) {
+    LM_CHECK(opt_.device == "cpu", "parallel.ep: expert parallelism runs on the CPU only so far");
+    LM_CHECK(mcfg_.num_experts % cfg_.parallel.ep == 0, "{}: parallel.ep = {} does not divide the {} routed experts",
+             cfg_.model, cfg_.parallel.ep, mcfg_.num_experts);
+    for (int64_t i = 0; i < mcfg_.num_hidden_layers; ++i)
+      if (model_->moe(i)) model_->moe(i)->ep = &comm_;
+  }
   const auto counts = model::count_params(mcfg_);
   const fs::path resume(resume_dir_);
   if (!resume_dir_.empty()) model_->params().load(io::Checkpoint::open((resume / "model.safetensors").string()));

@@ -54,6 +54,9 @@ struct ParallelConfig {
   // ZeRO stage over the data-parallel replicas: 1 (default) shards the optimiser state (Optimizer::shard; the
   // checkpoints then hold one optimiser shard per rank), 0 keeps a whole copy on every replica.
   int zero = 1;
+  // Routed experts split over the replicas (dist/moe_ep.hpp): 1, or dp (one expert-parallel group of every replica;
+  // each holds every weight still, but runs only its share of the experts, over the rows every replica routes there).
+  int64_t ep = 1;
   int64_t world() const { return dp; }
 };
 
