@@ -27,6 +27,7 @@ namespace lm::io {
 struct ChatMessage {
   std::string role;  // "system", "user", "assistant" or "tool"
   std::string content;
+  bool operator==(const ChatMessage&) const = default;
 };
 using Conversation = std::vector<ChatMessage>;
 
