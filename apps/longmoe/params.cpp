@@ -28,6 +28,7 @@ struct Options {
   bool json = false;
   int cache_bytes = 2;  // bytes per cached MLA / conv value: 2 (bf16, GPU) or 4 (fp32, the CPU session)
   double gpu_memory = 139.8;  // GiB of the device the one-GPU training plan is made for (an H200)
+  double host_memory = 64;    // GiB of pinned host memory it may use (GpuModel::plan_memory: half the host's)
 };
 
 std::string bytes_str(double b) {
@@ -127,7 +128,8 @@ int run(const Options& o) {
     if (c.vision) {
       const VisionParamCounts vp = count_vision_params(*c.vision);
       j["vision"] = {{"tower", vp.tower}, {"projector", vp.projector}, {"total", vp.total()},
-                     {"blocks", c.vision->num_layers}, {"hidden_size", c.vision->hidden_size}};
+                     {"blocks", c.vision->num_layers}, {"hidden_size", c.vision->hidden_size},
+                     {"checkpoint_total", pc.total + vp.total()}};
     }
     j["params"] = {{"total", pc.total},
                    {"activated", pc.activated},
@@ -212,13 +214,15 @@ int run(const Options& o) {
     const VisionConfig& v = *c.vision;
     const VisionParamCounts vp = count_vision_params(v);
     line("");
-    line(fmt::format("Vision (SPEC §9; a separate tensor list, not in the totals above): {} blocks, D {}, {} heads x {}, "
+    line(fmt::format("Vision (SPEC §9; not in the text totals above): {} blocks, D {}, {} heads x {}, "
                      "I {}, position table {}x{}, {}x{} merge into d {}",
                      v.num_layers, v.hidden_size, v.num_heads, v.head_dim(), v.intermediate_size, v.init_pos_emb_height,
                      v.init_pos_emb_width, v.merge_h, v.merge_w, v.text_hidden_size));
     line(fmt::format("  {:<26}{:>16}", "vision_tower", params_str(static_cast<double>(vp.tower))));
     line(fmt::format("  {:<26}{:>16}", "mm_projector", params_str(static_cast<double>(vp.projector))));
     line(fmt::format("  exact: {} tower, {} projector, {} together", vp.tower, vp.projector, vp.total()));
+    line(fmt::format("  checkpoint (K3 layout: language_model.*, vision_tower.*, mm_projector.*): {} = {} parameters",
+                     params_str(static_cast<double>(pc.total + vp.total())), pc.total + vp.total()));
   }
   line("");
   line("FLOPs per token");
@@ -274,9 +278,11 @@ int run(const Options& o) {
   {  // what `train --device cuda` plans (GpuModel::plan_memory): micro-batch x seq tokens on one device
     const int64_t rows = plan.micro_batch * plan.seq_len;
     line(fmt::format("Training on one GPU (train / bench model --device cuda, AdamW): {} tokens on {:.1f} GiB "
-                     "(--gpu-memory, less 3%)", rows, o.gpu_memory));
+                     "(--gpu-memory, less 3%), {:.1f} GiB of pinned host memory (--host-memory)", rows, o.gpu_memory,
+                     o.host_memory));
     try {
-      const GpuTrainingMemory g = gpu_training_plan(c, rows, 0.97 * o.gpu_memory * 1073741824.0);
+      const GpuTrainingMemory g =
+          gpu_training_plan(c, rows, 0.97 * o.gpu_memory * 1073741824.0, o.host_memory * 1073741824.0);
       line("  " + gpu_training_summary(g, c));
     } catch (const lm::Error& e) {
       line(fmt::format("  does not fit: {}", e.what()));
@@ -320,6 +326,9 @@ lm::app::Register reg({"params", "Parameter counts, FLOPs per token, decode and 
                                                            "over data-parallel replicas; 0: replicate");
                          sub.add_option("--gpu-memory", o->gpu_memory,
                                         "GiB of the GPU the one-GPU training plan is made for (default 139.8: H200)");
+                         sub.add_option("--host-memory", o->host_memory,
+                                        "GiB of pinned host memory that plan may keep states in (default 64: half "
+                                        "of the H200 machine's 128; train uses half of its host's)");
                          sub.add_flag("--json", o->json, "machine-readable output");
                          sub.add_option("--cache-bytes", o->cache_bytes,
                                         "bytes per cached MLA/conv value in the decode memory: 2 (bf16, default) or "

@@ -23,6 +23,7 @@ struct Args {
   std::string config, model, device = "cpu";
   std::vector<int64_t> contexts = {1024, 4096, 16384, 65536, 131072};
   int64_t decode_tokens = 16, batch = 1, prefill_chunk = 0;  // 0: the engine's (cpu 1024, cuda 16384)
+  int64_t profile_prefill = 0;  // cuda: a synchronised prefill of this many tokens, its time split by layer part
 };
 
 double rss_mib() {
@@ -102,6 +103,25 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::Model<fl
                 prefill_tps, n / t, 1e3 * step, bytes / 1e9, bytes / step / 1e12, 100 * bytes / step / bw, n / te,
                 te / t, 1e3 * f[P::Kda], 1e3 * f[P::Mla], 1e3 * (f[P::DenseFfn] + f[P::Moe]), 1e3 * f[P::AttnRes]);
     std::fflush(stdout);
+  }
+  if (a.profile_prefill > 0) {  // (after the timed contexts: every part synchronises, so it is slower than above)
+    const int64_t n = std::min(a.profile_prefill, max_tokens);
+    std::vector<int32_t> ids;
+    for (int64_t i = 0; i < n; ++i) ids.push_back(tok(static_cast<uint64_t>(7 * i + 3)));
+    for (int64_t b = 0; b < a.batch; ++b) g.release_slot(1 + b);
+    g.prefill(0, ids.data(), n);  // (unprofiled first: cuBLASLt times its algorithms for new GEMM shapes)
+    g.profiling = true;
+    g.profile.clear();
+    auto t0 = Clock::now();
+    g.prefill(0, ids.data(), n);
+    const double t = secs(t0);
+    g.profiling = false;
+    std::printf("profiled prefill of %ld tokens: %.3f s (%.0f tokens/s); ms by part:", static_cast<long>(n), t,
+                static_cast<double>(n) / t);
+    for (int k = 0; k < model::Profile::kNum; ++k) std::printf(" %s %.1f", model::Profile::name(k), 1e3 * g.profile.fwd[k]);
+    std::printf("\n  sections (ms):");
+    for (const auto& [name, sec] : g.detail_profile()) std::printf(" %s %.1f", name.c_str(), sec * 1e3);
+    std::printf("\n");
   }
   const model::InferenceMemory pm = model::inference_memory(cfg, max_tokens, 1 + a.batch, g.prefill_chunk, pool_tokens);
   const double used = static_cast<double>(model::cuda::device_memory_used()), gib = 1073741824.0;
@@ -205,6 +225,8 @@ app::RegisterBench reg({"decode", "Prefill and decode tokens/s as the context gr
                           sub.add_option("--prefill-chunk", a->prefill_chunk,
                                          "tokens per prefill chunk (default: cpu 1024, cuda 16384)");
                           sub.add_option("--device", a->device, "cpu or cuda");
+                          sub.add_option("--profile-prefill", a->profile_prefill,
+                                         "cuda: time a prefill of N tokens by layer part and section (synchronised)");
                           return [a] { return run(*a); };
                         }});
 

@@ -32,6 +32,7 @@ struct Args {
   std::string device = "cpu";
   int accum = 1;  // cuda: micro-batches per optimizer step
   std::string recompute = "auto";  // cuda: the memory plan (auto: chosen for the device), none, all
+  bool offload = false;            // cuda, with --recompute none / all: the transient states wait on the host
 };
 
 // Uniform random token ids and targets (the same for the CPU and the GPU benchmark).
@@ -101,8 +102,10 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::ParamCou
     std::printf("%s\n", model::gpu_training_summary(m.plan_memory(rows), cfg).c_str());
   } else {
     m.set_keep_layers(std::vector<bool>(size_t(cfg.num_hidden_layers), a.recompute == "none"));
+    m.set_offload_states(a.offload);
   }
-  const model::GpuTrainingMemory predicted = model::gpu_training_memory(cfg, rows, m.keep_layers());
+  const model::GpuTrainingMemory predicted =
+      model::gpu_training_memory(cfg, rows, m.keep_layers(), m.offload_states());
   std::printf("model %s on the GPU: %.3fB params, %.3fB activated (%.3fB in GEMMs); micro-batch %ld x %ld tokens, "
               "%d per optimizer step\n",
               a.config.c_str(), counts.total / 1e9, counts.activated / 1e9, counts.activated_matmul / 1e9,
@@ -207,6 +210,9 @@ app::RegisterBench reg({"model", "Whole-model forward and forward+backward token
                           sub.add_option("--recompute", a->recompute,
                                          "cuda: auto (the memory plan for the device), none (every layer keeps) or "
                                          "all (every layer recomputes)");
+                          sub.add_flag("--offload", a->offload,
+                                       "cuda, with --recompute none or all: the layers' transient input states wait "
+                                       "in pinned host memory");
                           sub.add_option("--accum", a->accum,
                                          "cuda: micro-batches per optimizer step (AdamW and balancing once per step)");
                           return [a] { return run(*a); };

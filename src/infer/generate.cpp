@@ -20,7 +20,7 @@ LoadedModel load_model_dir(const std::string& path, bool need_tokenizer) {
   lm.config = model::ModelConfig::load(dir);
   // The weights' shapes and dtypes against the config from the headers, before the model is allocated.
   const io::Checkpoint ckpt = io::Checkpoint::open(dir);
-  model::check_checkpoint(model::param_specs(lm.config), ckpt);
+  model::check_checkpoint(model::checkpoint_specs(lm.config), ckpt);
   lm.model = std::make_unique<model::Model<float>>(lm.config);
   lm.model->params().load(ckpt);
   const std::string tp = (fs::path(dir) / "tokenizer.model").string();

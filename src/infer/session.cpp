@@ -130,9 +130,13 @@ void Session::check_sequence(const Sequence& s, const char* what, int64_t index)
 }
 
 void Session::check_ids(std::span<const int32_t> ids) const {
-  for (size_t i = 0; i < ids.size(); ++i)
+  for (size_t i = 0; i < ids.size(); ++i) {
     LM_CHECK(ids[i] >= 0 && ids[i] < cfg_.vocab_size, "token id {} at position {} is outside the vocabulary [0, {})",
              ids[i], i, cfg_.vocab_size);
+    // The session takes no images yet: a placeholder here would embed the placeholder's own row (SPEC §9).
+    LM_CHECK(ids[i] != m_.media_placeholder(),
+             "token id {} at position {} is the media placeholder; this session takes no images", ids[i], i);
+  }
 }
 
 // ---- the walk over the layers -----------------------------------------------------------------------------

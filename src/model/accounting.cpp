@@ -185,7 +185,15 @@ double gpu_ffn_per_token(const ModelConfig& c, int64_t i) {
 
 }  // namespace
 
-GpuTrainingMemory gpu_training_memory(const ModelConfig& c, int64_t rows, std::vector<bool> keep) {
+std::vector<bool> gpu_transient_states(const ModelConfig& c) {
+  const StackPlan sp = StackPlan::build(c);
+  std::vector<bool> t(size_t(c.num_hidden_layers), true);
+  if (sp.attn_res)
+    for (int64_t i = 0; i < sp.size(); ++i) t[size_t(i)] = i > 0 && !sp[i].opens_block;
+  return t;
+}
+
+GpuTrainingMemory gpu_training_memory(const ModelConfig& c, int64_t rows, std::vector<bool> keep, bool offload) {
   const int64_t L = c.num_hidden_layers;
   LM_CHECK(rows >= 1, "gpu_training_memory: rows {} must be >= 1", rows);
   LM_CHECK(int64_t(keep.size()) == L, "gpu_training_memory: {} keep flags for {} layers", keep.size(), L);
@@ -201,7 +209,13 @@ GpuTrainingMemory gpu_training_memory(const ModelConfig& c, int64_t rows, std::v
   // States: AttnRes, each layer's output (its successor's input; the blocks are among them) and the embedding;
   // plain, each layer's input, the stream and h_final. The final norm's output and rstd, ids and targets, and each
   // MoE layer's Quantile Balancing statistics.
-  m.states = n * (4 * d * double(L + 1) + 2 * d + 4 + 8 + (sp.attn_res ? 0 : 4 * d)) +
+  // Offloaded, the transient ones pass through two device buffers and wait in pinned host memory.
+  double transient_states = 0;
+  for (bool t : gpu_transient_states(c)) transient_states += t;
+  const double on_device = double(L + 1) + (offload ? 2 - transient_states : 0);
+  m.offload = offload;
+  m.host = offload ? transient_states * n * 4 * d : 0;
+  m.states = n * (4 * d * on_device + 2 * d + 4 + 8 + (sp.attn_res ? 0 : 4 * d)) +
              n * double(c.num_moe_layers()) * (4 * double(c.num_experts) + 4);
   // The kept layers' internals, and the one set of every sublayer kind that the recomputed layers share, and that a
   // forward without a backward (an evaluation's loss) uses: the KDA operator's kept tensors are in it once a KDA
@@ -263,28 +277,33 @@ GpuTrainingMemory gpu_training_memory(const ModelConfig& c, int64_t rows, std::v
   return m;
 }
 
-GpuTrainingMemory gpu_training_plan(const ModelConfig& c, int64_t rows, double device_bytes) {
+GpuTrainingMemory gpu_training_plan(const ModelConfig& c, int64_t rows, double device_bytes, double host_bytes) {
   const int64_t L = c.num_hidden_layers;
   std::vector<bool> keep(size_t(L), true);
   GpuTrainingMemory m = gpu_training_memory(c, rows, keep);
   if (m.total() <= device_bytes) return m;
+  // The states move to the host first: their copies overlap the layers, a recompute costs a forward.
+  const bool offload = gpu_training_memory(c, rows, keep, true).host <= host_bytes;
   std::vector<int64_t> order;  // the layers to keep first
   for (int64_t i = 0; i < L; ++i)
     if (!c.is_kda(i)) order.push_back(i);
   for (int64_t i = 0; i < L; ++i)
     if (c.is_kda(i)) order.push_back(i);
   keep.assign(size_t(L), false);
-  m = gpu_training_memory(c, rows, keep);
+  m = gpu_training_memory(c, rows, keep, offload);
+  const double G = 1073741824.0;
   LM_CHECK(m.total() <= device_bytes,
-           "training at {} tokens needs {:.1f} GiB of device memory even recomputing every layer (parameters and "
+           "training at {} tokens needs {:.1f} GiB of device memory even recomputing every layer{} (parameters and "
            "optimiser {:.1f}, states {:.1f}, one layer's internals {:.1f}, backward scratch {:.1f}, workspace {:.1f}); "
            "the device has {:.1f} GiB",
-           rows, m.total() / 1073741824.0, m.params / 1073741824.0, m.states / 1073741824.0,
-           m.shared / 1073741824.0, m.scratch / 1073741824.0, (m.transient + m.workspace) / 1073741824.0,
-           device_bytes / 1073741824.0);
+           rows, m.total() / G,
+           offload ? fmt::format(" and keeping {:.1f} GiB of states in host memory", m.host / G)
+                   : fmt::format(" ({:.1f} GiB of states would not fit the {:.1f} GiB of pinned host memory)",
+                                 gpu_training_memory(c, rows, keep, true).host / G, host_bytes / G),
+           m.params / G, m.states / G, m.shared / G, m.scratch / G, (m.transient + m.workspace) / G, device_bytes / G);
   for (int64_t i : order) {
     keep[size_t(i)] = true;
-    GpuTrainingMemory t = gpu_training_memory(c, rows, keep);
+    GpuTrainingMemory t = gpu_training_memory(c, rows, keep, offload);
     if (t.total() > device_bytes) {
       keep[size_t(i)] = false;
       continue;
@@ -300,10 +319,11 @@ std::string gpu_training_summary(const GpuTrainingMemory& m, const ModelConfig& 
   for (int64_t i = 0; i < L; ++i)
     if (!m.keep[size_t(i)]) rec += fmt::format("{}{}", rec.empty() ? "" : ",", i);
   const double G = 1073741824.0;
-  return fmt::format("memory plan at {} tokens: {} of {} layers keep their internals{}; predicted {:.1f} GiB "
+  return fmt::format("memory plan at {} tokens: {} of {} layers keep their internals{}{}; predicted {:.1f} GiB "
                      "(parameters and AdamW {:.1f}, states {:.1f}, kept {:.1f}, recompute set {:.1f}, backward "
                      "scratch {:.1f}, transient {:.1f}, workspace {:.1f})",
                      m.rows, m.kept_layers, L, rec.empty() ? "" : fmt::format(", layers {} are recomputed", rec),
+                     m.offload ? fmt::format(", {:.1f} GiB of input states wait in pinned host memory", m.host / G) : "",
                      m.total() / G, m.params / G, m.states / G, m.kept / G, m.shared / G, m.scratch / G,
                      m.transient / G, m.workspace / G);
 }

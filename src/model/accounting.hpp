@@ -109,15 +109,24 @@ inline constexpr int64_t kGpuFfnRows = 16384;
 struct GpuTrainingMemory {
   std::vector<bool> keep;  // [L]
   int64_t rows = 0, kept_layers = 0;
+  // offload: the layers' transient input states (gpu_transient_states) wait in pinned host memory between the
+  // forward and the backward; `host` is that memory (not part of total()).
+  bool offload = false;
+  double host = 0;
   double params = 0, states = 0, kept = 0, shared = 0, scratch = 0, transient = 0, workspace = 0;
   double total() const { return params + states + kept + shared + scratch + transient + workspace; }
 };
-GpuTrainingMemory gpu_training_memory(const ModelConfig& c, int64_t rows, std::vector<bool> keep);
-// The plan for `device_bytes` of device memory: every layer keeps when that fits; otherwise the layers whose second
+// The layers whose input state only the layer itself reads in the forward, so that a training step can keep it in
+// host memory until the backward: with AttnRes the ones that open no block (blocks are read by every later read),
+// with plain residuals all (x_in, the copy of the stream before the mixer).
+std::vector<bool> gpu_transient_states(const ModelConfig& c);
+GpuTrainingMemory gpu_training_memory(const ModelConfig& c, int64_t rows, std::vector<bool> keep, bool offload = false);
+// The plan for `device_bytes` of device memory and `host_bytes` of pinned host memory: every layer keeps when that
+// fits; otherwise the transient input states move to host memory when they fit there, and the layers whose second
 // forward would cost most keep first (MLA layers, whose attention grows with the context, then the KDA layers in
 // order) as long as the total stays within the device. lm::Error naming the sizes when even recomputing every layer
 // does not fit (before anything is allocated).
-GpuTrainingMemory gpu_training_plan(const ModelConfig& c, int64_t rows, double device_bytes);
+GpuTrainingMemory gpu_training_plan(const ModelConfig& c, int64_t rows, double device_bytes, double host_bytes = 0);
 // One line: which layers keep, and the predicted memory by part.
 std::string gpu_training_summary(const GpuTrainingMemory& m, const ModelConfig& c);
 

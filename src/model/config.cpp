@@ -565,10 +565,14 @@ ModelConfig ModelConfig::from_json(const io::json& j, const std::string& ctx) {
         LM_CHECK(!c.vision, "{}: both 'vision_config' and 'text_config.vision_config' are given", ctx);
         c.vision = VisionConfig::from_json(j.at("vision_config"), ctx);
       }
-      if (c.vision && c.vision->media_placeholder_token_id && outer.has("media_placeholder_token_id"))
-        LM_CHECK(outer.as_int("media_placeholder_token_id", 0, kMaxVocab) == *c.vision->media_placeholder_token_id,
+      // K3 repeats the placeholder id at the top level; either place names it, and both must agree.
+      if (c.vision && outer.has("media_placeholder_token_id")) {
+        const int64_t id = outer.as_int("media_placeholder_token_id", 0, kMaxVocab);
+        LM_CHECK(!c.vision->media_placeholder_token_id || *c.vision->media_placeholder_token_id == id,
                  "{}: fields 'media_placeholder_token_id' and 'vision_config.media_placeholder_token_id' disagree",
                  ctx);
+        c.vision->media_placeholder_token_id = id;
+      }
       if (!c.torch_dtype) {
         auto td = outer.opt_string("torch_dtype");
         c.torch_dtype = td ? td : outer.opt_string("dtype");
@@ -707,6 +711,11 @@ void ModelConfig::validate(const std::string& ctx) const {
              "{}: field 'vision_config.text_hidden_size' = {} must equal 'hidden_size' = {} (the projector's features "
              "replace token embeddings)",
              ctx, vision->text_hidden_size, hidden_size);
+    if (const auto id = vision->media_placeholder_token_id)
+      LM_CHECK(*id < vocab_size,
+               "{}: field 'media_placeholder_token_id' = {} is outside the vocabulary (vocab_size {}): the "
+               "placeholder is a token of the prompt",
+               ctx, *id, vocab_size);
   }
 
   // Keep every parameter sum far inside int64 (and exact in double): reject absurd totals.
@@ -783,7 +792,6 @@ io::json ModelConfig::to_json() const {
   j["num_expert_group"] = 1;
   j["topk_group"] = 1;
   if (attn_res_block_size) j["attn_res_block_size"] = *attn_res_block_size;
-  if (vision) j["vision_config"] = vision->to_json();
   if (max_position_embeddings) j["max_position_embeddings"] = *max_position_embeddings;
   j["tie_word_embeddings"] = false;
   j["num_nextn_predict_layers"] = 0;
@@ -791,7 +799,19 @@ io::json ModelConfig::to_json() const {
   if (!bos_token_id.is_null()) j["bos_token_id"] = bos_token_id;
   if (!eos_token_id.is_null()) j["eos_token_id"] = eos_token_id;
   if (torch_dtype) j["torch_dtype"] = *torch_dtype;
-  return j;
+  if (!vision) return j;
+  // K3's multimodal layout: the language model under text_config, the tower beside it, the placeholder id and the
+  // special ids repeated at the top level (where HF's generation code reads them).
+  json mm = json::object();
+  mm["architectures"] = json::array({kMultimodalArchitecture});
+  mm["model_type"] = kMultimodalModelType;
+  mm["text_config"] = std::move(j);
+  mm["vision_config"] = vision->to_json();
+  if (vision->media_placeholder_token_id) mm["media_placeholder_token_id"] = *vision->media_placeholder_token_id;
+  for (const char* k : {"pad_token_id", "bos_token_id", "eos_token_id", "torch_dtype"})
+    if (mm["text_config"].contains(k)) mm[k] = mm["text_config"][k];
+  mm["tie_word_embeddings"] = false;
+  return mm;
 }
 
 void ModelConfig::save(const std::string& path) const {

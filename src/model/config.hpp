@@ -39,7 +39,7 @@ struct VisionConfig {
   int64_t merge_h = 2, merge_w = 2;  // merge_kernel_size
   double projector_ln_eps = 1e-5;    // the projector's post_norm eps
   int64_t text_hidden_size = 0;      // d: the projector's output width (the text model's hidden_size)
-  std::optional<int64_t> media_placeholder_token_id;  // carried through (the splice, SPEC §9)
+  std::optional<int64_t> media_placeholder_token_id;  // the prompt token whose rows the splice replaces (SPEC §9)
 
   // The tower's RMSNorms: nn.RMSNorm without eps in the reference, i.e. bf16's finfo eps, fixed here
   // in every dtype so the fp32 and bf16 paths agree (SPEC §9).
@@ -59,6 +59,10 @@ struct VisionConfig {
   void validate(const std::string& ctx = "VisionConfig") const;
   bool operator==(const VisionConfig&) const = default;
 };
+
+// The top-level names of a multimodal config.json that to_json writes (from_json accepts any wrapper name).
+inline constexpr const char* kMultimodalArchitecture = "KimiK3ForConditionalGeneration";
+inline constexpr const char* kMultimodalModelType = "kimi_k3";
 
 struct ModelConfig {
   // ---- stack -------------------------------------------------------------------------------
@@ -121,7 +125,9 @@ struct ModelConfig {
   static ModelConfig from_json(const io::json& j, const std::string& ctx);
   // `path`: a config.json, or a directory containing one.
   static ModelConfig load(const std::string& path);
-  // Flat HF config.json that from_json (and the HF reference) reads back to an equal ModelConfig.
+  // HF config.json that from_json (and the HF reference) reads back to an equal ModelConfig: flat for a text-only
+  // model; with a tower, K3's multimodal layout ({architectures, model_type, text_config: <the flat text config>,
+  // vision_config, media_placeholder_token_id, ...}).
   io::json to_json() const;
   // to_json() written atomically (pretty-printed).
   void save(const std::string& path) const;

@@ -5,6 +5,7 @@
 // sources (blocks_[0] = embedding); the backward walks the same plan in reverse.
 #include "model/model.hpp"
 
+#include <algorithm>
 #include <chrono>
 
 #include "core/error.hpp"
@@ -16,7 +17,7 @@
 namespace lm::model {
 
 const char* Profile::name(int k) {
-  static const char* n[] = {"embedding", "kda", "mla", "dense_ffn", "moe", "attnres", "norm", "lm_head"};
+  static const char* n[] = {"embedding", "kda", "mla", "dense_ffn", "moe", "attnres", "norm", "lm_head", "vision"};
   return k >= 0 && k < kNum ? n[k] : "?";
 }
 
@@ -65,6 +66,78 @@ Model<F>::Model(const ModelConfig& c) : cfg_(c), ps_(cfg_) {
     out_w_ = &ps_.at("model.output_attn_res_proj.weight");
     out_g_ = &ps_.at("model.output_attn_res_norm.weight");
   }
+  if (cfg_.vision) {
+    tower_ = std::make_unique<VisionTower<F>>(*cfg_.vision, ps_);
+    if (const auto id = cfg_.vision->media_placeholder_token_id) placeholder_ = static_cast<int32_t>(*id);
+  }
+}
+
+template <class F>
+void Model<F>::splice_forward(const int32_t* ids, int64_t rows, const Media<F>* media, F* emb) {
+  media_rows_.clear();
+  const bool has_media = media && !media->empty();
+  if (!tower_) {
+    LM_CHECK(!has_media, "forward: this model has no vision tower (its config has no vision_config); it takes no images");
+    return;
+  }
+  for (int64_t i = 0; placeholder_ >= 0 && i < rows; ++i)
+    if (ids[i] == placeholder_) media_rows_.push_back(i);
+  const auto n_placeholders = static_cast<int64_t>(media_rows_.size());
+  if (!has_media) {
+    LM_CHECK(n_placeholders == 0,
+             "forward: the prompt has {} media placeholder token(s) (id {}) but no image to fill them", n_placeholders,
+             placeholder_);
+    return;
+  }
+  LM_CHECK(placeholder_ >= 0,
+           "forward: images need 'vision_config.media_placeholder_token_id' (the prompt token their features replace), "
+           "which this config does not set");
+  const VisionConfig& v = *cfg_.vision;
+  const int64_t P = v.patch_dim(), d = cfg_.hidden_size;
+  const auto n_px = static_cast<int64_t>(media->pixel_values.size());
+  LM_CHECK(n_px % P == 0, "forward: pixel_values holds {} values, not a whole number of patches of 3 x {} x {} = {}",
+           n_px, v.patch_size, v.patch_size, P);
+  const VisionBatch b = VisionBatch::make(v, media->grids, n_px / P, "forward: the images' grids");
+  const int64_t M = b.merged();
+  LM_CHECK(n_placeholders == M,
+           "forward: the prompt has {} media placeholder token(s) (id {}), but its {} image(s) give {} feature rows; a "
+           "prompt carries one placeholder per feature row, (h/{})·(w/{}) per image of h x w patches",
+           n_placeholders, placeholder_, b.size(), M, v.merge_h, v.merge_w);
+  Buf<F> features(M * d);
+  {
+    Timer t(profile.fwd[Profile::Vision]);
+    tower_->forward(media->pixel_values.data(), b, features.data());
+  }
+  for (int64_t j = 0; j < M; ++j) std::copy_n(features.data() + j * d, d, emb + media_rows_[j] * d);
+}
+
+template <class F>
+void Model<F>::splice_backward(F* d_emb) {
+  if (media_rows_.empty()) return;
+  const int64_t M = static_cast<int64_t>(media_rows_.size()), d = cfg_.hidden_size;
+  Buf<F> dfeatures(M * d);
+  for (int64_t j = 0; j < M; ++j) {
+    F* row = d_emb + media_rows_[j] * d;
+    std::copy_n(row, d, dfeatures.data() + j * d);
+    std::fill_n(row, d, F(0));  // the placeholder's embedding row was replaced: it gets no gradient
+  }
+  if (!ps_.has_grads()) return;
+  Timer t(profile.bwd[Profile::Vision]);
+  tower_->backward(dfeatures.data());
+}
+
+template <class F>
+const int32_t* Model<F>::loss_targets(const int32_t* targets, int64_t rows) {
+  if (placeholder_ < 0 || std::find(targets, targets + rows, placeholder_) == targets + rows) return targets;
+  masked_targets_.assign(targets, targets + rows);
+  std::replace(masked_targets_.begin(), masked_targets_.end(), placeholder_, int32_t{-1});
+  return masked_targets_.data();
+}
+
+template <class F>
+int64_t Model<F>::count_targets(const int32_t* targets, int64_t rows) const {
+  const int64_t n = ops::cross_entropy_count_valid(targets, rows, cfg_.vocab_size);
+  return placeholder_ < 0 ? n : n - std::count(targets, targets + rows, placeholder_);
 }
 
 template <class F>
@@ -83,12 +156,14 @@ void Model<F>::read_backward(const std::vector<const F*>& src, const std::vector
 }
 
 template <class F>
-void Model<F>::forward(const int32_t* ids, const Seqs& s, const ForwardOptions& opt, ForwardResult<F>* out) {
-  forward_impl(ids, s, opt, out);
+void Model<F>::forward(const int32_t* ids, const Seqs& s, const ForwardOptions& opt, ForwardResult<F>* out,
+                       const Media<F>* media) {
+  forward_impl(ids, s, opt, out, media);
 }
 
 template <class F>
-void Model<F>::forward_impl(const int32_t* ids, const Seqs& s, const ForwardOptions& opt, ForwardResult<F>* out) {
+void Model<F>::forward_impl(const int32_t* ids, const Seqs& s, const ForwardOptions& opt, ForwardResult<F>* out,
+                            const Media<F>* media) {
   const int64_t rows = s.rows(), d = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
   const F eps = static_cast<F>(cfg_.rms_norm_eps);
   LM_CHECK(rows > 0, "forward: empty batch");
@@ -98,6 +173,7 @@ void Model<F>::forward_impl(const int32_t* ids, const Seqs& s, const ForwardOpti
     Timer t(profile.fwd[Profile::Embedding]);
     ops::embedding_forward(ids, rows, embed_->w(), V, d, emb.data());
   }
+  splice_forward(ids, rows, media, emb.data());
   acts_.resize(L);
   if (out) {
     out->hidden.assign(opt.hidden ? L : 0, {});
@@ -269,6 +345,7 @@ void Model<F>::backward_impl(const Buf<F>& d_hn, const Seqs& s) {
       add_into(d_prefix.data(), dx_in.data(), rows * d);
     }
   }
+  splice_backward(d_prefix.data());
   if (embed_->g()) {
     Timer t(profile.bwd[Profile::Embedding]);
     ops::embedding_backward(ids_.data(), rows, d_prefix.data(), V, d, embed_->g());
@@ -283,11 +360,12 @@ void Model<F>::backward_from_hidden(const F* d_final_hidden, const Seqs& s) {
 
 template <class F>
 typename Model<F>::LossStats Model<F>::forward_backward(const int32_t* ids, const int32_t* targets, const Seqs& s,
-                                                        int64_t n_valid_total) {
+                                                        int64_t n_valid_total, const Media<F>* media) {
   const int64_t rows = s.rows(), d = cfg_.hidden_size, V = cfg_.vocab_size;
   LM_CHECK(ps_.has_grads(), "forward_backward: gradients are not enabled on this model");
+  targets = loss_targets(targets, rows);
   const int64_t n_here = ops::cross_entropy_count_valid(targets, rows, V);
-  forward_impl(ids, s, ForwardOptions{}, nullptr);
+  forward_impl(ids, s, ForwardOptions{}, nullptr, media);
   const int64_t n_norm = n_valid_total > 0 ? n_valid_total : n_here;
   Buf<F> d_hn(rows * d, F(0));
   ops::CeStats st;
@@ -302,9 +380,11 @@ typename Model<F>::LossStats Model<F>::forward_backward(const int32_t* ids, cons
 }
 
 template <class F>
-typename Model<F>::LossStats Model<F>::loss(const int32_t* ids, const int32_t* targets, const Seqs& s) {
+typename Model<F>::LossStats Model<F>::loss(const int32_t* ids, const int32_t* targets, const Seqs& s,
+                                            const Media<F>* media) {
   const int64_t rows = s.rows(), d = cfg_.hidden_size, V = cfg_.vocab_size;
-  forward_impl(ids, s, ForwardOptions{}, nullptr);
+  targets = loss_targets(targets, rows);
+  forward_impl(ids, s, ForwardOptions{}, nullptr, media);
   Timer t(profile.fwd[Profile::LmHead]);
   const ops::CeStats st = ops::cross_entropy_forward(hn_.data(), lm_head_->w(), targets, rows, d, V,
                                                      static_cast<F*>(nullptr));

@@ -3,7 +3,10 @@
 // mixer, dense FFN or LatentMoE), plain pre-norm residuals or Block AttnRes, final norm, untied LM
 // head; chunked cross-entropy for training. Explicit forward and backward, no tape.
 //
-// Legend: rows = tokens in the batch, d hidden, V vocabulary, L layers, N AttnRes sources.
+// A config with vision_config adds the MoonViT-V2 tower and projector (SPEC §9) and the splice: the prompt carries
+// one media_placeholder_token_id per feature row, and those embedding rows are replaced, in order, by the features.
+//
+// Legend: rows = tokens in the batch, d hidden, V vocabulary, L layers, N AttnRes sources, M feature rows.
 #include <array>
 #include <memory>
 #include <string>
@@ -15,12 +18,13 @@
 #include "model/params.hpp"
 #include "model/seqs.hpp"
 #include "model/stack.hpp"
+#include "model/vision.hpp"
 
 namespace lm::model {
 
 // Wall time per layer kind, accumulated over forward/backward calls (for `longmoe bench model`).
 struct Profile {
-  enum Kind { Embedding, Kda, Mla, DenseFfn, Moe, AttnRes, Norm, LmHead, kNum };
+  enum Kind { Embedding, Kda, Mla, DenseFfn, Moe, AttnRes, Norm, LmHead, Vision, kNum };
   std::array<double, kNum> fwd{}, bwd{};
   static const char* name(int k);
   void clear() { fwd.fill(0), bwd.fill(0); }
@@ -40,6 +44,15 @@ struct ForwardResult {
   std::vector<std::vector<int32_t>> topk;   // [L][rows, k] (empty for non-MoE layers)
 };
 
+// The media of one batch (SPEC §9), in prompt order: their patches one after another and one grid per media.
+// The prompt's placeholders take their feature rows in the same order, (h/mh)·(w/mw) per media.
+template <class F>
+struct Media {
+  std::vector<F> pixel_values;   // [Σ t·h·w, 3·p·p], normalised (io::image_patches)
+  std::vector<MediaGrid> grids;  // (t, h, w) in patches per media
+  bool empty() const { return grids.empty(); }
+};
+
 template <class F>
 class Model {
  public:
@@ -53,20 +66,35 @@ class Model {
   const ParamStore<F>& params() const { return ps_; }
 
   // Forward over token ids [rows] (the layout given by `s`). Keeps activations for backward.
-  // Throws lm::Error for ids outside the vocabulary.
-  void forward(const int32_t* ids, const Seqs& s, const ForwardOptions& opt, ForwardResult<F>* out);
+  // Throws lm::Error for ids outside the vocabulary. With `media` (a model with a tower), the tower's feature
+  // rows replace the embeddings of the placeholder tokens; the placeholder count must equal the feature rows
+  // (also without media: a placeholder with no image is an error).
+  void forward(const int32_t* ids, const Seqs& s, const ForwardOptions& opt, ForwardResult<F>* out,
+               const Media<F>* media = nullptr);
 
   // Training step half: forward, mean cross-entropy over targets >= 0 (ignored: < 0), backward into the
   // parameter gradients (accumulated, scaled by grad_scale / n_valid where n_valid is this call's count
   // unless `n_valid_total` > 0 is given, e.g. the count over all micro-batches). Returns the summed
   // token loss and the count. MoE aux losses (when enabled) are added to the gradients, not the sum.
+  // A target naming the media placeholder carries no loss (count_targets); the gradient of the spliced rows
+  // goes into the tower and projector, none into the embedding table.
   struct LossStats {
     double loss_sum = 0;
     int64_t n_valid = 0;
   };
-  LossStats forward_backward(const int32_t* ids, const int32_t* targets, const Seqs& s, int64_t n_valid_total = 0);
+  LossStats forward_backward(const int32_t* ids, const int32_t* targets, const Seqs& s, int64_t n_valid_total = 0,
+                             const Media<F>* media = nullptr);
   // Loss only (evaluation): no activations kept beyond what forward needs.
-  LossStats loss(const int32_t* ids, const int32_t* targets, const Seqs& s);
+  LossStats loss(const int32_t* ids, const int32_t* targets, const Seqs& s, const Media<F>* media = nullptr);
+  // The targets of [rows] that carry loss: >= 0 and not the media placeholder (SPEC §9: an image's rows are
+  // inputs, never predicted; HF's labels mask the placeholder positions, and our targets are those labels
+  // shifted by one, so the last placeholder of an image still predicts the text after it).
+  int64_t count_targets(const int32_t* targets, int64_t rows) const;
+
+  // The tower (nullptr for a text-only config); its tensors live in params() beside the text model's.
+  VisionTower<F>* vision() { return tower_.get(); }
+  // The placeholder id of a model with a tower (-1: none).
+  int32_t media_placeholder() const { return placeholder_; }
 
   // Backward from d(final hidden after norm) — used by tests; forward_backward is the usual entry.
   void backward_from_hidden(const F* d_final_hidden, const Seqs& s);
@@ -93,8 +121,15 @@ class Model {
     Buf<F> prefix_mid;   // AttnRes: partial block sum after the mixer (before the ffn)
     Buf<F> prefix_in;    // AttnRes: partial block sum entering the layer
   };
-  void forward_impl(const int32_t* ids, const Seqs& s, const ForwardOptions& opt, ForwardResult<F>* out);
+  void forward_impl(const int32_t* ids, const Seqs& s, const ForwardOptions& opt, ForwardResult<F>* out,
+                    const Media<F>* media);
   void backward_impl(const Buf<F>& d_hn, const Seqs& s);
+  // SPEC §9: the tower's features into the embedding rows [rows, d] of the placeholders (positions kept in
+  // media_rows_); backward: those rows' gradient into the tower, cleared before the embedding sees it.
+  void splice_forward(const int32_t* ids, int64_t rows, const Media<F>* media, F* emb);
+  void splice_backward(F* d_emb);
+  // `targets` with the placeholder's masked to -1 (the caller's array when nothing is masked).
+  const int32_t* loss_targets(const int32_t* targets, int64_t rows);
 
   // AttnRes read over `src` (closed blocks + one partial) with the layer's (w, γ).
   void read(const std::vector<const F*>& src, const Param<F>* w, const Param<F>* g, int64_t rows, F* h);
@@ -113,9 +148,13 @@ class Model {
   std::vector<Param<F>*> ln1_, ln2_, attn_w_, attn_g_, mlp_w_, mlp_g_;
   Param<F>* out_w_ = nullptr;
   Param<F>* out_g_ = nullptr;
+  std::unique_ptr<VisionTower<F>> tower_;
+  int32_t placeholder_ = -1;
 
   // Activations of the last forward.
   std::vector<int32_t> ids_;
+  std::vector<int64_t> media_rows_;  // the placeholder positions, in order (feature row j -> media_rows_[j])
+  std::vector<int32_t> masked_targets_;
   std::vector<LayerActs> acts_;
   std::vector<Buf<F>> blocks_;   // closed AttnRes block sums (blocks_[0] = embedding)
   Buf<F> h_final_;               // input of the final norm (after the output read, if any)

@@ -188,4 +188,20 @@ std::vector<ParamSpec> param_specs(const ModelConfig& c) {
   return r;
 }
 
+std::string checkpoint_name(const ParamSpec& s, bool multimodal) {
+  return multimodal && !is_vision_component(s.component) ? std::string(kLanguageModelPrefix) + s.name : s.name;
+}
+
+std::vector<ParamSpec> model_param_specs(const ModelConfig& c) {
+  std::vector<ParamSpec> r = param_specs(c);
+  if (c.vision) for_each_vision_param(*c.vision, [&](const ParamSpec& p) { r.push_back(p); });
+  return r;
+}
+
+std::vector<ParamSpec> checkpoint_specs(const ModelConfig& c) {
+  std::vector<ParamSpec> r = model_param_specs(c);
+  for (ParamSpec& s : r) s.name = checkpoint_name(s, c.vision.has_value());
+  return r;
+}
+
 }  // namespace lm::model

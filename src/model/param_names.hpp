@@ -61,4 +61,17 @@ std::vector<ParamSpec> param_specs(const ModelConfig& c);
 void for_each_vision_param(const VisionConfig& v, const std::function<void(const ParamSpec&)>& f);
 std::vector<ParamSpec> vision_param_specs(const VisionConfig& v);
 
+// A multimodal model (a config with vision_config) is K3's layout: the text model's tensors under `language_model.`
+// (language_model.model.layers.…, language_model.lm_head.weight), then vision_tower.* and mm_projector.*. A text-only
+// model's checkpoint is the text list unprefixed. In memory every tensor keeps its own name (ParamSpec::name).
+inline constexpr std::string_view kLanguageModelPrefix = "language_model.";
+inline bool is_vision_component(Component c) { return c == Component::VisionTower || c == Component::Projector; }
+// `s`'s name in the checkpoint of a model with (`multimodal`) or without a vision tower.
+std::string checkpoint_name(const ParamSpec& s, bool multimodal);
+// Every tensor of the model's parameter store, in checkpoint order: param_specs(c), then vision_param_specs when
+// c.vision. In-memory names.
+std::vector<ParamSpec> model_param_specs(const ModelConfig& c);
+// model_param_specs(c) under their checkpoint names (for check_checkpoint before a model is allocated).
+std::vector<ParamSpec> checkpoint_specs(const ModelConfig& c);
+
 }  // namespace lm::model

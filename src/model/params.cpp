@@ -11,24 +11,20 @@
 namespace lm::model {
 
 template <class F>
-ParamStore<F>::ParamStore(const ModelConfig& c) {
-  size_t bytes = 0;
-  for_each_param(c, [&](const ParamSpec& s) { bytes += static_cast<size_t>(s.numel()) * sizeof(F); });
-  check_host_memory(bytes, fmt::format("the {:.3f}B parameters of this model configuration", bytes / sizeof(F) / 1e9));
-  for_each_param(c, [&](const ParamSpec& s) {
-    Param<F> p;
-    p.spec = s;
-    p.value = Tensor::zeros(s.shape, dtype_of<F>);
-    index_[s.name] = params_.size();
-    params_.push_back(std::move(p));
-  });
+ParamStore<F>::ParamStore(const ModelConfig& c) : multimodal_(c.vision.has_value()) {
+  add(model_param_specs(c), "this model configuration");
 }
 
 template <class F>
 ParamStore<F>::ParamStore(const std::vector<ParamSpec>& specs) {
+  add(specs, "this tensor list");
+}
+
+template <class F>
+void ParamStore<F>::add(const std::vector<ParamSpec>& specs, const char* what) {
   size_t bytes = 0;
   for (const ParamSpec& s : specs) bytes += static_cast<size_t>(s.numel()) * sizeof(F);
-  check_host_memory(bytes, fmt::format("the {:.3f}B parameters of this tensor list", bytes / sizeof(F) / 1e9));
+  check_host_memory(bytes, fmt::format("the {:.3f}B parameters of {}", bytes / sizeof(F) / 1e9, what));
   for (const ParamSpec& s : specs) {
     LM_CHECK(!index_.count(s.name), "tensor '{}' is listed twice", s.name);
     Param<F> p;
@@ -133,13 +129,18 @@ template void init_fixed<double>(const ParamSpec&, const Rng&, double*);
 
 template <class F>
 void ParamStore<F>::init(uint64_t seed, double init_scale) {
-  int64_t L = 1;
-  for (const auto& p : params_) L = std::max<int64_t>(L, p.spec.layer + 1);
+  // The depth of the output-projection scaling: the decoder's layers for its tensors, the tower's blocks for its.
+  int64_t L_text = 1, L_vision = 1;
+  for (const auto& p : params_) {
+    int64_t& L = is_vision_component(p.spec.component) ? L_vision : L_text;
+    L = std::max<int64_t>(L, p.spec.layer + 1);
+  }
   for (size_t ti = 0; ti < params_.size(); ++ti) {
     Param<F>& p = params_[ti];
     const Rng r = Rng{seed, 0}.fork(ti);
     F* w = p.w();
     const int64_t N = p.value.numel();
+    const int64_t L = is_vision_component(p.spec.component) ? L_vision : L_text;
     if (const double sd = init_normal_sd(p.spec, L, init_scale); sd > 0) {
       // counter-based draws: the same values for any thread count
       parallel_for(N, [&](int64_t i) { w[i] = static_cast<F>(sd * r.normal_f64(static_cast<uint64_t>(i))); }, 4096);
@@ -149,35 +150,64 @@ void ParamStore<F>::init(uint64_t seed, double init_scale) {
   }
 }
 
+namespace {
+bool starts_with(const std::string& s, std::string_view p) { return s.compare(0, p.size(), p) == 0; }
+}  // namespace
+
 void check_checkpoint(const std::vector<ParamSpec>& specs, const io::Checkpoint& ckpt) {
   std::map<std::string, bool> used;
+  for (const ParamSpec& s : specs) used[s.name] = true;
   for (const ParamSpec& s : specs) {
-    used[s.name] = true;
-    LM_CHECK(ckpt.contains(s.name), "checkpoint '{}' lacks tensor '{}' (shape {})", ckpt.path(), s.name,
-             shape_str(s.shape));
+    if (!ckpt.contains(s.name)) {
+      // The two layouts mixed up: say so rather than only naming the first missing tensor.
+      const bool text_only_ckpt = starts_with(s.name, kLanguageModelPrefix) &&
+                                  ckpt.contains(s.name.substr(kLanguageModelPrefix.size()));
+      const bool multimodal_ckpt = !is_vision_component(s.component) && !starts_with(s.name, kLanguageModelPrefix) &&
+                                   ckpt.contains(std::string(kLanguageModelPrefix) + s.name);
+      fail("checkpoint '{}' lacks tensor '{}' (shape {}){}", ckpt.path(), s.name, shape_str(s.shape),
+           text_only_ckpt    ? "; it holds the text-only layout (no 'language_model.' prefix), but the config has a "
+                               "vision_config, whose checkpoints keep the text model under 'language_model.' (K3's "
+                               "layout)"
+           : multimodal_ckpt ? "; it holds K3's multimodal layout (the text model under 'language_model.'), but the "
+                               "config has no vision_config"
+                             : "");
+    }
     const auto& info = ckpt.info(s.name);
     LM_CHECK(info.shape == s.shape, "checkpoint '{}': tensor '{}' has shape {}, the config needs {}", ckpt.path(),
              s.name, shape_str(info.shape), shape_str(s.shape));
     LM_CHECK(dtype_is_float(info.dtype), "checkpoint '{}': tensor '{}' has dtype {}, expected a float type",
              ckpt.path(), s.name, dtype_name(info.dtype));
   }
-  for (const auto& name : ckpt.names())
-    LM_CHECK(used.count(name), "checkpoint '{}' has tensor '{}', which this model configuration does not use",
-             ckpt.path(), name);
+  for (const auto& name : ckpt.names()) {
+    if (used.count(name)) continue;
+    const bool multimodal_ckpt = starts_with(name, kLanguageModelPrefix) && used.count(name.substr(kLanguageModelPrefix.size()));
+    fail("checkpoint '{}' has tensor '{}', which this model configuration does not use{}", ckpt.path(), name,
+         multimodal_ckpt ? "; it is K3's multimodal layout (the text model under 'language_model.'), but the config "
+                           "has no vision_config"
+                         : "");
+  }
+}
+
+template <class F>
+std::string ParamStore<F>::checkpoint_name(const Param<F>& p) const {
+  return model::checkpoint_name(p.spec, multimodal_);
 }
 
 template <class F>
 void ParamStore<F>::load(const io::Checkpoint& ckpt) {
   std::vector<ParamSpec> specs;
-  for (const auto& p : params_) specs.push_back(p.spec);
+  for (const auto& p : params_) {
+    specs.push_back(p.spec);
+    specs.back().name = checkpoint_name(p);
+  }
   check_checkpoint(specs, ckpt);  // everything first, so a bad checkpoint changes nothing
-  for (auto& p : params_) p.value.copy_from(ckpt.get(p.spec.name));
+  for (auto& p : params_) p.value.copy_from(ckpt.get(checkpoint_name(p)));
 }
 
 template <class F>
 io::NamedTensors ParamStore<F>::named(DType dt) const {
   io::NamedTensors r;
-  for (const auto& p : params_) r.emplace_back(p.spec.name, p.value.to(dt));
+  for (const auto& p : params_) r.emplace_back(checkpoint_name(p), p.value.to(dt));
   return r;
 }
 

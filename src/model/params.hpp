@@ -35,7 +35,8 @@ void init_fixed(const ParamSpec& s, const Rng& r, F* w);  // (float and double)
 template <class F>
 class ParamStore {
  public:
-  // Allocates every tensor, zero-filled; lm::Error first when they need more than the machine's memory.
+  // Allocates every tensor of model_param_specs(c) (the text model's, then the tower's and projector's when
+  // c.vision), zero-filled; lm::Error first when they need more than the machine's memory.
   explicit ParamStore(const ModelConfig& c);
   // The same over any tensor list (the vision tower's, vision_param_specs).
   explicit ParamStore(const std::vector<ParamSpec>& specs);
@@ -46,12 +47,15 @@ class ParamStore {
   // router bias 0, embedding N(0, 1). Deterministic in `seed` (Philox, one stream per tensor).
   void init(uint64_t seed, double init_scale = 1.0);
 
-  // Loads every parameter from a checkpoint with HF names. Errors (naming the file and tensor) on a
-  // missing tensor, an unknown tensor, a shape mismatch or a non-float dtype; nothing is modified
-  // unless everything checks out.
+  // Loads every parameter from a checkpoint with HF names (checkpoint_name: K3's multimodal layout when the
+  // config has a tower). Errors (naming the file and tensor) on a missing tensor, an unknown tensor, a shape
+  // mismatch or a non-float dtype; nothing is modified unless everything checks out.
   void load(const io::Checkpoint& ckpt);
-  // (name, tensor) pairs in spec order, converted to `dt`, for io::save_checkpoint.
+  // (checkpoint name, tensor) pairs in spec order, converted to `dt`, for io::save_checkpoint.
   io::NamedTensors named(DType dt = DType::F32) const;
+  // A store built from a config with vision_config: its text tensors are saved under `language_model.`.
+  bool multimodal() const { return multimodal_; }
+  std::string checkpoint_name(const Param<F>& p) const;
 
   void enable_grads();
   void zero_grads();
@@ -68,9 +72,11 @@ class ParamStore {
   int64_t numel() const;
 
  private:
+  void add(const std::vector<ParamSpec>& specs, const char* what);
   std::vector<Param<F>> params_;
   std::map<std::string, size_t> index_;
   bool grads_ = false;
+  bool multimodal_ = false;
 };
 
 }  // namespace lm::model

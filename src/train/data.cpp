@@ -49,8 +49,9 @@ DocRef doc_ref(const TokenizedDocs& docs, int64_t d) { return {docs.doc(d), docs
 // token `p` on, then whatever next_doc() yields (nullopt when there is no more). Rows past the end get
 // `pad`. On return p is the next unread token of the document next_doc() last yielded (p < its length).
 // A masked document loses its targets from a sequence start inside it on (its prompt is not in that sequence).
+// concat: no segment boundary where a document starts inside a sequence (only at sequence starts and the padding).
 template <class NextDoc>
-void fill_rows(Batch& b, DocSpan doc, int64_t& p, NextDoc&& next_doc, int32_t pad) {
+void fill_rows(Batch& b, DocSpan doc, int64_t& p, NextDoc&& next_doc, int32_t pad, bool concat = false) {
   const int64_t B = b.seqs, T = b.seq_len, R = B * T;
   b.ids.resize(static_cast<size_t>(R));
   b.targets.resize(static_cast<size_t>(R));
@@ -59,7 +60,7 @@ void fill_rows(Batch& b, DocSpan doc, int64_t& p, NextDoc&& next_doc, int32_t pa
   while (r < R && doc) {
     const auto len = static_cast<int64_t>(doc->ids.size());
     const int64_t take = std::min(len - p, R - r);
-    if (p == 0) starts.push_back(r);
+    if (p == 0 && !concat) starts.push_back(r);
     const int32_t* src = doc->ids.data();
     const uint8_t* mask = doc->mask.empty() ? nullptr : doc->mask.data();
     bool cut = false;  // a sequence started inside this (masked) document
@@ -342,10 +343,19 @@ Batch Loader::next(int64_t B) {
     const int64_t s = r * Lg + o;  // its stream offset; s + T <= B*Lg <= L
     auto k = static_cast<int64_t>(std::upper_bound(pl.cum.begin(), pl.cum.end(), s) - pl.cum.begin()) - 1;
     int64_t p = s - pl.cum[static_cast<size_t>(k)];
-    fill_rows(row, DocRef{pl.doc(*docs_, k), pl.mask(*docs_, k)}, p, [&]() -> DocSpan {
-      if (++k == n) return std::nullopt;  // only after the row's last token: the row never passes L
-      return DocRef{pl.doc(*docs_, k), pl.mask(*docs_, k)};
-    }, 0);
+    const uint64_t draw = 2 * static_cast<uint64_t>(o * B + r);  // (the choice, then the document's bits)
+    if (concat_ && synth_ && synth_rng_.fork(e).uniform_f64(draw) < synth_fraction_) {
+      const std::vector<int32_t> d = synth_(synth_rng_.fork(e).bits(draw + 1));
+      LM_CHECK(!d.empty() && static_cast<int64_t>(d.size()) <= T,
+               "data loader: a synthetic sequence of {} tokens for seq_len {}", d.size(), T);
+      int64_t q = 0;
+      fill_rows(row, DocRef{std::span<const int32_t>(d), {}}, q, []() -> DocSpan { return std::nullopt; }, 0);
+    } else {
+      fill_rows(row, DocRef{pl.doc(*docs_, k), pl.mask(*docs_, k)}, p, [&]() -> DocSpan {
+        if (++k == n) return std::nullopt;  // only after the row's last token: the row never passes L
+        return DocRef{pl.doc(*docs_, k), pl.mask(*docs_, k)};
+      }, 0, concat_);
+    }
     std::copy(row.ids.begin(), row.ids.end(), b.ids.begin() + r * T);
     std::copy(row.targets.begin(), row.targets.end(), b.targets.begin() + r * T);
     for (size_t i = 0; i + 1 < row.cu_seqlens.size(); ++i) b.cu_seqlens.push_back(r * T + row.cu_seqlens[i]);
@@ -354,6 +364,11 @@ Batch Loader::next(int64_t B) {
   const auto done = static_cast<uint64_t>(B * (o + T));
   pos_ = done < static_cast<uint64_t>(epoch_tokens(e)) ? Position{e, done} : Position{e + 1, 0};
   return b;
+}
+
+void Loader::set_concat(bool on, double fraction, Synth synth, Rng rng) {
+  LM_CHECK(fraction >= 0 && fraction <= 1, "data loader: synthetic fraction {} outside [0, 1]", fraction);
+  concat_ = on, synth_fraction_ = fraction, synth_ = std::move(synth), synth_rng_ = rng;
 }
 
 Batch Loader::next_consecutive(int64_t B) {
@@ -369,7 +384,7 @@ Batch Loader::next_consecutive(int64_t B) {
   fill_rows(b, DocRef{pl->doc(*docs_, k), pl->mask(*docs_, k)}, p, [&]() -> DocSpan {
     if (++k == n) k = 0, pl = &plan(++e), n = static_cast<int64_t>(pl->order.size());
     return DocRef{pl->doc(*docs_, k), pl->mask(*docs_, k)};
-  }, 0);
+  }, 0, concat_);
   pos_ = Position{e, static_cast<uint64_t>(pl->cum[static_cast<size_t>(k)] + p)};
   return b;
 }

@@ -63,6 +63,7 @@
 #include <string>
 #include <vector>
 
+#include "core/rng.hpp"
 #include "io/chat.hpp"
 #include "io/json.hpp"
 #include "io/tokenizer.hpp"
@@ -145,6 +146,16 @@ class Loader {
   void set_seq_len(int64_t seq_len);  // re-pack from the current position on
   // Other extra documents (none: an empty function) from the current corpus point on (see above).
   void set_extra(ExtraDocs extra);
+  // A long-context stage (stage option concat_documents): the documents an epoch's lanes read are permuted and
+  // concatenated, so a sequence has no boundary at a document starting inside it (its targets stay as above).
+  // With `synth` set, sequence r of a batch at lane offset o of epoch e is instead, when
+  // rng.fork(e).uniform_f64(2·(o·B + r)) < `fraction`, the document synth(rng.fork(e).bits(2·(o·B + r) + 1)) (at
+  // most seq_len tokens, padded, a segment of its own): a task spanning the whole window (a passkey document of about that length), never cut by a sequence
+  // boundary. Its lane's tokens are skipped. A pure function of the position, so a resumed run reads the same
+  // batches. (Extra documents, set_extra, should be off meanwhile: they would be cut. Epochs shorter than one
+  // batch, read consecutively, get no synthetic sequences.)
+  using Synth = std::function<std::vector<int32_t>(const Philox4& bits)>;
+  void set_concat(bool on, double fraction = 0, Synth synth = {}, Rng rng = {});
   CorpusPoint corpus_point() const;   // inside an extra document: the next corpus document, token 0
   Position position_of(CorpusPoint c) const;
   int64_t seq_len() const { return seq_len_; }
@@ -169,6 +180,10 @@ class Loader {
 
   std::shared_ptr<const TokenizedDocs> docs_;
   int64_t seq_len_;
+  bool concat_ = false;
+  double synth_fraction_ = 0;
+  Synth synth_;
+  Rng synth_rng_;
   uint64_t seed_;
   Position pos_;
   ExtraDocs extra_;

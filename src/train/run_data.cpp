@@ -15,6 +15,7 @@ namespace fs = std::filesystem;
 namespace {
 
 using Clock = std::chrono::steady_clock;
+constexpr uint64_t kSequenceStream = 0x53455153;  // "SEQS": a concat stage's passkey sequences
 
 // A checkpoint's data_fingerprint: the training corpus, and with passkey documents the documents of
 // epoch 0 of the stage the saved position refers to (they depend on the seed, the stage's seq_len,
@@ -108,15 +109,26 @@ RunData::RunData(const RunConfig& c, const fs::path& out, const std::string& res
 std::string RunData::tokenizer_file() const { return fs::exists(tok_path) ? tok_path.string() : tok->model_path(); }
 
 Loader::ExtraDocs RunData::passkey_docs(int64_t si) const {
-  if (!passkey) return {};
+  if (!passkey || cfg.stages[static_cast<size_t>(si)].concat_documents) return {};
   return [tk = tok.get(), T = cfg.stages[static_cast<size_t>(si)].seq_len, target = passkey_target,
           rng = passkey_rng(cfg.seed, si)](uint64_t epoch) {
     return passkey_documents(*tk, T, target, rng.fork(epoch));
   };
 }
 
+void RunData::set_concat(Loader& loader, int64_t si) const {
+  const StageConfig& S = cfg.stages[static_cast<size_t>(si)];
+  if (!S.concat_documents || !passkey) return loader.set_concat(S.concat_documents);
+  loader.set_concat(true, cfg.passkey_fraction,
+                    [tk = tok.get(), T = S.seq_len](const Philox4& bits) { return passkey_sequence(*tk, T, bits); },
+                    passkey_rng(cfg.seed, si).fork(kSequenceStream));
+}
+
 uint64_t RunData::stage_fingerprint(int64_t si) {
-  if (!passkey) return data_fingerprint(*train, nullptr);
+  if (!passkey || cfg.stages[static_cast<size_t>(si)].concat_documents) {
+    stage_pk = {};
+    return data_fingerprint(*train, nullptr);
+  }
   const auto t0 = Clock::now();
   stage_pk = passkey_docs(si)(0);
   stage_pk_seconds = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -25,8 +25,11 @@ struct RunData {
 
   // The tokenizer file a checkpoint copies.
   std::string tokenizer_file() const;
-  // Stage si's passkey documents per epoch of the training stream (an empty function without them).
+  // Stage si's passkey documents per epoch of the training stream (an empty function without them, and in a
+  // concat_documents stage, whose passkey documents fill whole sequences instead: set_concat).
   Loader::ExtraDocs passkey_docs(int64_t si) const;
+  // Stage si's concat_documents setting on the loader, with its passkey sequences.
+  void set_concat(Loader& loader, int64_t si) const;
   // The data fingerprint of stage si's training stream (trainer_state.json): the corpus', and with passkey
   // documents theirs in epoch 0, which stay in stage_pk (and the time they took in stage_pk_seconds).
   uint64_t stage_fingerprint(int64_t si);

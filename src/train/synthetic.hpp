@@ -36,4 +36,9 @@ int64_t passkey_min_doc_tokens(const io::Tokenizer& tok, int64_t seq_len);
 // parallel, the result does not depend on the thread count.
 TokenizedDocs passkey_documents(const io::Tokenizer& tok, int64_t seq_len, int64_t target_tokens, const Rng& rng);
 
+// A long-context stage's synthetic sequence (Loader::set_concat): one passkey document filling a window of
+// `seq_len` tokens, its length uniform in [seq_len / 2, seq_len] (at least the shortest document), key and depth
+// as above, all from `bits`.
+std::vector<int32_t> passkey_sequence(const io::Tokenizer& tok, int64_t seq_len, const Philox4& bits);
+
 }  // namespace lm::train

@@ -114,12 +114,13 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   for (size_t i = 0; i < j["stages"].size(); ++i) {
     const json& s = j["stages"][i];
     const std::string sctx = ctx + " stages[" + std::to_string(i) + "]";
-    io::check_known_fields(s, {"seq_len", "tokens", "batch_seqs", "micro_seqs", "schedule"}, sctx);
+    io::check_known_fields(s, {"seq_len", "tokens", "batch_seqs", "micro_seqs", "concat_documents", "schedule"}, sctx);
     StageConfig st;
     st.seq_len = io::get_required<int64_t>(s, "seq_len", sctx);
     st.tokens = io::get_required<int64_t>(s, "tokens", sctx);
     st.batch_seqs = io::get_or<int64_t>(s, "batch_seqs", 8, sctx);
     st.micro_seqs = io::get_or<int64_t>(s, "micro_seqs", 0, sctx);
+    st.concat_documents = io::get_or<bool>(s, "concat_documents", false, sctx);
     if (s.contains("schedule")) st.schedule = ScheduleConfig::from_json(s["schedule"], sctx + " schedule");
     c.stages.push_back(st);
   }
@@ -174,6 +175,7 @@ json RunConfig::to_json() const {
                            {"tokens", s.tokens},
                            {"batch_seqs", s.batch_seqs},
                            {"micro_seqs", s.micro_seqs},
+                           {"concat_documents", s.concat_documents},
                            {"schedule", s.schedule.to_json()}});
   j["log_every"] = log_every;
   j["eval_every"] = eval_every;
@@ -196,6 +198,8 @@ void RunConfig::validate(const std::string& ctx) const {
     LM_CHECK(!tokenizer.empty(), "{}: data.format chat (demonstrations) needs a tokenizer: init (a checkpoint to "
              "fine-tune) or tokenizer.model", ctx);
     LM_CHECK(passkey_fraction == 0, "{}: data.passkey_fraction must be 0 with data.format chat", ctx);
+    for (size_t i = 0; i < stages.size(); ++i)  // conversations keep their segments: none attends to another
+      LM_CHECK(!stages[i].concat_documents, "{}: stages[{}].concat_documents is not for data.format chat", ctx, i);
   } else {
     try {
       io::parse_corpus_format(data_format);
@@ -447,6 +451,7 @@ Stage Run::begin_stage(int64_t si) {
     at_.data_fingerprint = data_->stage_fingerprint(si);
   }
   loader_->set_seq_len(S.seq_len);
+  data_->set_concat(*loader_, si);
   say(fmt::format("stage {}/{}: seq_len {}, {} steps of {} x {} tokens ({} micro-batches), schedule {}", si + 1,
                   cfg_.stages.size(), S.seq_len, steps, S.batch_seqs, S.seq_len, S.batch_seqs / st.micro,
                   S.schedule.kind));
@@ -459,6 +464,15 @@ Stage Run::begin_stage(int64_t si) {
 
 // The share of the stage's passkey documents in the first epoch of its training stream.
 void Run::report_passkey(const StageConfig& S) {
+  if (S.concat_documents) {
+    // (expected shares: a chosen sequence holds a document of 3/4 of its tokens on average)
+    result_.stage_passkey_token_fraction.push_back(0.75 * cfg_.passkey_fraction);
+    result_.stage_passkey_doc_fraction.push_back(cfg_.passkey_fraction);
+    say(fmt::format("  documents concatenated; passkey: {:.1f}% of the sequences are one passkey document of {}..{} "
+                    "tokens",
+                    100 * cfg_.passkey_fraction, S.seq_len / 2, S.seq_len));
+    return;
+  }
   const TokenizedDocs &pk = data_->stage_pk, &corpus = *data_->train;
   const double tok_frac = static_cast<double>(pk.tokens()) / static_cast<double>(pk.tokens() + corpus.tokens());
   const double doc_frac =
@@ -491,7 +505,8 @@ StepReport Run::train_step(const Stage& st, int64_t step) {
   // Data parallel: every replica reads the same batch and runs its shard, sequences [r·B/dp, (r+1)·B/dp).
   std::vector<Batch> mb;
   Batch whole = loader_->next(st.cfg.batch_seqs);
-  const int64_t n_valid = whole.predicted();
+  // The model's count: it also drops targets that name the media placeholder (SPEC §9).
+  const int64_t n_valid = model_->count_targets(whole.targets.data(), static_cast<int64_t>(whole.targets.size()));
   const int64_t shard = st.cfg.replica_seqs(cfg_.parallel.dp), first = comm_.rank() * shard;
   const int64_t micro = st.cfg.replica_micro(cfg_.parallel.dp);
   if (micro == st.cfg.batch_seqs) {

@@ -35,6 +35,9 @@ struct StageConfig {
   int64_t tokens = 0;       // training tokens in this stage (rounded to whole steps)
   int64_t batch_seqs = 8;   // sequences per optimiser step
   int64_t micro_seqs = 0;   // sequences per forward/backward (0: the whole batch at once)
+  // A long-context stage: documents share each sequence's context, and passkey documents fill whole windows
+  // (Loader::set_concat) instead of being mixed into the stream.
+  bool concat_documents = false;
   ScheduleConfig schedule;
   int64_t steps() const { return std::max<int64_t>(1, tokens / (batch_seqs * seq_len)); }  // optimiser steps
   // With dp data-parallel replicas: each runs replica_seqs(dp) sequences of every step, in micro-batches of

@@ -10,6 +10,7 @@
 #include "model/accounting.hpp"
 #include "model/config.hpp"
 #include "model/param_names.hpp"
+#include "model/stack.hpp"
 #include "testing.hpp"
 
 namespace {
@@ -181,6 +182,40 @@ TEST(Accounting, GpuTrainingPlan) {
     EXPECT_NE(std::string(e.what()).find("1048576 tokens"), std::string::npos) << e.what();
   }
   EXPECT_THROW(gpu_training_memory(c, 4096, std::vector<bool>(3, true)), lm::Error);
+}
+
+// Offload in the plan: k3-1b's transient input states are those of the layers that open no AttnRes block (12 of
+// 16); offloaded, they take two device states instead of twelve and wait in host memory. At 262,144 tokens the plan
+// fits only with them on the host, and only when the host can pin them; a plan that fits the device keeps them there.
+TEST(Accounting, GpuTrainingPlanOffloadsStates) {
+  const ModelConfig c = ModelConfig::load(std::string(LONGMOE_SOURCE_DIR) + "/configs/k3-1b.json");
+  const double dev = 0.97 * 139.8 * 1073741824.0, G = 1073741824.0;
+  const int64_t L = c.num_hidden_layers, n = 262144;
+  const std::vector<bool> t = gpu_transient_states(c);
+  const StackPlan sp = StackPlan::build(c);
+  int64_t transient = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    EXPECT_EQ(t[size_t(i)], i > 0 && !sp[i].opens_block) << "layer " << i;
+    transient += t[size_t(i)];
+  }
+  EXPECT_EQ(transient, 12);
+  const std::vector<bool> none(size_t(L), false);
+  const GpuTrainingMemory on = gpu_training_memory(c, n, none, true), off = gpu_training_memory(c, n, none, false);
+  const double state = double(n) * 4 * double(c.hidden_size);
+  EXPECT_DOUBLE_EQ(on.host, double(transient) * state);
+  EXPECT_DOUBLE_EQ(off.states - on.states, double(transient - 2) * state);
+  EXPECT_EQ(off.host, 0.0);
+  EXPECT_EQ(gpu_training_plan(c, 16384, dev, 64 * G).offload, false);
+  const GpuTrainingMemory p = gpu_training_plan(c, n, dev, 64 * G);
+  EXPECT_TRUE(p.offload);
+  EXPECT_LE(p.total(), dev);
+  try {
+    gpu_training_plan(c, n, dev, 8 * G);
+    ADD_FAILURE() << "262K tokens of k3-1b fitted without offload";
+  } catch (const lm::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("would not fit the 8.0 GiB of pinned host memory"), std::string::npos)
+        << e.what();
+  }
 }
 
 // Communication per GPU and step (model::training_traffic): nothing on one GPU; data parallel with ZeRO-1 moves

@@ -270,9 +270,10 @@ TEST(GpuModel, BadTokenIdsAreErrors) {
   EXPECT_THROW(gpu.loss(b.ids.data(), b.targets.data(), b.s), lm::Error);
 }
 
-// The memory plan: layers that recompute their forward before their backward give the loss, every gradient and the
-// Quantile Balancing biases of keeping everything (the second forward repeats the first: same kernels, same inputs),
-// with sparse routing, packed sequences, AttnRes and plain residuals, over two steps.
+// The memory plan: layers that recompute their forward before their backward, and input states that wait in host
+// memory (offload), give the loss, every gradient and the Quantile Balancing biases of keeping everything (the second
+// forward repeats the first: same kernels, same inputs; the copies are exact), with sparse routing, packed sequences,
+// AttnRes and plain residuals, over two steps (an evaluation between them).
 TEST(GpuModelMemoryPlan, RecomputeEqualsKeeping) {
   REQUIRE_GPU();
   for (bool attn_res : {true, false}) {
@@ -282,16 +283,21 @@ TEST(GpuModelMemoryPlan, RecomputeEqualsKeeping) {
     const Batch b = batch(c, true, 9);
     std::vector<std::vector<float>> ref_grads;
     std::vector<double> ref_loss;
-    for (const std::vector<bool>& keep :
-         {std::vector<bool>{}, {true, false, true, false}, {false, false, false, false}}) {
+    double ref_eval = 0;
+    const std::vector<bool> all{}, some{true, false, true, false}, none{false, false, false, false};
+    for (const auto& [keep, offload] : std::vector<std::pair<std::vector<bool>, bool>>{
+             {all, false}, {some, false}, {none, false}, {all, true}, {some, true}, {none, true}}) {
       cuda::GpuModel gpu(c);
       gpu.upload(cpu.params());
       gpu.set_keep_layers(keep);
+      gpu.set_offload_states(offload);
       std::vector<double> losses;
+      double eval = 0;
       for (int step = 0; step < 2; ++step) {  // (the second step routes with the first's balanced biases)
         gpu.zero_grads();
         losses.push_back(gpu.forward_backward(b.ids.data(), b.targets.data(), b.s).loss_sum);
         gpu.balance();
+        if (step == 0) eval = gpu.loss(b.ids.data(), b.targets.data(), b.s).loss_sum;
       }
       Model<float> back(c);
       back.params().enable_grads();
@@ -299,13 +305,14 @@ TEST(GpuModelMemoryPlan, RecomputeEqualsKeeping) {
       gpu.download(back.params());  // (the biases)
       std::vector<std::vector<float>> grads;
       for (const auto& p : back.params().all()) grads.push_back(vec(p, p.g() != nullptr));
-      if (keep.empty()) {
-        ref_grads = grads, ref_loss = losses;
+      if (keep.empty() && !offload) {
+        ref_grads = grads, ref_loss = losses, ref_eval = eval;
         continue;
       }
       for (int step = 0; step < 2; ++step)
         EXPECT_NEAR(losses[size_t(step)], ref_loss[size_t(step)], 1e-6 * std::abs(ref_loss[size_t(step)]))
-            << "attn_res " << attn_res << " step " << step;
+            << "attn_res " << attn_res << " step " << step << " offload " << offload;
+      EXPECT_NEAR(eval, ref_eval, 1e-6 * std::abs(ref_eval)) << "attn_res " << attn_res << " offload " << offload;
       double worst = 0;
       for (size_t t = 0; t < grads.size(); ++t) {
         double rr = 0;
@@ -316,10 +323,12 @@ TEST(GpuModelMemoryPlan, RecomputeEqualsKeeping) {
         }
         const double e = lm::testing::rel_rms_vec(ref_grads[t], grads[t]);
         worst = std::max(worst, e);
-        EXPECT_LT(e, 1e-5) << back.params().all()[t].spec.name << " attn_res " << attn_res;
+        EXPECT_LT(e, 1e-5) << back.params().all()[t].spec.name << " attn_res " << attn_res << " offload " << offload;
       }
-      std::printf("attn_res %d keep %d%d%d%d: losses %.9g %.9g, worst gradient / bias %.2e\n", int(attn_res),
-                  int(keep[0]), int(keep[1]), int(keep[2]), int(keep[3]), losses[0], losses[1], worst);
+      const std::vector<bool> k = keep.empty() ? std::vector<bool>(4, true) : keep;
+      std::printf("attn_res %d keep %d%d%d%d offload %d: losses %.9g %.9g, worst gradient / bias %.2e\n",
+                  int(attn_res), int(k[0]), int(k[1]), int(k[2]), int(k[3]), int(offload), losses[0], losses[1],
+                  worst);
     }
   }
 }
@@ -368,20 +377,21 @@ TEST(GpuModelMemoryPlan, PredictionMatchesTheAllocation) {
   const Seqs s = Seqs::batch(2, 8192);
   std::vector<int32_t> ids(size_t(s.rows())), tg(size_t(s.rows()));
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i * 7 % 509), tg[i] = int32_t(i * 13 % 509);
-  for (bool keep : {true, false}) {
+  for (const auto& [keep, offload] : {std::pair{true, false}, {false, false}, {true, true}, {false, true}}) {
     cuda::GpuModel gpu(c);
     gpu.upload(cpu.params());
     gpu.set_keep_layers(std::vector<bool>(4, keep));
+    gpu.set_offload_states(offload);
     gpu.zero_grads();
     gpu.forward_backward(ids.data(), tg.data(), s);
     gpu.loss(ids.data(), tg.data(), s);  // (an evaluation: the shared set)
-    const GpuTrainingMemory m = gpu_training_memory(c, s.rows(), std::vector<bool>(4, keep));
+    const GpuTrainingMemory m = gpu_training_memory(c, s.rows(), std::vector<bool>(4, keep), offload);
     const double adam = 8.0 * double(count_params(c).total);
     const double predicted = m.params - adam + m.states + m.kept + m.shared + m.scratch;
     const double got = double(gpu.device_bytes());
-    std::printf("keep %d: allocated %.1f MiB, predicted %.1f MiB (%.3f)\n", int(keep), got / 1048576,
-                predicted / 1048576, predicted / got);
-    EXPECT_NEAR(predicted / got, 1.0, 0.05) << "keep " << keep;
+    std::printf("keep %d offload %d: allocated %.1f MiB, predicted %.1f MiB (%.3f)\n", int(keep), int(offload),
+                got / 1048576, predicted / 1048576, predicted / got);
+    EXPECT_NEAR(predicted / got, 1.0, 0.05) << "keep " << keep << " offload " << offload;
   }
 }
 

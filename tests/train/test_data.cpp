@@ -184,6 +184,78 @@ TEST(Data, BatchRowsComeFromBLanes) {
   }
 }
 
+// A long-context stage (Loader::set_concat): the same ids and targets as without it, but segments only at sequence
+// starts; with a synthetic fraction, the chosen sequences hold the synthetic document alone (padded, its own segment),
+// about `fraction` of them, the others their lanes' tokens as before; a resumed loader reads the same batches.
+TEST(Data, ConcatenatedDocumentsAndWholeWindowSequences) {
+  auto D = toy_docs(300, 40, 21);
+  const int64_t B = 4, T = 32;
+  Loader plain(D, T, 5), cat(D, T, 5);
+  cat.set_concat(true);
+  for (int i = 0; i < 10; ++i) {
+    const Batch a = plain.next(B), b = cat.next(B);
+    EXPECT_EQ(a.ids, b.ids) << i;
+    EXPECT_EQ(a.targets, b.targets) << i;
+    EXPECT_GT(a.cu_seqlens.size(), size_t(B + 1)) << "documents of at most 40 tokens start inside the sequences";
+    EXPECT_EQ(b.cu_seqlens, (std::vector<int64_t>{0, T, 2 * T, 3 * T, 4 * T})) << i;
+  }
+  // Synthetic sequences: a document of 7..T tokens (value 1000000 + length at every place).
+  auto synth = [](const lm::Philox4& bits) {
+    const int64_t n = 7 + int64_t(bits.v[0] % 26);
+    return std::vector<int32_t>(size_t(n), int32_t(1000000 + n));
+  };
+  const lm::Rng rng{3, 77};
+  Loader with(D, T, 5), ref(D, T, 5);
+  with.set_concat(true, 0.3, synth, rng);
+  ref.set_concat(true);
+  int64_t chosen = 0, total = 0;
+  std::vector<Batch> straight;
+  Position mid;
+  for (int i = 0; i < 60; ++i) {
+    if (i == 25) mid = with.position();
+    const Batch b = with.next(B), r = ref.next(B);
+    straight.push_back(b);
+    std::vector<int64_t> want_cu;
+    for (int64_t s = 0; s < B; ++s, ++total) {
+      want_cu.push_back(s * T);
+      const int32_t first = b.ids[size_t(s * T)];
+      if (first < 1000000) {  // the lane's tokens, as without synthetic sequences
+        for (int64_t t = 0; t < T; ++t) {
+          EXPECT_EQ(b.ids[size_t(s * T + t)], r.ids[size_t(s * T + t)]);
+          EXPECT_EQ(b.targets[size_t(s * T + t)], r.targets[size_t(s * T + t)]);
+        }
+        continue;
+      }
+      ++chosen;
+      const int64_t n = first - 1000000;
+      ASSERT_LE(n, T);
+      for (int64_t t = 0; t < T; ++t) {
+        EXPECT_EQ(b.ids[size_t(s * T + t)], t < n ? first : 0) << "padded after the document";
+        EXPECT_EQ(b.targets[size_t(s * T + t)], t + 1 < n ? first : kIgnore);
+      }
+      if (n < T) want_cu.push_back(s * T + n);  // the padding is a segment of its own
+    }
+    want_cu.push_back(B * T);
+    EXPECT_EQ(b.cu_seqlens, want_cu) << i;
+    EXPECT_EQ(with.position(), ref.position()) << "a chosen sequence skips its lane's tokens";
+  }
+  std::printf("synthetic sequences: %ld of %ld (fraction 0.3)\n", long(chosen), long(total));
+  EXPECT_GT(chosen, total / 5);
+  EXPECT_LT(chosen, total * 2 / 5);
+  Loader resumed(D, T, 5, mid);
+  resumed.set_concat(true, 0.3, synth, rng);
+  for (int i = 25; i < 60; ++i) {
+    const Batch b = resumed.next(B);
+    EXPECT_EQ(b.ids, straight[size_t(i)].ids) << i;
+    EXPECT_EQ(b.cu_seqlens, straight[size_t(i)].cu_seqlens) << i;
+  }
+  auto too_long = [](const lm::Philox4&) { return std::vector<int32_t>(40, 1); };
+  Loader bad(D, T, 5);
+  bad.set_concat(true, 1.0, too_long, rng);
+  EXPECT_THROW(bad.next(B), lm::Error);
+  EXPECT_THROW(bad.set_concat(true, 1.5, synth, rng), lm::Error);
+}
+
 TEST(Data, MicroBatchesSplitABatch) {
   auto D = toy_docs(50, 30, 12);
   Loader L(D, 16, 2);

@@ -124,3 +124,28 @@ TEST(Synthetic, PasskeyDocumentsSpanTheStageContext) {
   EXPECT_THROW(passkey_target_tokens(900, 0.95), Error);
   EXPECT_THROW(passkey_min_doc_tokens(tok, lo / 2), Error);
 }
+
+// A long-context stage's passkey sequence (passkey_sequence): one document of [T / 2, T] tokens (within a filler
+// sentence below its drawn length), ending with the question, the answer and <|doc|>; a function of its bits.
+TEST(Synthetic, PasskeySequencesFillTheWindow) {
+  const io::Tokenizer& tok = tokenizer();
+  const int64_t T = 2048;
+  const Rng rng = passkey_rng(3, 0);
+  int64_t shortest = T, longest = 0;
+  for (uint64_t i = 0; i < 20; ++i) {
+    const std::vector<int32_t> s = passkey_sequence(tok, T, rng.bits(i));
+    EXPECT_EQ(s, passkey_sequence(tok, T, rng.bits(i)));
+    const auto n = static_cast<int64_t>(s.size());
+    shortest = std::min(shortest, n), longest = std::max(longest, n);
+    EXPECT_LE(n, T);
+    EXPECT_GE(n + 12, T / 2);
+    ASSERT_EQ(s.front(), tok.bos());
+    ASSERT_EQ(s.back(), tok.special("<|doc|>"));
+    const std::string text = tok.decode({s.begin() + 1, s.end() - 1});
+    const size_t q = text.rfind(io::kPasskeyQuestion);
+    ASSERT_NE(q, std::string::npos);
+    EXPECT_NE(text.find(io::passkey_needle(text.substr(q + io::kPasskeyQuestion.size(), 5))), std::string::npos);
+  }
+  EXPECT_LT(shortest, T * 3 / 4);
+  EXPECT_GT(longest, T * 3 / 4);
+}

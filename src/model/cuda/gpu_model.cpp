@@ -34,6 +34,8 @@ void GpuModel::zero_grads() { no_cuda(); }
 GpuModel::LossStats GpuModel::forward_backward(const int32_t*, const int32_t*, const Seqs&, int64_t) { no_cuda(); }
 void GpuModel::set_keep_layers(std::vector<bool>) { no_cuda(); }
 std::vector<bool> GpuModel::keep_layers() const { no_cuda(); }
+void GpuModel::set_offload_states(bool) { no_cuda(); }
+bool GpuModel::offload_states() const { no_cuda(); }
 GpuTrainingMemory GpuModel::plan_memory(int64_t) { no_cuda(); }
 GpuModel::LossStats GpuModel::loss(const int32_t*, const int32_t*, const Seqs&) { no_cuda(); }
 GpuModel::Flat GpuModel::flat() const { no_cuda(); }
@@ -74,6 +76,7 @@ int64_t GpuModel::snapshot_tokens(int64_t) const { no_cuda(); }
 #include <memory>
 #include <string>
 #include <vector>
+#include <unistd.h>  // sysconf: the host memory
 
 #include "core/half.hpp"
 #include "core/rng.hpp"
@@ -241,9 +244,15 @@ std::vector<bool> GpuModel::keep_layers() const {
   return r;
 }
 
+void GpuModel::set_offload_states(bool on) { p_->offload = on; }
+bool GpuModel::offload_states() const { return p_->offload; }
+
 GpuTrainingMemory GpuModel::plan_memory(int64_t rows) {
-  GpuTrainingMemory m = gpu_training_plan(p_->c, rows, 0.97 * double(device_memory_total()));
+  const double host = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+  GpuTrainingMemory m = gpu_training_plan(p_->c, rows, 0.97 * double(device_memory_total()), 0.5 * host);
+  p_->release_activations();  // (the plan counts only its own buffers)
   set_keep_layers(m.keep);
+  set_offload_states(m.offload);
   return m;
 }
 

@@ -78,8 +78,13 @@ class GpuModel {
   // every layer keeps. lm::Error for a size other than the layer count.
   void set_keep_layers(std::vector<bool> keep);
   std::vector<bool> keep_layers() const;
+  // The plan's offload: the transient input states (model::gpu_transient_states) wait in pinned host memory from
+  // the forward to the backward (copied out and back beside the layers; the same loss and gradients).
+  void set_offload_states(bool on);
+  bool offload_states() const;
   // Chooses and sets the plan for steps of `rows` tokens (gpu_training_plan against this device's memory, less a
-  // 3% margin for the allocator); lm::Error, before anything is allocated, when no plan fits.
+  // 3% margin for the allocator, and half this host's memory); lm::Error, before anything is allocated, when no plan
+  // fits.
   GpuTrainingMemory plan_memory(int64_t rows);
 
   struct LossStats {

@@ -328,6 +328,34 @@ struct GpuModel::Impl {
   // plain residual x_in), and the Quantile Balancing statistics (scores, alpha) stay per layer.
   std::vector<char> keep;  // [L] (empty: every layer keeps)
   bool recomputing = false;
+  // The plan's offload (GpuModel::set_offload_states): the layers' transient input states (transient[i],
+  // model::gpu_transient_states) pass through the two buffers of `ring` instead of one buffer per layer. A training
+  // forward copies each out to pinned host memory on `xfer` as soon as it is written (the next layer reads it
+  // meanwhile; the buffer is written again two transient states later, once its copy has landed), and the backward
+  // brings each back into the other buffer while the layer above runs its backward. Without a backward (loss) they
+  // only pass through. The copies are exact: the step's loss and gradients are those without offload.
+  bool offload = false;
+  std::vector<char> transient;  // [L]
+  struct StateRing {
+    DBuf buf[2];
+    cudaEvent_t copied[2] = {}, loaded[2] = {}, released[2] = {}, written = nullptr;
+    cudaStream_t xfer = nullptr;
+    char* pin = nullptr;  // [transient layers, rows, d] fp32
+    size_t pin_bytes = 0;
+    std::vector<int64_t> slot;  // [L] index of layer i's state in pin (-1: not transient)
+    std::vector<int> in_buf;    // [L] the backward: the buffer layer i's state was loaded into (-1: not yet)
+    int next = 0;
+    ~StateRing();
+  } ring;
+  bool ring_states() const { return offload && !recomputing; }
+  // (stack.cpp)
+  void ring_reserve();                // a training forward: the stream, events and pinned memory for `rows`
+  float* ring_take(int& r);           // the next buffer for a transient state (training: once its last one is out)
+  void ring_out(int64_t i, int r);    // training: copies layer i's input state, just written to buf[r], out
+  void ring_begin_backward();         // the first state back in
+  void ring_prefetch(int64_t below);  // the next transient state below layer `below` into the next buffer
+  const float* ring_load(int64_t i);  // layer i's input state back on the device (and the next one on its way)
+  void ring_release(int64_t i);       // after layer i's backward: its buffer may take the next state
   bool keeps(int64_t i) const { return keep.empty() || keep[size_t(i)]; }
   LayerActs& layer_acts(int64_t i) { return training && keeps(i) && !recomputing ? acts[size_t(i)] : acts_shared; }
   StackActs top;
@@ -393,6 +421,9 @@ struct GpuModel::Impl {
   void refresh_transposed();  // W13ᵀ, W2ᵀ of every MoE layer from the bf16 copy
   void layout(const std::function<bool(const ParamSpec&)>& decays);
   size_t act_bytes() const;  // every activation and scratch buffer now allocated
+  // Frees every activation and scratch buffer (a new memory plan: buffers only grow, so the last plan's would
+  // stay next to the new one's).
+  void release_activations();
 
   // ---- parameter pointers ----------------------------------------------------------------------
   const Slot& slot(const std::string& n) const {
@@ -516,7 +547,7 @@ struct GpuModel::Impl {
   const void* to_bf16(const float* x);
   void mixer_bwd(int64_t i, const void* dyb, float* dxn);
   void ffn_bwd(int64_t i, const void* dyb, float* dyn);
-  void recompute(int64_t i);
+  void recompute(int64_t i, const float* in);  // in: layer i's input state
   void backward(const float* d_hn);
 
   // ---- inference (infer.cpp) --------------------------------------------------------------------------

@@ -12,6 +12,7 @@
 #include "model/cuda/gpu_model_impl.hpp"
 
 #include <cstdlib>
+#include <memory>
 
 #include "core/env.hpp"
 #include "model/cuda/glue_cuda.hpp"
@@ -21,6 +22,9 @@ namespace lm::model::cuda {
 GpuModel::Impl::Impl(const ModelConfig& cfg, const std::function<bool(const ParamSpec&)>& decays, bool inference_only)
     : c(cfg), d(cfg.hidden_size), V(cfg.vocab_size), L(cfg.num_hidden_layers), infer_only(inference_only) {
   c.validate("model config");
+  // The CUDA tower is issue 22 item 1's; until then the GPU model would silently leave the tower untrained.
+  LM_CHECK(!c.vision, "the CUDA model has no vision tower yet: a config with vision_config runs on the CPU "
+           "(--device cpu)");
   plan = StackPlan::build(c);
   LM_CHECK(available(), "no usable CUDA device");
   if (env::overlap()) {
@@ -45,6 +49,7 @@ GpuModel::Impl::Impl(const ModelConfig& cfg, const std::function<bool(const Para
   wbf.ensure(P * 2);
   ck(cudaMemset(wbf.p, 0, P * 2), "memset");  // (the zero rows of the fused matrices stay zero)
   acts.resize(size_t(L));
+  for (bool t : gpu_transient_states(c)) transient.push_back(t);
   size_t t = 0;
   wT_off.assign(L, 0);
   const size_t per = static_cast<size_t>(c.num_experts) * 3 * c.moe_intermediate_size * c.expert_width();
@@ -73,6 +78,12 @@ GpuModel::Impl::~Impl() {
   for (cudaEvent_t e : {fork_ev, join_ev, started})
     if (e) cudaEventDestroy(e);
   if (core) cudaStreamDestroy(core);
+}
+GpuModel::Impl::StateRing::~StateRing() {
+  if (xfer) cudaStreamSynchronize(xfer), cudaStreamDestroy(xfer);
+  if (pin) cudaFreeHost(pin);
+  for (cudaEvent_t e : {copied[0], copied[1], loaded[0], loaded[1], released[0], released[1], written})
+    if (e) cudaEventDestroy(e);
 }
 // W13ᵀ, W2ᵀ of every MoE layer from the bf16 copy.
 void GpuModel::Impl::refresh_transposed() {
@@ -211,8 +222,20 @@ size_t Scratch::bytes() const {
                    &e_dab, &dxs,   &moe_dcat, &d_logits, &dz}) +
          bytes_of(d_block) + bytes_of(ar_delta) + bytes_of(ar_coef) + bytes_of(ar_q);
 }
+void GpuModel::Impl::release_activations() {
+  ck(cudaDeviceSynchronize(), "sync");
+  acts.clear();
+  acts.resize(size_t(L));
+  // (DBuf has no assignment: the members are rebuilt in place)
+  std::destroy_at(&acts_shared), std::construct_at(&acts_shared);
+  std::destroy_at(&top), std::construct_at(&top);
+  std::destroy_at(&scratch), std::construct_at(&scratch);
+  for (DBuf& b : ring.buf) std::destroy_at(&b), std::construct_at(&b);
+  kda_saved.clear();
+  ++DBuf::epoch();
+}
 size_t GpuModel::Impl::act_bytes() const {
-  size_t b = top.bytes() + scratch.bytes() + acts_shared.bytes();
+  size_t b = top.bytes() + scratch.bytes() + acts_shared.bytes() + bytes_of({&ring.buf[0], &ring.buf[1]});
   for (const LayerActs& a : acts) b += a.bytes();
   return b;
 }

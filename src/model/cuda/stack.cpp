@@ -80,9 +80,14 @@ const float* GpuModel::Impl::layer_forward(int64_t i, const float* in, const std
   mixer_forward(i, got(la.xn, i, "xn"), mid, lp.opens_block ? nullptr : in);
   read_norm(with(lp.mlp_closed, mid), Pi + ".mlp_res_proj.weight", Pi + ".mlp_res_norm.weight",
             Pi + ".post_attention_layernorm.weight", la.yn, la.rstd2);
-  // The output state is the next layer's input (and maybe a block): per layer; a recompute writes a copy aside.
-  float* out = grow<float>(recomputing ? acts_shared.pout : acts[size_t(i)].pout, RD4);
+  // The output state is the next layer's input (and maybe a block): per layer, or through the ring when the next
+  // layer alone reads it (offload); a recompute writes a copy aside.
+  int r = -1;
+  float* out = recomputing                                  ? grow<float>(acts_shared.pout, RD4)
+               : ring_states() && i + 1 < L && transient[i + 1] ? ring_take(r)
+                                                            : grow<float>(acts[size_t(i)].pout, RD4);
   ffn_fwd(i, got(la.yn, i, "yn"), out, mid);
+  if (r >= 0 && training) ring_out(i + 1, r);
   return out;
 }
 // Training keeps the residual before each part for the backward (x_in per layer: the layer's input state; y_in with
@@ -92,7 +97,13 @@ void GpuModel::Impl::layer_forward_plain(int64_t i, float* h) {
   LayerActs& la = layer_acts(i);
   const size_t RD4 = size_t(rows) * d * 4;
   float* x_in = h;
-  if (training && !recomputing) copy(x_in = grow<float>(acts[size_t(i)].x_in, RD4), h);
+  if (training && ring_states()) {
+    int r = 0;
+    copy(x_in = ring_take(r), h);
+    ring_out(i, r);
+  } else if (training && !recomputing) {
+    copy(x_in = grow<float>(acts[size_t(i)].x_in, RD4), h);
+  }
   norm_fwd(x_in, Pi + ".input_layernorm.weight", la.xn, la.rstd1);
   mixer_forward(i, got(la.xn, i, "xn"), h, h);
   float* y_in = h;
@@ -124,6 +135,8 @@ int64_t GpuModel::Impl::forward(const int32_t* ids, const int32_t* targets, cons
   if (targets)
     ck(cudaMemcpy(tgt_d.ensure(size_t(rows) * 4), targets, size_t(rows) * 4, cudaMemcpyHostToDevice), "targets");
   const size_t RD4 = size_t(rows) * d * 4;
+  ring.next = 0;
+  if (training && offload) ring_reserve();
   float* prefix = grow<float>(top.prefix, RD4);
   {
     Timed t(part(Profile::Embedding, false));
@@ -201,16 +214,85 @@ void GpuModel::Impl::ffn_bwd(int64_t i, const void* dyb, float* dyn) {
 // A layer the memory plan does not keep: its forward again, from its kept input state, into the shared buffers.
 // Its outputs are the first forward's (the same kernels on the same inputs): the output state goes aside, and the
 // plain residual stream runs in a scratch copy.
-void GpuModel::Impl::recompute(int64_t i) {
+void GpuModel::Impl::recompute(int64_t i, const float* in) {
   recomputing = true;
   const ClearOnExit leave{recomputing};
   if (plan.attn_res) {
-    layer_forward(i, state_in[size_t(i)], block_src);
+    layer_forward(i, in, block_src);
   } else {
     float* h = grow<float>(acts_shared.x_in, size_t(rows) * d * 4);
-    copy(h, got<float>(acts[size_t(i)].x_in, i, "x_in"));
+    copy(h, in);
     layer_forward_plain(i, h);
   }
+}
+
+// ---- the ring of transient states (offload) ------------------------------------------------------------
+void GpuModel::Impl::ring_reserve() {
+  if (!ring.xfer) {
+    ck(cudaStreamCreateWithFlags(&ring.xfer, cudaStreamNonBlocking), "cudaStreamCreate");
+    for (cudaEvent_t* e : {&ring.copied[0], &ring.copied[1], &ring.loaded[0], &ring.loaded[1], &ring.released[0],
+                           &ring.released[1], &ring.written})
+      ck(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  ring.slot.assign(size_t(L), -1);
+  int64_t n = 0;
+  for (int64_t i = 0; i < L; ++i)
+    if (transient[size_t(i)]) ring.slot[size_t(i)] = n++;
+  const size_t need = size_t(n) * size_t(rows) * d * 4;
+  if (ring.pin_bytes < need) {
+    ck(cudaStreamSynchronize(ring.xfer), "sync");  // (the last step's copies)
+    if (ring.pin) ck(cudaFreeHost(ring.pin), "cudaFreeHost");
+    ring.pin = nullptr, ring.pin_bytes = 0;
+    ck(cudaMallocHost(reinterpret_cast<void**>(&ring.pin), need),
+       fmt::format("cudaMallocHost of {:.2f} GiB for the offloaded states", need / 1073741824.0).c_str());
+    ring.pin_bytes = need;
+  }
+}
+float* GpuModel::Impl::ring_take(int& r) {
+  r = ring.next, ring.next ^= 1;
+  if (training) ck(cudaStreamWaitEvent(walk(), ring.copied[r], 0), "wait");  // its last state is out
+  return grow<float>(ring.buf[r], size_t(rows) * d * 4);
+}
+void GpuModel::Impl::ring_out(int64_t i, int r) {
+  const size_t RD4 = size_t(rows) * d * 4;
+  ck(cudaEventRecord(ring.written, walk()), "cudaEventRecord");
+  ck(cudaStreamWaitEvent(ring.xfer, ring.written, 0), "wait");
+  ck(cudaMemcpyAsync(ring.pin + size_t(ring.slot[size_t(i)]) * RD4, ring.buf[r].p, RD4, cudaMemcpyDeviceToHost,
+                     ring.xfer),
+     "offload");
+  ck(cudaEventRecord(ring.copied[r], ring.xfer), "cudaEventRecord");
+}
+void GpuModel::Impl::ring_prefetch(int64_t below) {
+  int64_t j = below - 1;
+  while (j >= 0 && !transient[size_t(j)]) --j;
+  if (j < 0) return;
+  const int r = ring.next;
+  ring.next ^= 1;
+  const size_t RD4 = size_t(rows) * d * 4;
+  ck(cudaStreamWaitEvent(ring.xfer, ring.released[r], 0), "wait");
+  ck(cudaMemcpyAsync(grow<float>(ring.buf[r], RD4), ring.pin + size_t(ring.slot[size_t(j)]) * RD4, RD4,
+                     cudaMemcpyHostToDevice, ring.xfer),
+     "reload");
+  ck(cudaEventRecord(ring.loaded[r], ring.xfer), "cudaEventRecord");
+  ring.in_buf[size_t(j)] = r;
+}
+void GpuModel::Impl::ring_begin_backward() {
+  if (!offload) return;
+  // Both buffers are free once the forward queued so far is done with them; the topmost state comes first.
+  for (cudaEvent_t e : ring.released) ck(cudaEventRecord(e, walk()), "cudaEventRecord");
+  ring.in_buf.assign(size_t(L), -1);
+  ring.next = 0;
+  ring_prefetch(L);
+}
+const float* GpuModel::Impl::ring_load(int64_t i) {
+  const int r = ring.in_buf[size_t(i)];
+  LM_CHECK(r >= 0, "gpu model: layer {}'s offloaded input state was not brought back", i);
+  ck(cudaStreamWaitEvent(walk(), ring.loaded[r], 0), "wait");
+  ring_prefetch(i);
+  return as<float>(ring.buf[r].p);
+}
+void GpuModel::Impl::ring_release(int64_t i) {
+  if (offload && transient[size_t(i)]) ck(cudaEventRecord(ring.released[ring.in_buf[size_t(i)]], walk()), "record");
 }
 
 void GpuModel::Impl::backward(const float* d_hn) {
@@ -219,6 +301,7 @@ void GpuModel::Impl::backward(const float* d_hn) {
   float* dx_in = grow<float>(scratch.dx_in, RD4);
   float* d_prefix = grow<float>(scratch.d_prefix, RD4);
   void* dyb = grow(scratch.dy_bf, size_t(rows) * d * 2);  // (the buffer to_bf16 writes)
+  ring_begin_backward();
   if (plan.attn_res) {
     ck(cudaMemsetAsync(d_prefix, 0, RD4, walk()), "memset");
     std::vector<float*> d_blocks;
@@ -272,7 +355,8 @@ void GpuModel::Impl::backward(const float* d_hn) {
       const LayerPlan& lp = plan[i];
       const std::string Pi = P_(i);
       const int64_t nb_mlp = lp.mlp_closed, nb_attn = lp.attn_closed;
-      if (!keeps(i)) recompute(i);
+      if (offload && transient[size_t(i)]) state_in[size_t(i)] = ring_load(i);
+      if (!keeps(i)) recompute(i, state_in[size_t(i)]);
       LayerActs& la = layer_acts(i);
       ffn_bwd(i, dyb, dnorm);  // dyb: bf16 of d_prefix, the gradient of this layer's output state
       sources(nb_mlp, got<float>(la.pmid, i, "pmid"));
@@ -294,6 +378,7 @@ void GpuModel::Impl::backward(const float* d_hn) {
                       Pi + ".input_layernorm.weight", got<float>(la.rstd1, i, "rstd1"), dnorm, dyb,
                       deferred(nb_attn));
       }
+      ring_release(i);
     }
     flush();  // (layer 0 opens a block, so nothing is left here)
   } else {
@@ -301,16 +386,17 @@ void GpuModel::Impl::backward(const float* d_hn) {
              d_prefix);
     for (int64_t i = L - 1; i >= 0; --i) {
       const std::string Pi = P_(i);
-      if (!keeps(i)) recompute(i);
+      const float* x_in = offload ? ring_load(i) : got<float>(acts[size_t(i)].x_in, i, "x_in");
+      if (!keeps(i)) recompute(i, x_in);
       LayerActs& la = layer_acts(i);
       ffn_bwd(i, to_bf16(d_prefix), dnorm);
       norm_bwd(got<float>(la.y_in, i, "y_in"), Pi + ".post_attention_layernorm.weight", got<float>(la.rstd2, i, "rstd2"),
                dnorm, dx_in);
       add_f32(d_prefix, dx_in, rows * d);
       mixer_bwd(i, to_bf16(d_prefix), dnorm);
-      norm_bwd(got<float>(acts[i].x_in, i, "x_in"), Pi + ".input_layernorm.weight", got<float>(la.rstd1, i, "rstd1"),
-               dnorm, dx_in);
+      norm_bwd(x_in, Pi + ".input_layernorm.weight", got<float>(la.rstd1, i, "rstd1"), dnorm, dx_in);
       add_f32(d_prefix, dx_in, rows * d);
+      ring_release(i);
     }
   }
   Timed t(part(Profile::Embedding, true));
