@@ -32,8 +32,8 @@ int run(const Args& a) {
   std::vector<int32_t> conv;  // every token of the conversation; seq.tokens() is always a prefix of it
   auto reset = [&] {
     seq.reset();
-    conv = infer::chat_tokens(tok, a.system.empty() ? std::vector<infer::ChatMessage>{}
-                                                    : std::vector<infer::ChatMessage>{{"system", a.system}},
+    conv = io::chat_tokens(tok, a.system.empty() ? std::vector<io::ChatMessage>{}
+                                                    : std::vector<io::ChatMessage>{{"system", a.system}},
                               false);
   };
   reset();
@@ -50,7 +50,7 @@ int run(const Args& a) {
       reset();
       continue;
     }
-    const auto user = infer::chat_tokens(tok, {{"user", line}}, true, false);
+    const auto user = io::chat_tokens(tok, {{"user", line}}, true, false);
     conv.insert(conv.end(), user.begin(), user.end());
     if (static_cast<int64_t>(conv.size()) >= seq.max_context()) {
       std::printf("[the conversation reached the context limit of %ld tokens; /reset to start over]\n",

@@ -28,10 +28,10 @@ int run(const Args& a) {
   infer::SamplingParams sp = sp0;
   if (tok.eos() >= 0) sp.stop_tokens.push_back(tok.eos());
   if (a.chat) {
-    std::vector<infer::ChatMessage> msgs;
+    std::vector<io::ChatMessage> msgs;
     if (!a.system.empty()) msgs.push_back({"system", a.system});
     msgs.push_back({"user", text});
-    ids = infer::chat_tokens(tok, msgs);
+    ids = io::chat_tokens(tok, msgs);
     sp.stop_tokens.push_back(tok.special("<|end|>"));
   } else {
     if (tok.bos() >= 0) ids.push_back(tok.bos());

@@ -67,11 +67,11 @@ lm::app::Register reg({"tokenizer", "Train the BPE tokenizer on a corpus; encode
   auto actions = std::make_shared<std::map<CLI::App*, std::function<int()>>>();
 
   auto ta = std::make_shared<TrainArgs>();
-  CLI::App* tr = sub.add_subcommand("train", "Train a SentencePiece BPE tokenizer (byte fallback, chat specials)");
+  CLI::App* tr = sub.add_subcommand("train", "Train a SentencePiece BPE tokenizer (byte fallback, chat and tool-use specials)");
   tr->add_option("--input", ta->inputs, "Corpus files or folders")->required();
   tr->add_option("--format", ta->format, "auto|text|folder|jsonl|brown (auto: by the path)");
   tr->add_flag("--paragraphs", ta->paragraphs, "Text files: one document per blank-line-separated paragraph");
-  tr->add_option("--vocab-size", ta->vocab, "Vocabulary size (incl. 265 reserved: controls, specials, bytes)");
+  tr->add_option("--vocab-size", ta->vocab, "Vocabulary size (incl. 270 reserved: controls, specials, bytes)");
   tr->add_option("--out", ta->out, "Model file to write (atomically)")->required();
   tr->add_option("--seed", ta->seed, "Seed (used when --sample draws a subset of lines)");
   tr->add_option("--coverage", ta->coverage, "Character coverage in [0.98, 1]; rarer characters become bytes");

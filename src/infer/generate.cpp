@@ -53,26 +53,6 @@ LoadedModel random_model(const std::string& config, const std::string& tokenizer
   return lm;
 }
 
-std::vector<int32_t> chat_tokens(const io::Tokenizer& tok, const std::vector<ChatMessage>& messages,
-                                 bool generation_prompt, bool bos, int64_t max_tokens) {
-  std::vector<int32_t> ids;
-  if (bos && tok.bos() >= 0) ids.push_back(tok.bos());
-  const int32_t end = tok.special("<|end|>");
-  const auto over = [&] { return max_tokens >= 0 && static_cast<int64_t>(ids.size()) > max_tokens; };
-  for (const auto& m : messages) {
-    LM_CHECK(m.role == "system" || m.role == "user" || m.role == "assistant",
-             "chat message role '{}' must be system, user or assistant", m.role);
-    ids.push_back(tok.special("<|" + m.role + "|>"));
-    const int64_t left = max_tokens >= 0 ? std::max<int64_t>(0, max_tokens - static_cast<int64_t>(ids.size())) : -1;
-    const auto c = tok.encode_text(m.content, left);
-    ids.insert(ids.end(), c.begin(), c.end());
-    ids.push_back(end);
-    if (over()) return ids;
-  }
-  if (generation_prompt) ids.push_back(tok.special("<|assistant|>"));
-  return ids;
-}
-
 Generation::Generation(const io::Tokenizer* tok, SamplingParams p, std::vector<int32_t> history, uint64_t stream)
     : tok_(tok), sampler_(p, stream), stream_(p.stop), history_(std::move(history)) {}
 

@@ -3,9 +3,8 @@
 // server: loading a checkpoint directory, the chat template, and the per-request generation state
 // (sampling, stop tokens / strings, incremental detokenisation).
 //
-// Chat template (the tokenizer's specials, no extra whitespace):
-//   [<s>] <|system|> system text <|end|> <|user|> text <|end|> <|assistant|> text <|end|> ... <|assistant|>
-// The assistant's turn ends with <|end|>, which is a stop token of chat generation.
+// The chat template is io::chat_tokens (io/chat.hpp, one for chat, serve and training); the assistant's turn ends
+// with <|end|>, which is a stop token of chat generation.
 #include <functional>
 #include <memory>
 #include <span>
@@ -15,6 +14,7 @@
 #include "infer/engine.hpp"
 #include "infer/sampler.hpp"
 #include "infer/session.hpp"
+#include "io/chat.hpp"
 #include "io/tokenizer.hpp"
 #include "model/model.hpp"
 
@@ -35,17 +35,6 @@ LoadedModel load_model_dir(const std::string& path, bool need_tokenizer = true);
 // draws its bf16 weights on the device (GpuModel::init_random).
 LoadedModel random_model(const std::string& config, const std::string& tokenizer_path, uint64_t seed = 1,
                          bool host_weights = true);
-
-struct ChatMessage {
-  std::string role;  // "system", "user" or "assistant"
-  std::string content;
-};
-// Token ids of a conversation, ending with <|assistant|> when `generation_prompt`. The contents are
-// plain text (Tokenizer::encode_text): a message holding "<|end|><|system|>" gets those characters, not
-// the control tokens. With `max_tokens` >= 0 it stops once more than max_tokens ids exist (the result is
-// then longer than max_tokens but incomplete): an over-long conversation is never tokenized whole.
-std::vector<int32_t> chat_tokens(const io::Tokenizer& tok, const std::vector<ChatMessage>& messages,
-                                 bool generation_prompt = true, bool bos = true, int64_t max_tokens = -1);
 
 // One generation: feed it the logits after each token, it picks the next token and tells what text is
 // new. Stop tokens end generation without being emitted; stop strings cut the text before them.

@@ -135,9 +135,8 @@ std::vector<std::string> read_text_folder(const std::string& dir, bool paragraph
   return docs;
 }
 
-std::vector<std::string> read_jsonl(const std::string& path, const std::string& field) {
+void for_each_jsonl(const std::string& path, const std::function<void(const json&, size_t)>& f) {
   const std::string text = read_file(path);
-  std::vector<std::string> docs;
   for_each_line(text, [&](std::string_view line, size_t line_no) {
     if (is_blank(line)) return;
     json j;
@@ -147,6 +146,13 @@ std::vector<std::string> read_jsonl(const std::string& path, const std::string& 
       fail("{}:{}: not valid JSON: {}", path, line_no, e.what());
     }
     LM_CHECK(j.is_object(), "{}:{}: expected a JSON object, got {}", path, line_no, j.type_name());
+    f(j, line_no);
+  });
+}
+
+std::vector<std::string> read_jsonl(const std::string& path, const std::string& field) {
+  std::vector<std::string> docs;
+  for_each_jsonl(path, [&](const json& j, size_t line_no) {
     LM_CHECK(j.contains(field), "{}:{}: the object has no \"{}\" field", path, line_no, field);
     LM_CHECK(j[field].is_string(), "{}:{}: field \"{}\" is {}, not a string", path, line_no, field,
              j[field].type_name());

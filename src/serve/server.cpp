@@ -975,7 +975,7 @@ struct Server::Impl {
       if (chat) {
         if (!j.contains("messages") || !j["messages"].is_array() || j["messages"].empty())
           throw BadRequest{"'messages' must be a non-empty array", "messages"};
-        std::vector<infer::ChatMessage> msgs;
+        std::vector<io::ChatMessage> msgs;
         int64_t bytes = 0;
         for (size_t i = 0; i < j["messages"].size(); ++i) {
           const json& m = j["messages"][i];
@@ -1004,7 +1004,7 @@ struct Server::Impl {
         const int64_t limit = ctx - 1;
         if (bytes > limit * tok.max_piece_bytes())
           throw too_long(fmt::format("at least {}", (bytes + tok.max_piece_bytes() - 1) / tok.max_piece_bytes()), what);
-        r->prompt = infer::chat_tokens(tok, msgs, true, true, limit);
+        r->prompt = io::chat_tokens(tok, msgs, true, true, limit);
         if (static_cast<int64_t>(r->prompt.size()) > limit) throw too_long(fmt::format("more than {}", limit), what);
       } else {
         if (!j.contains("prompt")) throw BadRequest{"'prompt' is required", "prompt"};

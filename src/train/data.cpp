@@ -36,11 +36,19 @@ uint64_t fnv1a(uint64_t h, const void* data, size_t bytes) {
   return h;
 }
 
-using DocSpan = std::optional<std::span<const int32_t>>;
+// A document's tokens and its loss mask (empty: every token a target).
+struct DocRef {
+  std::span<const int32_t> ids;
+  std::span<const uint8_t> mask;
+};
+using DocSpan = std::optional<DocRef>;
+
+DocRef doc_ref(const TokenizedDocs& docs, int64_t d) { return {docs.doc(d), docs.doc_mask(d)}; }
 
 // Fills rows [0, B*T) of `b` from the stream: document `doc` (nullopt: the stream has ended) from its
 // token `p` on, then whatever next_doc() yields (nullopt when there is no more). Rows past the end get
 // `pad`. On return p is the next unread token of the document next_doc() last yielded (p < its length).
+// A masked document loses its targets from a sequence start inside it on (its prompt is not in that sequence).
 // concat: no segment boundary where a document starts inside a sequence (only at sequence starts and the padding).
 template <class NextDoc>
 void fill_rows(Batch& b, DocSpan doc, int64_t& p, NextDoc&& next_doc, int32_t pad, bool concat = false) {
@@ -50,14 +58,18 @@ void fill_rows(Batch& b, DocSpan doc, int64_t& p, NextDoc&& next_doc, int32_t pa
   std::vector<int64_t> starts;  // rows where a document (or the padding) begins, increasing
   int64_t r = 0;
   while (r < R && doc) {
-    const auto len = static_cast<int64_t>(doc->size());
+    const auto len = static_cast<int64_t>(doc->ids.size());
     const int64_t take = std::min(len - p, R - r);
     if (p == 0 && !concat) starts.push_back(r);
-    const int32_t* src = doc->data();
+    const int32_t* src = doc->ids.data();
+    const uint8_t* mask = doc->mask.empty() ? nullptr : doc->mask.data();
+    bool cut = false;  // a sequence started inside this (masked) document
     for (int64_t i = 0; i < take; ++i) {
       const int64_t q = p + i;
+      if ((r + i) % T == 0 && q > 0) cut = true;
+      const bool target = q + 1 < len && (!mask || (!cut && mask[q + 1]));
       b.ids[static_cast<size_t>(r + i)] = src[q];
-      b.targets[static_cast<size_t>(r + i)] = q + 1 < len ? src[q + 1] : kIgnore;
+      b.targets[static_cast<size_t>(r + i)] = target ? src[q + 1] : kIgnore;
     }
     r += take, p += take;
     if (p == len) doc = next_doc(), p = 0;
@@ -87,10 +99,18 @@ std::span<const int32_t> TokenizedDocs::doc(int64_t d) const {
   return {ids.data() + b, e - b};
 }
 
+std::span<const uint8_t> TokenizedDocs::doc_mask(int64_t d) const {
+  if (loss_mask.empty()) return {};
+  LM_CHECK(loss_mask.size() == ids.size(), "loss mask of {} tokens for {} tokens", loss_mask.size(), ids.size());
+  const auto s = doc(d);
+  return {loss_mask.data() + (s.data() - ids.data()), s.size()};
+}
+
 uint64_t TokenizedDocs::fingerprint() const {
   uint64_t h = 0xCBF29CE484222325ull;
   h = fnv1a(h, ids.data(), ids.size() * sizeof(int32_t));
-  return fnv1a(h, offsets.data(), offsets.size() * sizeof(int64_t));
+  h = fnv1a(h, offsets.data(), offsets.size() * sizeof(int64_t));
+  return loss_mask.empty() ? h : fnv1a(h, loss_mask.data(), loss_mask.size());  // (unmasked data: as before masks)
 }
 
 TokenizedDocs tokenize_documents(const io::Tokenizer& tok, const std::vector<std::string>& docs, bool bos) {
@@ -114,6 +134,23 @@ TokenizedDocs tokenize_documents(const io::Tokenizer& tok, const std::vector<std
   return out;
 }
 
+TokenizedDocs tokenize_conversations(const io::Tokenizer& tok, const std::vector<io::Conversation>& convs) {
+  const auto n = static_cast<int64_t>(convs.size());
+  std::vector<std::vector<int32_t>> ids(convs.size());
+  std::vector<std::vector<uint8_t>> masks(convs.size());
+  parallel_for_dynamic(n, [&](int64_t i) {
+    const auto k = static_cast<size_t>(i);
+    ids[k] = io::chat_tokens(tok, convs[k], false, true, -1, &masks[k]);
+  });
+  TokenizedDocs out;
+  for (size_t k = 0; k < convs.size(); ++k) {
+    out.ids.insert(out.ids.end(), ids[k].begin(), ids[k].end());
+    out.loss_mask.insert(out.loss_mask.end(), masks[k].begin(), masks[k].end());
+    out.offsets.push_back(static_cast<int64_t>(out.ids.size()));
+  }
+  return out;
+}
+
 TokenizedDocs select_documents(const TokenizedDocs& all, const std::vector<int64_t>& which) {
   TokenizedDocs out;
   out.offsets.reserve(which.size() + 1);
@@ -121,6 +158,8 @@ TokenizedDocs select_documents(const TokenizedDocs& all, const std::vector<int64
     const auto s = all.doc(d);
     out.ids.insert(out.ids.end(), s.begin(), s.end());
     out.offsets.push_back(static_cast<int64_t>(out.ids.size()));
+    const auto m = all.doc_mask(d);
+    out.loss_mask.insert(out.loss_mask.end(), m.begin(), m.end());
   }
   return out;
 }
@@ -244,6 +283,11 @@ std::span<const int32_t> Loader::Plan::doc(const TokenizedDocs& corpus, int64_t 
   return d < N ? corpus.doc(d) : extra->doc(d - N);
 }
 
+std::span<const uint8_t> Loader::Plan::mask(const TokenizedDocs& corpus, int64_t entry) const {
+  const int64_t d = order[static_cast<size_t>(entry)], N = corpus.num_docs();
+  return d < N ? corpus.doc_mask(d) : extra->doc_mask(d - N);
+}
+
 const Loader::Plan& Loader::plan(uint64_t epoch) const {
   auto it = plans_.find(epoch);
   if (it != plans_.end()) return it->second;
@@ -305,11 +349,11 @@ Batch Loader::next(int64_t B) {
       LM_CHECK(!d.empty() && static_cast<int64_t>(d.size()) <= T,
                "data loader: a synthetic sequence of {} tokens for seq_len {}", d.size(), T);
       int64_t q = 0;
-      fill_rows(row, std::span<const int32_t>(d), q, []() -> DocSpan { return std::nullopt; }, 0);
+      fill_rows(row, DocRef{std::span<const int32_t>(d), {}}, q, []() -> DocSpan { return std::nullopt; }, 0);
     } else {
-      fill_rows(row, pl.doc(*docs_, k), p, [&]() -> DocSpan {
+      fill_rows(row, DocRef{pl.doc(*docs_, k), pl.mask(*docs_, k)}, p, [&]() -> DocSpan {
         if (++k == n) return std::nullopt;  // only after the row's last token: the row never passes L
-        return pl.doc(*docs_, k);
+        return DocRef{pl.doc(*docs_, k), pl.mask(*docs_, k)};
       }, 0, concat_);
     }
     std::copy(row.ids.begin(), row.ids.end(), b.ids.begin() + r * T);
@@ -337,9 +381,9 @@ Batch Loader::next_consecutive(int64_t B) {
                                 pl->cum.begin()) - 1;
   int64_t p = static_cast<int64_t>(pos_.offset) - pl->cum[static_cast<size_t>(k)];
   // The plan whose document is being read stays cached: plan(e + 1) drops only epochs before e.
-  fill_rows(b, pl->doc(*docs_, k), p, [&]() -> DocSpan {
+  fill_rows(b, DocRef{pl->doc(*docs_, k), pl->mask(*docs_, k)}, p, [&]() -> DocSpan {
     if (++k == n) k = 0, pl = &plan(++e), n = static_cast<int64_t>(pl->order.size());
-    return pl->doc(*docs_, k);
+    return DocRef{pl->doc(*docs_, k), pl->mask(*docs_, k)};
   }, 0, concat_);
   pos_ = Position{e, static_cast<uint64_t>(pl->cum[static_cast<size_t>(k)] + p)};
   return b;
@@ -354,8 +398,8 @@ std::vector<Batch> eval_batches(const TokenizedDocs& heldout, int64_t seq_len, i
   while (d < n && (max_batches <= 0 || static_cast<int64_t>(out.size()) < max_batches)) {
     Batch b;
     b.seqs = B, b.seq_len = seq_len;
-    fill_rows(b, heldout.doc(d), p, [&]() -> DocSpan {
-      if (++d < n) return heldout.doc(d);
+    fill_rows(b, doc_ref(heldout, d), p, [&]() -> DocSpan {
+      if (++d < n) return doc_ref(heldout, d);
       return std::nullopt;
     }, pad_id);
     out.push_back(std::move(b));
@@ -369,7 +413,10 @@ Unigram Unigram::fit(const TokenizedDocs& train, int32_t vocab_size) {
   int64_t n = 0;
   for (int64_t d = 0; d < train.num_docs(); ++d) {
     const auto s = train.doc(d);
-    for (size_t i = 1; i < s.size(); ++i, ++n) {
+    const auto m = train.doc_mask(d);
+    for (size_t i = 1; i < s.size(); ++i) {
+      if (!m.empty() && !m[i]) continue;
+      ++n;
       LM_CHECK(s[i] >= 0 && s[i] < vocab_size, "unigram baseline: token id {} outside the vocabulary [0, {})", s[i],
                vocab_size);
       ++count[static_cast<size_t>(s[i])];
@@ -401,7 +448,9 @@ double Unigram::cross_entropy(const TokenizedDocs& heldout) const {
   int64_t n = 0;
   for (int64_t d = 0; d < heldout.num_docs(); ++d) {
     const auto s = heldout.doc(d);
+    const auto m = heldout.doc_mask(d);
     for (size_t i = 1; i < s.size(); ++i) {
+      if (!m.empty() && !m[i]) continue;
       LM_CHECK(s[i] >= 0 && static_cast<size_t>(s[i]) < log_prob.size(), "unigram baseline: token {} outside [0, {})",
                s[i], log_prob.size());
       nll -= log_prob[static_cast<size_t>(s[i])], ++n;

@@ -33,7 +33,9 @@
 //   targets[r]   the next token of the same document, or kIgnore (-100) when row r holds the
 //                document's last token (its <|doc|>): nothing is predicted across a document boundary.
 //                A sequence's last row still predicts its document's next token: a sequence cut costs
-//                context, not targets.
+//                context, not targets. With a loss mask (TokenizedDocs::loss_mask) also kIgnore where the
+//                next token is masked out, and for a masked document's rows in a sequence that starts
+//                inside it.
 //   cu_seqlens   {0, ..., B*T}, strictly increasing: a boundary at every sequence start (multiples of
 //                T) and at every document start inside a sequence, for model::Seqs::packed, so KDA
 //                state and attention never cross a document or a sequence.
@@ -62,6 +64,7 @@
 #include <vector>
 
 #include "core/rng.hpp"
+#include "io/chat.hpp"
 #include "io/json.hpp"
 #include "io/tokenizer.hpp"
 
@@ -72,15 +75,24 @@ inline constexpr int32_t kIgnore = -100;
 struct TokenizedDocs {
   std::vector<int32_t> ids;          // [L] all documents back to back: <s> text <|doc|> each
   std::vector<int64_t> offsets{0};   // [N + 1] document d is ids[offsets[d], offsets[d + 1])
+  // [L] or empty. Empty: every token of a document but its first is a target. Else token i is a target only
+  // where loss_mask[i] = 1 (sft: the assistant's tokens, io::chat_tokens), and a masked document that a
+  // sequence starts inside of has no targets in that sequence: a reply is never learnt without its prompt.
+  std::vector<uint8_t> loss_mask;
   int64_t num_docs() const { return static_cast<int64_t>(offsets.size()) - 1; }
   int64_t tokens() const { return static_cast<int64_t>(ids.size()); }
   std::span<const int32_t> doc(int64_t d) const;
-  uint64_t fingerprint() const;  // FNV-1a over ids and offsets: tells a resumed run it reads the same data
+  std::span<const uint8_t> doc_mask(int64_t d) const;  // empty without a loss mask
+  // FNV-1a over ids and offsets (and the mask when there is one): tells a resumed run it reads the same data
+  uint64_t fingerprint() const;
 };
 
 // Encodes each document (in parallel; the result does not depend on the thread count) as
 // [<s>] text <|doc|>; bos = false leaves out the <s>.
 TokenizedDocs tokenize_documents(const io::Tokenizer& tok, const std::vector<std::string>& docs, bool bos = true);
+// Conversations (sft demonstrations) as documents: each rendered by io::chat_tokens ([<s>] turns, no generation
+// prompt, no <|doc|>) with its loss mask (the assistant's tokens). In parallel, like tokenize_documents.
+TokenizedDocs tokenize_conversations(const io::Tokenizer& tok, const std::vector<io::Conversation>& convs);
 // The documents `which` (indices into `all`), in that order.
 TokenizedDocs select_documents(const TokenizedDocs& all, const std::vector<int64_t>& which);
 
@@ -161,6 +173,7 @@ class Loader {
     std::vector<int64_t> corpus_at;  // [N + 1] entry of corpus position k of P_e (N: the end)
     std::shared_ptr<const TokenizedDocs> extra;  // epoch e's extra documents (null: none)
     std::span<const int32_t> doc(const TokenizedDocs& corpus, int64_t entry) const;
+    std::span<const uint8_t> mask(const TokenizedDocs& corpus, int64_t entry) const;  // its loss mask (or empty)
   };
   const Plan& plan(uint64_t epoch) const;
   Batch next_consecutive(int64_t B);  // the small-epoch case (see Lanes)

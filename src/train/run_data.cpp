@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.hpp"
+#include "io/chat.hpp"
 #include "io/corpus.hpp"
 #include "train/synthetic.hpp"
 
@@ -55,23 +56,43 @@ std::unique_ptr<io::Tokenizer> make_tokenizer(const RunConfig& cfg, const fs::pa
 
 RunData::RunData(const RunConfig& c, const fs::path& out, const std::string& resume_dir, const Say& say, bool writer)
     : cfg(c), tok_path(out / "tokenizer.model") {
-  const auto docs = io::read_corpus(cfg.data, io::parse_corpus_format(cfg.data_format));
-  LM_CHECK(docs.size() >= 2, "'{}': need at least 2 documents (one is held out), found {}", cfg.data, docs.size());
+  const bool chat = cfg.data_format == "chat";
+  std::vector<std::string> docs;
+  std::vector<io::Conversation> convs;
+  if (chat) convs = io::read_demos(cfg.data);
+  else docs = io::read_corpus(cfg.data, io::parse_corpus_format(cfg.data_format));
+  const size_t n = chat ? convs.size() : docs.size();
+  LM_CHECK(n >= 2, "'{}': need at least 2 {} (one is held out), found {}", cfg.data,
+           chat ? "conversations" : "documents", n);
   // The held-out documents are chosen before the tokenizer exists (one placeholder token per document),
   // so the tokenizer never sees them.
   TokenizedDocs index_only;
-  for (size_t i = 0; i < docs.size(); ++i) index_only.ids.push_back(0), index_only.offsets.push_back(i + 1);
+  for (size_t i = 0; i < n; ++i) index_only.ids.push_back(0), index_only.offsets.push_back(i + 1);
   const DataSplit idx = split_documents(index_only, cfg.heldout_fraction, cfg.seed);
-  tok = make_tokenizer(cfg, tok_path, resume_dir, docs, idx, say, writer);
-  const TokenizedDocs all = tokenize_documents(*tok, docs);
+  tok = make_tokenizer(cfg, tok_path, resume_dir, docs, idx, say, writer);  // (chat: validate() asked for one)
+  const TokenizedDocs all = chat ? tokenize_conversations(*tok, convs) : tokenize_documents(*tok, docs);
   train = std::make_shared<TokenizedDocs>(select_documents(all, idx.train_docs));
   heldout = select_documents(all, idx.heldout_docs);
   const Unigram unigram = Unigram::fit(*train, tok->vocab_size());
   unigram_ce = unigram.cross_entropy(heldout);
-  say(fmt::format("data: {} documents ({} train, {} held out), {} train tokens, {} held-out tokens; unigram "
+  say(fmt::format("data: {} {} ({} train, {} held out), {} train tokens, {} held-out tokens; unigram "
                   "held-out ppl {:.1f}",
-                  docs.size(), idx.train_docs.size(), idx.heldout_docs.size(), train->tokens(), heldout.tokens(),
-                  std::exp(unigram_ce)));
+                  n, chat ? "conversations" : "documents", idx.train_docs.size(), idx.heldout_docs.size(),
+                  train->tokens(), heldout.tokens(), std::exp(unigram_ce)));
+  if (chat) {  // a sequence that starts inside a conversation learns nothing from it (TokenizedDocs::loss_mask)
+    int64_t longest = 0, targets = 0;
+    for (int64_t d = 0; d < all.num_docs(); ++d) longest = std::max<int64_t>(longest, std::ssize(all.doc(d)));
+    for (const uint8_t m : train->loss_mask) targets += m;
+    int64_t shortest_seq = cfg.stages.front().seq_len;
+    for (const auto& s : cfg.stages) shortest_seq = std::min(shortest_seq, s.seq_len);
+    say(fmt::format("  {} assistant tokens to learn ({:.0f}% of the training tokens); the longest conversation has {} "
+                    "tokens{}",
+                    targets, 100.0 * static_cast<double>(targets) / static_cast<double>(std::max<int64_t>(1, train->tokens())),
+                    longest,
+                    longest > shortest_seq ? fmt::format(" (more than seq_len {}: what follows a sequence's end is not "
+                                                         "learnt)", shortest_seq)
+                                           : ""));
+  }
 
   passkey = cfg.passkey_fraction > 0;
   passkey_target = passkey ? passkey_target_tokens(train->tokens(), cfg.passkey_fraction) : 0;

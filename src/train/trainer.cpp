@@ -25,6 +25,7 @@
 #include "core/error.hpp"
 #include "core/parallel.hpp"
 #include "io/checkpoint.hpp"
+#include "io/corpus.hpp"
 #include "io/file.hpp"
 #include "io/safetensors.hpp"
 #include "model/accounting.hpp"
@@ -65,11 +66,19 @@ const char* balance_name(Balance b) {
 
 RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   io::check_known_fields(j,
-              {"model", "data", "tokenizer", "out", "seed", "optimizer", "balance", "stages", "log_every",
+              {"model", "init", "data", "tokenizer", "out", "seed", "optimizer", "balance", "stages", "log_every",
                "eval_every", "eval_batches", "save_every", "keep_checkpoints", "max_steps", "parallel", "comment"},
               ctx);
   RunConfig c;
-  c.model = io::get_required<std::string>(j, "model", ctx);
+  c.init = io::get_or<std::string>(j, "init", "", ctx);
+  std::string init_tokenizer;
+  if (!c.init.empty()) {
+    c.init = resolve_checkpoint(c.init);
+    init_tokenizer = (fs::path(c.init) / "tokenizer.model").string();
+    LM_CHECK(fs::exists(init_tokenizer), "{}: init checkpoint {} has no tokenizer.model", ctx, c.init);
+  }
+  c.model = c.init.empty() || j.contains("model") ? io::get_required<std::string>(j, "model", ctx)
+                                                  : (fs::path(c.init) / "config.json").string();
   const json& d = j.at("data");
   io::check_known_fields(d, {"path", "format", "heldout_fraction", "passkey_fraction"}, ctx + " data");
   c.data = io::get_required<std::string>(d, "path", ctx + " data");
@@ -81,6 +90,12 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
     io::check_known_fields(t, {"vocab_size", "model"}, ctx + " tokenizer");
     c.tokenizer_vocab = io::get_or<int>(t, "vocab_size", 4096, ctx + " tokenizer");
     c.tokenizer = io::get_or<std::string>(t, "model", "", ctx + " tokenizer");
+  }
+  if (!c.init.empty()) {
+    LM_CHECK(c.tokenizer.empty() || fs::equivalent(c.tokenizer, init_tokenizer),
+             "{}: tokenizer.model {} is not the init checkpoint's ({}), whose ids its weights read", ctx, c.tokenizer,
+             init_tokenizer);
+    c.tokenizer = init_tokenizer;
   }
   c.out = io::get_or<std::string>(j, "out", c.out, ctx);
   c.seed = io::get_or<uint64_t>(j, "seed", 1, ctx);
@@ -145,6 +160,7 @@ RunConfig RunConfig::load(const std::string& path) { return from_json(io::load_j
 json RunConfig::to_json() const {
   json j;
   j["model"] = model;
+  if (!init.empty()) j["init"] = init;
   j["data"] = {{"path", data},
                {"format", data_format},
                {"heldout_fraction", heldout_fraction},
@@ -182,6 +198,19 @@ void RunConfig::validate(const std::string& ctx) const {
            passkey_fraction);
   LM_CHECK(tokenizer_vocab >= 300 && tokenizer_vocab <= 1 << 20, "{}: tokenizer.vocab_size must be in [300, 2^20]",
            ctx);
+  if (data_format == "chat") {
+    LM_CHECK(!tokenizer.empty(), "{}: data.format chat (demonstrations) needs a tokenizer: init (a checkpoint to "
+             "fine-tune) or tokenizer.model", ctx);
+    LM_CHECK(passkey_fraction == 0, "{}: data.passkey_fraction must be 0 with data.format chat", ctx);
+    for (size_t i = 0; i < stages.size(); ++i)  // conversations keep their segments: none attends to another
+      LM_CHECK(!stages[i].concat_documents, "{}: stages[{}].concat_documents is not for data.format chat", ctx, i);
+  } else {
+    try {
+      io::parse_corpus_format(data_format);
+    } catch (const Error& e) {
+      fail("{}: data.format: {} (or chat: demonstrations)", ctx, e.what());
+    }
+  }
   LM_CHECK(qb_estimator == "exact" || qb_estimator == "hist", "{}: balance.estimator must be exact or hist", ctx);
   LM_CHECK(qb_bins >= 2 && qb_bins % 2 == 0, "{}: balance.bins must be an even number >= 2", ctx);
   LM_CHECK(sign_gamma > 0 && aux_coef >= 0, "{}: balance.gamma must be > 0 and aux_coef >= 0", ctx);
@@ -399,8 +428,16 @@ void Run::load_model() {
   }
   const auto counts = model::count_params(mcfg_);
   const fs::path resume(resume_dir_);
-  if (!resume_dir_.empty()) model_->params().load(io::Checkpoint::open((resume / "model.safetensors").string()));
-  else model_->params().init(cfg_.seed);
+  if (!resume_dir_.empty()) {
+    model_->params().load(io::Checkpoint::open((resume / "model.safetensors").string()));
+  } else if (!cfg_.init.empty()) {  // fine-tuning: the weights of another run, checked against this config first
+    const io::Checkpoint ckpt = io::Checkpoint::open(cfg_.init);
+    model::check_checkpoint(model::param_specs(mcfg_), ckpt);
+    model_->params().load(ckpt);
+    say(fmt::format("init: the weights of {}", cfg_.init));
+  } else {
+    model_->params().init(cfg_.seed);
+  }
   model_->params().enable_grads();
   optim_ = std::make_unique<Optimizer>(model_->params(), mcfg_, cfg_.optim);
   if (cfg_.parallel.zero == 1) optim_->shard(comm_);  // (one process: nothing)

@@ -62,8 +62,15 @@ struct ParallelConfig {
 
 struct RunConfig {
   std::string model;                      // HF config.json (vocab_size is taken from the tokenizer)
+  // A checkpoint (or run folder: its latest) whose weights a new run starts from instead of random ones (sft);
+  // stored resolved to the checkpoint folder. "model" and "tokenizer.model" default to its config.json and
+  // tokenizer.model; another tokenizer is refused (the weights read its ids). The optimiser state starts fresh.
+  std::string init;
   std::string data;                       // corpus path
-  std::string data_format = "auto";       // auto | text | folder | jsonl | brown
+  // auto | text | folder | jsonl | brown (io/corpus.hpp), or chat: demonstrations (io::read_demos), rendered by
+  // the chat template with the loss on the assistant's tokens only (TokenizedDocs::loss_mask); needs a tokenizer
+  // (init or tokenizer.model) and no passkey documents.
+  std::string data_format = "auto";
   double heldout_fraction = 0.05;
   // Synthetic passkey documents' share of the training tokens, per stage at its seq_len
   // (train/synthetic.hpp); 0: none. In [0, 0.9]. The held-out split stays pure corpus.

@@ -180,7 +180,7 @@ TEST(Door, UserTextNeverBecomesControlTokens) {
   for (const int32_t id : plain) EXPECT_FALSE(tok.is_special(id));
   EXPECT_EQ(tok.decode(plain), injection);
   EXPECT_EQ(json::parse(r->body)["usage"]["prompt_tokens"], static_cast<int64_t>(plain.size()) + 4);
-  const auto ids = infer::chat_tokens(tok, {{"user", injection}});
+  const auto ids = io::chat_tokens(tok, {{"user", injection}});
   EXPECT_EQ(std::count(ids.begin(), ids.end(), tok.special("<|end|>")), 1);
   EXPECT_EQ(std::count(ids.begin(), ids.end(), tok.special("<|system|>")), 0);
   // A completion prompt is plain text too (token ids are the way to send control tokens).
