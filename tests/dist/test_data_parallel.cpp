@@ -119,8 +119,12 @@ TEST(DataParallel, LayoutsThatCannotSplitAreConfigErrors) {
   io::json j = c.to_json();
   j["parallel"] = {{"dp", 3}};  // batch_seqs 8 and 4 do not split in 3
   EXPECT_THROW(RunConfig::from_json(j, "dp3"), Error);
+  j["parallel"] = {{"dp", 2}, {"ep", 4}};  // expert parallel over every replica, or none
+  EXPECT_THROW(RunConfig::from_json(j, "ep4"), Error);
+  j["parallel"] = {{"dp", 2}, {"cp", 2}};
+  EXPECT_THROW(RunConfig::from_json(j, "cp2"), Error);
   j["parallel"] = {{"dp", 2}, {"ep", 2}};
-  EXPECT_THROW(RunConfig::from_json(j, "ep2"), Error);
+  EXPECT_EQ(RunConfig::from_json(j, "ep2").parallel.ep, 2);
   j["parallel"] = {{"dp", 2}};
   EXPECT_EQ(RunConfig::from_json(j, "dp2").parallel.dp, 2);
   EXPECT_EQ(RunConfig::from_json(j, "dp2").to_json()["parallel"]["dp"], 2);
