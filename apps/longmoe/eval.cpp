@@ -72,6 +72,8 @@ int run(const Args& a) {
   a.retrieval.validate(*m.tokenizer, "eval");
   Args no_prefix = a;  // (every prompt is new: nothing to reuse)
   no_prefix.prefix_cache_mb = 0;
+  // The engine holds the longest prompt asked for unless --context says otherwise (then it is checked).
+  if (a.context == 0) no_prefix.context = std::max(a.retrieval.longest(), a.data.empty() ? 0 : a.window);
   infer::OwnedEngine engine = no_prefix.engine(m);
   infer::Engine& s = *engine;
   std::printf("engine: %s\n", s.describe().c_str());

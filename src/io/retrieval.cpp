@@ -127,6 +127,13 @@ void RetrievalOptions::validate(const io::Tokenizer& tok, const std::string& ctx
              min_multi_needle(needles));
 }
 
+int64_t RetrievalOptions::longest() const {
+  int64_t n = 0;
+  for (const auto* v : {&passkey, &multi_needle})
+    for (int64_t t : *v) n = std::max(n, t);
+  return n;
+}
+
 RetrievalOptions RetrievalOptions::from_json(const io::json& j, const std::string& ctx) {
   io::check_known_fields(j, {"passkey", "multi_needle", "trials", "needles", "seed"}, ctx);
   RetrievalOptions o;

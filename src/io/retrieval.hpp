@@ -68,6 +68,7 @@ struct RetrievalOptions {
   uint64_t seed = 1;
 
   bool empty() const { return passkey.empty() && multi_needle.empty(); }
+  int64_t longest() const;  // the longest length asked for (0 when empty)
   // lm::Error naming `ctx` for trials or needles < 1, or a length below the smallest prompt of this tokenizer.
   void validate(const io::Tokenizer& tok, const std::string& ctx) const;
   // Run config form: {"passkey": [...], "multi_needle": [...], "trials": N, "needles": N, "seed": N}.
