@@ -69,7 +69,9 @@ struct RetrievalOptions {
 
   bool empty() const { return passkey.empty() && multi_needle.empty(); }
   int64_t longest() const;  // the longest length asked for (0 when empty)
-  // lm::Error naming `ctx` for trials or needles < 1, or a length below the smallest prompt of this tokenizer.
+  // lm::Error naming `ctx` for trials or needles out of range or a length below the smallest prompt;
+  // validate also checks the passkey lengths against what this tokenizer needs.
+  void check(const std::string& ctx) const;
   void validate(const io::Tokenizer& tok, const std::string& ctx) const;
   // Run config form: {"passkey": [...], "multi_needle": [...], "trials": N, "needles": N, "seed": N}.
   static RetrievalOptions from_json(const io::json& j, const std::string& ctx);

@@ -67,7 +67,8 @@ const char* balance_name(Balance b) {
 RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   io::check_known_fields(j,
               {"model", "init", "data", "tokenizer", "out", "seed", "optimizer", "balance", "stages", "log_every",
-               "eval_every", "eval_batches", "save_every", "keep_checkpoints", "max_steps", "parallel", "comment"},
+               "eval_every", "eval_batches", "save_every", "keep_checkpoints", "max_steps", "parallel", "eval_retrieval",
+               "comment"},
               ctx);
   RunConfig c;
   c.init = io::get_or<std::string>(j, "init", "", ctx);
@@ -130,6 +131,8 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   c.save_every = io::get_or<int64_t>(j, "save_every", 500, ctx);
   c.keep_checkpoints = io::get_or<int64_t>(j, "keep_checkpoints", 2, ctx);
   c.max_steps = io::get_or<int64_t>(j, "max_steps", 0, ctx);
+  if (j.contains("eval_retrieval"))
+    c.eval_retrieval = io::RetrievalOptions::from_json(j["eval_retrieval"], ctx + " eval_retrieval");
   if (j.contains("parallel")) {
     const json& p = j["parallel"];
     io::check_known_fields(p, {"dp", "ep", "cp", "zero"}, ctx + " parallel");
@@ -188,6 +191,7 @@ json RunConfig::to_json() const {
   j["max_steps"] = max_steps;
   if (parallel.dp != 1 || parallel.ep != 1 || parallel.zero != 1)
     j["parallel"] = {{"dp", parallel.dp}, {"ep", parallel.ep}, {"zero", parallel.zero}};
+  if (!eval_retrieval.empty()) j["eval_retrieval"] = eval_retrieval.to_json();
   return j;
 }
 

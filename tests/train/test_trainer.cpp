@@ -9,6 +9,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "core/rng.hpp"
 #include "core/error.hpp"
@@ -215,6 +216,50 @@ TEST(Trainer, KillDuringSaveKeepsThePreviousCheckpoint) {
   EXPECT_EQ(r.steps, 20);
   EXPECT_TRUE(std::isfinite(r.heldout_ppl));
   EXPECT_FALSE(fs::exists(root / "run" / "ckpt" / ".tmp-step-00000008"));  // the next save removed it
+}
+
+// "eval_retrieval": when training ends, each stage's checkpoint is measured and its results written beside it
+// (stage-<i>/retrieval.jsonl); a resumed run measures only the stages that have none yet.
+TEST(Trainer, RetrievalOfEveryStageIsWrittenBesideIt) {
+  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_retrieval";
+  fs::remove_all(root);
+  RunConfig cfg = tiny_run(root, (root / "run").string());
+  io::json j = cfg.to_json();
+  j["eval_retrieval"] = {{"passkey", {512}}, {"multi_needle", {512}}, {"trials", 2}, {"needles", 2}};
+  io::write_file_atomic((root / "run.json").string(), j.dump());
+  const std::string train = std::string(LONGMOE_BINARY) + " train --quiet --config " + (root / "run.json").string();
+  const auto rows = [&](int stage) {
+    std::vector<io::json> r;
+    std::ifstream f(root / "run" / ("stage-" + std::to_string(stage)) / "retrieval.jsonl");
+    for (std::string line; std::getline(f, line);) r.push_back(io::json::parse(line));
+    return r;
+  };
+  const int64_t first_stage_steps = cfg.stage_steps()[0];
+  ASSERT_EQ(std::system((train + " --max-steps " + std::to_string(first_stage_steps) + " > /dev/null 2>&1").c_str()), 0);
+  ASSERT_EQ(rows(0).size(), 2u);
+  EXPECT_FALSE(fs::exists(root / "run" / "stage-1"));
+  const fs::path zero = root / "run" / "stage-0" / "retrieval.jsonl";
+  const auto kept = fs::last_write_time(zero);
+  ASSERT_EQ(std::system((train + " --resume > /dev/null 2>&1").c_str()), 0);
+  EXPECT_EQ(fs::last_write_time(zero), kept);  // measured once
+  for (int stage : {0, 1}) {
+    const auto r = rows(stage);
+    ASSERT_EQ(r.size(), 2u) << "stage " << stage;
+    EXPECT_EQ(r[0]["stage"], stage);
+    EXPECT_EQ(r[0]["length"], 512);
+    EXPECT_EQ(r[0]["trials"], 2);
+    EXPECT_TRUE(r[0].contains("passkey") && r[1].contains("multi_needle")) << r[0] << r[1];
+    EXPECT_EQ(r[0]["passkey"].get<double>(), r[0]["passkey_correct"].get<double>() / 2);
+  }
+
+  // A length no prompt fits is refused with the config, before the run starts.
+  j["eval_retrieval"] = {{"passkey", {64}}};
+  try {
+    RunConfig::from_json(j, "bad run");
+    ADD_FAILURE() << "passkey length 64 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("eval_retrieval"), std::string::npos) << e.what();
+  }
 }
 
 // A kill at every file-changing syscall of a save never leaves a run that cannot resume: strace's fault injection
