@@ -1108,7 +1108,9 @@ struct Server::Impl {
   void start(Request& r) { r.seq = engine.open(r.prompt, r.reserve); }
 
   // One prefill chunk's worth of prompt tokens: pieces that end on the engine's grid, shortest remaining
-  // prompt first (a prefill passed over moves up by one chunk per iteration), at least one piece.
+  // prompt first (a prefill passed over moves up by one chunk per iteration), at least one piece. A prompt
+  // passed over twice goes first (the most passed over first), so a flood of short prompts, each shorter
+  // than it, cannot keep a long one waiting for more than a few iterations.
   // While sequences are decoding, a prompt that has had its first piece continues only when the decode
   // steps since have taken as long as its pieces did (prefill_debt_s): running streams keep at least half
   // of the time, a new request's first piece (all of a short prompt) never waits.
@@ -1120,7 +1122,11 @@ struct Server::Impl {
       return static_cast<int64_t>(r.prompt.size()) - engine.pos(r.seq) - r.skipped * Cp;
     };
     std::vector<std::shared_ptr<Request>> order = prefilling;
-    std::stable_sort(order.begin(), order.end(), [&](const auto& a, const auto& b) { return key(*a) < key(*b); });
+    std::stable_sort(order.begin(), order.end(), [&](const auto& a, const auto& b) {
+      const bool fa = a->skipped >= 2, fb = b->skipped >= 2;
+      if (fa != fb) return fa;
+      return fa ? a->skipped > b->skipped : key(*a) < key(*b);
+    });
     int64_t room = Cp;
     bool first = true;
     std::vector<Request*> ended;
@@ -1135,6 +1141,7 @@ struct Server::Impl {
       }
       first = false;
       room -= piece;
+      r.skipped = 0;
       const auto t0 = Clock::now();
       try {
         // Only the prompt's last grid point is worth a prefix-cache snapshot (as in one prefill call).

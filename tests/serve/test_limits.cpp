@@ -8,6 +8,7 @@
 #include <httplib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <numeric>
 #include <thread>
@@ -361,6 +362,58 @@ TEST(Limits, LongPromptDoesNotStallShortRequests) {
               n, chunked.short_ms, one.short_ms, chunked.unloaded_ms, one.unloaded_ms, chunked.long_ms, one.long_ms);
   EXPECT_TRUE(chunked.long_still_prefilling);  // the short one finished in between
   EXPECT_LT(chunked.short_ms, chunked.long_ms / 3);
+}
+
+// A flood of short prompts does not hold a long one back: a prompt passed over twice goes first once. Each short
+// prompt (20 tokens, more than half of a 32-token chunk) fills a scheduler iteration by itself, and 8 clients keep
+// several waiting at every iteration, so without that rule the long prompt would wait until its remaining length,
+// aged by one chunk per iteration passed over, fell below theirs (~500 iterations). Its pieces are counted exactly:
+// every prefill chunk is the long prompt's or one whole short prompt (counted in prompt_tokens when it ends).
+TEST(Limits, AFloodOfShortRequestsAndALongPromptShareTheScheduler) {
+  serve::ServerOptions o = opts();
+  o.max_batch = 16;
+  Harness h(o, 16384, 32);
+  const int64_t short_len = 20;
+  std::vector<int32_t> short_ids(static_cast<size_t>(short_len), tokenizer().special("<|end|>") + 1);
+  const std::string short_body = json{{"prompt", short_ids}, {"max_tokens", 1}}.dump();
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> done{0}, failed{0};
+  std::vector<std::thread> flood;
+  for (int c = 0; c < 8; ++c)
+    flood.emplace_back([&] {
+      while (!stop) {
+        auto r = h.post("/v1/completions", short_body);
+        (r && r->status == 200 ? done : failed)++;
+      }
+    });
+  auto long_pieces = [&] {
+    const serve::ServerStats s = h.server.stats();
+    return s.prefill_chunks - s.prompt_tokens / short_len;  // (+1 when sampled between the two counts)
+  };
+  auto wait_done = [&](int64_t n) {
+    const auto t0 = Clock::now();
+    while (done < n && failed == 0 && ms_since(t0) < 20000) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  wait_done(30);
+  ASSERT_LE(long_pieces(), 1);  // only short prompts so far
+  Raw big(h.port);  // leaves at the end, which cancels its prefill
+  ASSERT_TRUE(big.ok());
+  big.send(http_request("POST", "/v1/completions", "Content-Type: application/json\r\n",
+                        json{{"prompt", long_prompt_ids(16000)}, {"max_tokens", 1}}.dump()));
+  const int64_t requests = h.server.stats().requests;
+  for (int i = 0; i < 5000 && h.server.stats().requests == requests; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const int64_t at = done;
+  wait_done(at + 150);
+  const int64_t pieces = long_pieces(), shorts = done - at;
+  stop = true;
+  for (auto& t : flood) t.join();
+  big.close();
+  std::printf("[ measure  ] %lld short prompts and %lld pieces of the long one while the flood ran\n",
+              static_cast<long long>(shorts), static_cast<long long>(pieces));
+  EXPECT_EQ(failed, 0);
+  EXPECT_GE(shorts, 150);
+  EXPECT_GE(pieces, 8);  // (about one in nine: the long prompt takes its turn among the waiting short ones)
 }
 
 TEST(Limits, TimeoutInterruptsALongPrefill) {
