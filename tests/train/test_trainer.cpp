@@ -397,6 +397,34 @@ TEST(Trainer, AnOlderRunsFolderIsRefusedOrOverwritten) {
   EXPECT_FALSE(fs::exists(root / "run" / "ckpt" / "step-00000200"));
 }
 
+// Pruning keeps the newest keep_checkpoints step folders by name, and never the one just written, which `latest`
+// names: step folders an older run left with later numbers (here beside a resumed run) once made every new
+// checkpoint vanish right after its save, leaving `latest` dangling.
+TEST(Trainer, PruningNeverRemovesTheCheckpointJustWritten) {
+  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_prune";
+  fs::remove_all(root);
+  RunConfig cfg = tiny_run(root, (root / "run").string());
+  cfg.max_steps = 4;
+  TrainOptions o;
+  o.quiet = true;
+  lm::train::train(cfg, o);
+  for (const char* older : {"step-00000100", "step-00000200"}) {
+    fs::create_directories(root / "run" / "ckpt" / older);
+    io::write_file_atomic((root / "run" / "ckpt" / older / "note").string(), "an older run's\n");
+  }
+  cfg.max_steps = 9;  // saves at steps 8 and 9
+  o.resume = true;
+  lm::train::train(cfg, o);
+  const fs::path last = root / "run" / "ckpt" / "step-00000009";
+  EXPECT_EQ(resolve_checkpoint((root / "run").string()), last.string());
+  EXPECT_TRUE(fs::exists(last / "trainer_state.json"));
+  EXPECT_TRUE(fs::exists(last / "model.safetensors"));
+  EXPECT_EQ(io::read_file((root / "run" / "latest").string()), "ckpt/step-00000009\n");
+  EXPECT_FALSE(fs::exists(root / "run" / "ckpt" / "step-00000004"));  // pruned: keep 2 = the newest other + step 9
+  EXPECT_FALSE(fs::exists(root / "run" / "ckpt" / "step-00000008"));
+  EXPECT_TRUE(fs::exists(root / "run" / "ckpt" / "step-00000200"));
+}
+
 TEST(Trainer, BadRunConfigsAreClearErrors) {
   const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_bad";
   io::json j = tiny_run(root, (root / "x").string()).to_json();
