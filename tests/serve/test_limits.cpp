@@ -306,8 +306,11 @@ TEST(Limits, ChunkedPrefillEqualsOneCall) {
   ASSERT_EQ(a.layers.size(), b.layers.size());
   for (size_t l = 0; l < a.layers.size(); ++l) EXPECT_TRUE(a.layers[l] == b.layers[l]) << "layer " << l;
   EXPECT_EQ(a.tokens, b.tokens);
-  // And through the server (pieces of 16 with other requests around): the engine's own answer.
-  Harness h(opts(), 1024, 16);
+  // And through the server (pieces of one 16-token unit: a slice shorter than any unit; other requests around): the
+  // engine's own answer.
+  serve::ServerOptions o = opts();
+  o.prefill_slice_s = 1e-6;
+  Harness h(o, 1024, 16);
   const std::string prompt = corpus_text(5).substr(0, 900);
   const std::string expect = direct_completion(h, prompt, 8, 1024);
   std::vector<std::thread> others;
