@@ -26,7 +26,8 @@ done
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 context=4096
-if [[ $long -gt 0 ]]; then context=$((long + 256)); fi
+timeout=120
+if [[ $long -gt 0 ]]; then context=$((long + 256)) timeout=3600; fi
 if [[ -z $model ]]; then
   # A small tokenizer trained on generated text; the model's weights are random.
   python3 - "$work/corpus.txt" <<'PY'
@@ -43,7 +44,7 @@ else
   src=(--model "$model")
 fi
 read -r -a extra <<< "$serve_args"
-"$bin" serve "${src[@]}" "${extra[@]}" --port "$port" --context $context --max-batch 32 --timeout 120 --http-threads 48 --name load \
+"$bin" serve "${src[@]}" "${extra[@]}" --port "$port" --context $context --max-batch 32 --timeout $timeout --http-threads 48 --name load \
   > "$work/server.log" 2>&1 &
 pid=$!
 for _ in $(seq 100); do

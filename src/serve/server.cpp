@@ -1112,14 +1112,16 @@ struct Server::Impl {
 
   // One round of prefill, bounded in time by prefill_slice_s: pieces of whole grid units (they end on the engine's
   // grid, so the caches equal one prefill call's), sized from the seconds per token each prompt's last piece took.
-  // A new request's first piece (one unit: all of a short prompt) comes first and never waits. Prompts past their
-  // first piece follow, shortest remaining first (ageing by one unit per round passed over); one passed over twice
+  // A new request's first piece (one unit: all of a short prompt) never waits: those run before the round's decode
+  // step, the continued pieces after it. Prompts past their first piece go shortest remaining first (ageing by one unit per round passed over); one passed over twice
   // goes first (the most passed over first), so a flood of short prompts cannot hold a long one back. The first of
   // them runs at least one unit; later ones only while the slice has room for a unit. While sequences are decoding,
   // a prompt past its first piece continues only when the decode steps since have taken as long as its pieces did
   // (prefill_debt_s): running streams keep at least half of the time. A new request thus waits for at most one
   // slice (or one unit, when a unit takes longer) of another prompt's prefill.
-  void prefill_round() {
+  // `fresh`: only new requests' first pieces (they run before the round's decode step, so a short request's first
+  // tokens never wait behind another prompt's continued piece); else only continued pieces.
+  void prefill_round(bool fresh) {
     if (prefilling.empty()) return;
     if (active.empty()) prefill_debt_s = 0;
     const int64_t Cp = engine.prefill_chunk();
@@ -1142,6 +1144,7 @@ struct Server::Impl {
       const int64_t n = static_cast<int64_t>(r.prompt.size()), p = engine.pos(r.seq);
       const int64_t unit = std::min(n - p, Cp - p % Cp);  // to the next grid point
       int64_t piece = unit;
+      if ((r.prefill_pieces == 0) != fresh) continue;
       if (r.prefill_pieces > 0) {
         if (prefill_debt_s > 0) continue;
         const double room = o.prefill_slice_s - std::chrono::duration<double>(Clock::now() - round0).count();
@@ -1256,8 +1259,9 @@ struct Server::Impl {
       const auto now = Clock::now();
       std::erase_if(prefilling, [&](const std::shared_ptr<Request>& r) { return expired(*r, now); });
       std::erase_if(active, [&](const std::shared_ptr<Request>& r) { return expired(*r, now); });
-      prefill_round();
+      prefill_round(true);
       decode_round();
+      prefill_round(false);
       n_active = static_cast<int64_t>(active.size());
       n_prefilling = static_cast<int64_t>(prefilling.size());
     }

@@ -419,6 +419,51 @@ TEST(Limits, AFloodOfShortRequestsAndALongPromptShareTheScheduler) {
   EXPECT_GE(pieces, 8);  // (about one in nine: the long prompt takes its turn among the waiting short ones)
 }
 
+// Prefill rounds are bounded in time: a prompt's pieces are as many grid units as its measured speed fits into the
+// slice (at least one). A slice far longer than the whole prompt takes gives two pieces (the first unit, which gives the
+// speed, then the rest); one shorter than any unit gives one unit per piece.
+TEST(Limits, PrefillPiecesFollowTheTimeSlice) {
+  const std::string body = json{{"prompt", long_prompt_ids(4000)}, {"max_tokens", 1}}.dump();
+  for (const double slice : {60.0, 1e-6}) {
+    serve::ServerOptions o = opts();
+    o.prefill_slice_s = slice;
+    Harness h(o, 8192, 16);
+    auto r = h.post("/v1/completions", body);
+    ASSERT_TRUE(r && r->status == 200);
+    EXPECT_EQ(h.server.stats().prefill_chunks, slice > 1 ? 2 : 250) << "slice " << slice << " s";
+  }
+}
+
+// The interleaving itself, without a timing threshold: short requests sent while a long prompt is being prefilled
+// (one 16-token unit per round here: 1000 rounds) are answered while that prefill is still in progress, and the long
+// prompt then completes. A server that prefilled the prompt in one call would answer them only after it.
+TEST(Limits, ShortRequestsFinishWhileALongPrefillGoesOn) {
+  serve::ServerOptions o = opts();
+  o.prefill_slice_s = 1e-6;
+  Harness h(o, 16384, 16);
+  std::atomic<bool> long_done{false};
+  int long_status = 0;
+  std::thread big([&] {
+    auto r = h.post("/v1/completions", json{{"prompt", long_prompt_ids(16000)}, {"max_tokens", 1}}.dump());
+    long_status = r ? r->status : 0;
+    long_done = true;
+  });
+  const auto t0 = Clock::now();
+  while (h.server.stats().prefill_chunks < 3 && ms_since(t0) < 20000)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  int answered_during = 0;
+  for (int i = 0; i < 3; ++i) {
+    auto r = h.post("/v1/completions", R"({"prompt": "alpha", "max_tokens": 2})");
+    EXPECT_TRUE(r && r->status == 200);
+    answered_during += !long_done && h.server.stats().prefilling >= 1;
+  }
+  const int64_t chunks_after_shorts = h.server.stats().prefill_chunks;
+  big.join();
+  EXPECT_EQ(long_status, 200);
+  EXPECT_EQ(answered_during, 3);
+  EXPECT_GT(h.server.stats().prefill_chunks, chunks_after_shorts);  // the long prefill went on after them
+}
+
 TEST(Limits, TimeoutInterruptsALongPrefill) {
   serve::ServerOptions o = opts();
   o.request_timeout_s = 0.2;
