@@ -391,8 +391,12 @@ Run::Run(const RunConfig& cfg, const TrainOptions& opt, Clock::time_point t_star
   else
     at_ = read_trainer_state(state, resume_dir_ + "/trainer_state.json", cfg.stage_steps(),
                              [this](int64_t si) { return data_->stage_fingerprint(si); },
-                             !fs::exists(out_ / "summary.json"));
+                             !summary_of_step(out_, io::get_or<int64_t>(state, "global_step", -1, "trainer state")));
   start_ = at_;
+  // A stage-end checkpoint (the next stage's step 0): a kill during its stage link may have left the link half made.
+  if (writer_ && !resume_dir_.empty() && at_.stage > 0 && at_.step_in_stage == 0 &&
+      relink_stage_if_needed(out_, resume_dir_, fmt::format("stage-{}", at_.stage - 1)))
+    say(fmt::format("relinked stage-{} (its link was not complete)", at_.stage - 1));
   // (a finished run resumed for its summary stands past the last stage: the loader is never read then)
   const size_t ls = std::min(static_cast<size_t>(at_.stage), cfg.stages.size() - 1);
   loader_ = std::make_unique<Loader>(data_->train, cfg.stages[ls].seq_len, cfg.seed, at_.position,
