@@ -6,6 +6,7 @@
 
 #include "core/error.hpp"
 #include "io/checkpoint.hpp"
+#include "io/image.hpp"
 
 namespace lm::infer {
 
@@ -93,6 +94,53 @@ std::string Generation::finish(const std::string& reason) {
   if (done()) return {};
   finish_reason_ = reason;
   return stream_.finish(decoded());
+}
+
+model::Media<float> image_media(std::string_view bytes, const std::string& ctx, const model::ModelConfig& c,
+                                const ImageLimits& lim) {
+  LM_CHECK(c.vision.has_value(), "{}: this model has no vision tower (its config has no vision_config); it takes no "
+           "images", ctx);
+  const model::VisionConfig& v = *c.vision;
+  LM_CHECK(v.merge_h == v.merge_w, "{}: merge kernel {}x{} is not square (images are cut for square merges)", ctx,
+           v.merge_h, v.merge_w);
+  const io::Image img = io::decode_image(bytes, ctx, lim.max_pixels);
+  io::ImagePatches p = io::image_patches(img, v.patch_size, v.merge_h, lim.max_patches);
+  model::Media<float> m;
+  m.grids.push_back({p.t, p.h, p.w});
+  m.pixel_values = std::move(p.pixel_values);
+  return m;
+}
+
+int32_t image_token(const model::ModelConfig& c, const io::Tokenizer& tok) {
+  LM_CHECK(c.vision.has_value(), "this model has no vision tower (its config has no vision_config); it takes no images");
+  LM_CHECK(c.vision->media_placeholder_token_id.has_value(),
+           "this model's config sets no media_placeholder_token_id; it cannot take images");
+  LM_CHECK(tok.has_special("<|image|>"), "the model's tokenizer has no <|image|> token; it cannot take images");
+  const int32_t id = tok.special("<|image|>");
+  LM_CHECK(id == *c.vision->media_placeholder_token_id,
+           "the tokenizer's <|image|> is id {} but the model's media_placeholder_token_id is {}", id,
+           *c.vision->media_placeholder_token_id);
+  return id;
+}
+
+std::vector<int32_t> expand_placeholders(std::span<const int32_t> ids, int32_t placeholder,
+                                         std::span<const int64_t> rows) {
+  const auto markers = std::count(ids.begin(), ids.end(), placeholder);
+  LM_CHECK(markers == std::ssize(rows), "the prompt has {} <|image|> marker(s) for {} image(s)", markers, rows.size());
+  std::vector<int32_t> out;
+  size_t k = 0;
+  for (const int32_t t : ids) {
+    if (t == placeholder) out.insert(out.end(), static_cast<size_t>(rows[k++]), placeholder);
+    else out.push_back(t);
+  }
+  return out;
+}
+
+int64_t media_rows(const model::ModelConfig& c, const model::Media<float>& media) {
+  LM_CHECK(c.vision.has_value(), "this model has no vision tower; it takes no images");
+  int64_t M = 0;
+  for (const auto& g : media.grids) M += (g.h / c.vision->merge_h) * (g.w / c.vision->merge_w);
+  return M;
 }
 
 Generation generate(SequenceEngine& seq, const io::Tokenizer& tok, const std::vector<int32_t>& prompt,
