@@ -1,6 +1,7 @@
 // `longmoe chat --model DIR`: an interactive conversation in a plain terminal. Each stdin line is a user
 // turn; the reply streams to stdout. The conversation's tokens stay in one sequence, so each turn
-// prefills only the new tokens. Lines "/reset" (new conversation) and "/exit"; end of input ends it.
+// prefills only the new tokens. Lines "/reset" (new conversation) and "/exit"; end of input ends it. "/image PATH"
+// (a multimodal model) adds a PNG or JPEG to the next user turn, before its text.
 #include <unistd.h>
 
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include "apps/longmoe/commands.hpp"
 #include "apps/longmoe/infer_common.hpp"
 #include "core/error.hpp"
+#include "io/file.hpp"
 
 namespace {
 
@@ -36,6 +38,9 @@ int run(const Args& a) {
                                                     : std::vector<io::ChatMessage>{{"system", a.system}},
                               false);
   };
+  std::vector<model::Media<float>> pending;  // images for the next user turn
+  const int32_t ph = m.model && m.model->media_placeholder() >= 0 ? m.model->media_placeholder() : -1;
+  if (ph >= 0) sp.stop_tokens.push_back(ph);  // an input token: a reply that would write one ends instead
   reset();
   if (tty)
     std::printf("longmoe chat (%s, %s). /reset starts over, /exit or Ctrl-D ends.\n", m.name.c_str(),
@@ -50,7 +55,24 @@ int run(const Args& a) {
       reset();
       continue;
     }
-    const auto user = io::chat_tokens(tok, {{"user", line}}, true, false);
+    if (line.rfind("/image ", 0) == 0) {
+      try {
+        const std::string path = line.substr(7);
+        infer::image_token(m.config, tok);
+        pending.push_back(infer::image_media(io::read_file(path), path, m.config));
+        std::printf("[image %s: %ld feature rows, for the next turn]\n", path.c_str(),
+                    static_cast<long>(infer::media_rows(m.config, pending.back())));
+      } catch (const Error& e) {
+        std::printf("[%s]\n", e.what());
+      }
+      continue;
+    }
+    auto user = io::chat_tokens(tok, {{"user", line}}, true, false);
+    if (!pending.empty()) {
+      infer::place_images(user, tok.special("<|user|>"), ph, std::ssize(pending));
+      user = infer::attach_images(seq, user, ph, pending);
+      pending.clear();
+    }
     conv.insert(conv.end(), user.begin(), user.end());
     if (static_cast<int64_t>(conv.size()) >= seq.max_context()) {
       std::printf("[the conversation reached the context limit of %ld tokens; /reset to start over]\n",

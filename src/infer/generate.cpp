@@ -136,6 +136,24 @@ std::vector<int32_t> expand_placeholders(std::span<const int32_t> ids, int32_t p
   return out;
 }
 
+void place_images(std::vector<int32_t>& ids, int32_t after, int32_t placeholder, int64_t n) {
+  if (n == 0 || std::find(ids.begin(), ids.end(), placeholder) != ids.end()) return;
+  auto at = ids.begin();
+  if (after >= 0)
+    if (auto r = std::find(ids.rbegin(), ids.rend(), after); r != ids.rend()) at = r.base();
+  ids.insert(at, static_cast<size_t>(n), placeholder);
+}
+
+std::vector<int32_t> attach_images(SequenceEngine& seq, std::span<const int32_t> ids, int32_t placeholder,
+                                   const std::vector<model::Media<float>>& images) {
+  const auto markers = std::count(ids.begin(), ids.end(), placeholder);
+  LM_CHECK(markers == std::ssize(images), "the prompt has {} <|image|> marker(s) for {} image(s)", markers,
+           images.size());
+  std::vector<int64_t> rows;
+  for (const auto& m : images) rows.push_back(seq.attach_media(m));
+  return expand_placeholders(ids, placeholder, rows);
+}
+
 int64_t media_rows(const model::ModelConfig& c, const model::Media<float>& media) {
   LM_CHECK(c.vision.has_value(), "this model has no vision tower; it takes no images");
   int64_t M = 0;

@@ -36,6 +36,8 @@ LoadedModel load_model_dir(const std::string& path, bool need_tokenizer = true);
 LoadedModel random_model(const std::string& config, const std::string& tokenizer_path, uint64_t seed = 1,
                          bool host_weights = true);
 
+class SequenceEngine;
+
 // ---- images in prompts (SPEC §9) ------------------------------------------------------------------------------
 // A prompt names an image by one "<|image|>" token (the tokenizer's special, which is the model's
 // media_placeholder_token_id); before prefill each such marker becomes one placeholder per feature row of its image.
@@ -57,6 +59,13 @@ int32_t image_token(const model::ModelConfig& c, const io::Tokenizer& tok);
 // `ids` with its k-th `placeholder` repeated rows[k] times. lm::Error when the markers and images differ in number.
 std::vector<int32_t> expand_placeholders(std::span<const int32_t> ids, int32_t placeholder,
                                          std::span<const int64_t> rows);
+// Images placed in front of a prompt that names none: `n` markers after the last `after` token in `ids` (<s> for
+// plain prompts, <|user|> for a chat turn; the start when there is none). A prompt that has markers is kept as is.
+void place_images(std::vector<int32_t>& ids, int32_t after, int32_t placeholder, int64_t n);
+// Attaches `images` to `seq` in order and returns `ids` with each marker expanded to its image's feature rows (what
+// prefill then takes). lm::Error when markers and images differ in number (nothing is attached then).
+std::vector<int32_t> attach_images(SequenceEngine& seq, std::span<const int32_t> ids, int32_t placeholder,
+                                   const std::vector<model::Media<float>>& images);
 // The feature rows `media` gives with config `c` (one placeholder each): Σ (h/mh)·(w/mw).
 int64_t media_rows(const model::ModelConfig& c, const model::Media<float>& media);
 
