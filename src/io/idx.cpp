@@ -60,6 +60,14 @@ IdxArray read_idx(const std::string& path, int64_t max_bytes) {
   return parse_idx(bytes, path);
 }
 
+Image LabelledImages::rgb(int64_t i, int64_t side) const {
+  LM_CHECK(i >= 0 && i < n, "image {} outside [0, {})", i, n);
+  Image img{cols, rows, std::vector<uint8_t>(size_t(rows * cols * 3))};
+  const uint8_t* g = image(i);
+  for (int64_t k = 0; k < rows * cols; ++k) img.rgb[size_t(3 * k)] = img.rgb[size_t(3 * k + 1)] = img.rgb[size_t(3 * k + 2)] = g[k];
+  return side > 0 && (side != rows || side != cols) ? resize_image(img, side, side) : img;
+}
+
 const std::array<std::string, 10>& fashion_mnist_classes() {
   static const std::array<std::string, 10> names = {"t-shirt", "trouser", "pullover", "dress", "coat",
                                                     "sandal",  "shirt",   "sneaker",  "bag",   "ankle boot"};

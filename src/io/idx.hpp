@@ -10,6 +10,8 @@
 #include <string_view>
 #include <vector>
 
+#include "io/image.hpp"
+
 namespace lm::io {
 
 struct IdxArray {
@@ -29,6 +31,8 @@ struct LabelledImages {
   std::vector<uint8_t> pixels;  // [n, rows, cols] grey levels
   std::vector<uint8_t> labels;  // [n], each < classes
   const uint8_t* image(int64_t i) const { return pixels.data() + i * rows * cols; }
+  // Item i as an RGB image (grey in every channel), resized to side × side (0: as it is).
+  Image rgb(int64_t i, int64_t side = 0) const;
 };
 
 inline constexpr std::string_view kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
