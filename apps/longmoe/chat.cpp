@@ -59,9 +59,9 @@ int run(const Args& a) {
       try {
         const std::string path = line.substr(7);
         infer::image_token(m.config, tok);
-        pending.push_back(infer::image_media(io::read_file(path), path, m.config));
+        pending.push_back(infer::image_media(io::read_file(path), path, *m.config.vision));
         std::printf("[image %s: %ld feature rows, for the next turn]\n", path.c_str(),
-                    static_cast<long>(infer::media_rows(m.config, pending.back())));
+                    static_cast<long>(infer::media_rows(*m.config.vision, pending.back())));
       } catch (const Error& e) {
         std::printf("[%s]\n", e.what());
       }

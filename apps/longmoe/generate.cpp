@@ -36,7 +36,7 @@ int run(const Args& a) {
     ph = infer::image_token(m.config, tok);
     sp.stop_tokens.push_back(ph);  // an input token: a reply that would write one ends instead
     for (const auto& f : a.images)
-      media.push_back(infer::image_media(io::read_file(f), f, m.config, {.max_patches = a.max_image_patches}));
+      media.push_back(infer::image_media(io::read_file(f), f, *m.config.vision, {.max_patches = a.max_image_patches}));
   }
   if (tok.eos() >= 0) sp.stop_tokens.push_back(tok.eos());
   if (a.chat) {

@@ -96,11 +96,8 @@ std::string Generation::finish(const std::string& reason) {
   return stream_.finish(decoded());
 }
 
-model::Media<float> image_media(std::string_view bytes, const std::string& ctx, const model::ModelConfig& c,
+model::Media<float> image_media(std::string_view bytes, const std::string& ctx, const model::VisionConfig& v,
                                 const ImageLimits& lim) {
-  LM_CHECK(c.vision.has_value(), "{}: this model has no vision tower (its config has no vision_config); it takes no "
-           "images", ctx);
-  const model::VisionConfig& v = *c.vision;
   LM_CHECK(v.merge_h == v.merge_w, "{}: merge kernel {}x{} is not square (images are cut for square merges)", ctx,
            v.merge_h, v.merge_w);
   const io::Image img = io::decode_image(bytes, ctx, lim.max_pixels);
@@ -154,10 +151,9 @@ std::vector<int32_t> attach_images(SequenceEngine& seq, std::span<const int32_t>
   return expand_placeholders(ids, placeholder, rows);
 }
 
-int64_t media_rows(const model::ModelConfig& c, const model::Media<float>& media) {
-  LM_CHECK(c.vision.has_value(), "this model has no vision tower; it takes no images");
+int64_t media_rows(const model::VisionConfig& v, const model::Media<float>& media) {
   int64_t M = 0;
-  for (const auto& g : media.grids) M += (g.h / c.vision->merge_h) * (g.w / c.vision->merge_w);
+  for (const auto& g : media.grids) M += (g.h / v.merge_h) * (g.w / v.merge_w);
   return M;
 }
 

@@ -48,9 +48,9 @@ struct ImageLimits {
   int64_t max_pixels = int64_t(1) << 24;  // 16.7M: 4096 x 4096
   int64_t max_patches = 1024;
 };
-// One image (PNG or JPEG bytes) as the tower's input for `c`. lm::Error naming `ctx` for a model without a tower, an
-// empty, corrupt or truncated image, another format, or one over `lim.max_pixels`.
-model::Media<float> image_media(std::string_view bytes, const std::string& ctx, const model::ModelConfig& c,
+// One image (PNG or JPEG bytes) as the input of the tower `v`. lm::Error naming `ctx` for an empty, corrupt or
+// truncated image, another format, or one over `lim.max_pixels`.
+model::Media<float> image_media(std::string_view bytes, const std::string& ctx, const model::VisionConfig& v,
                                 const ImageLimits& lim = {});
 // The placeholder id prompts use with this model and tokenizer: the model's media_placeholder_token_id, which must be
 // the tokenizer's <|image|>. lm::Error naming what is missing (a text-only model, a tokenizer without <|image|>, ids
@@ -66,8 +66,8 @@ void place_images(std::vector<int32_t>& ids, int32_t after, int32_t placeholder,
 // prefill then takes). lm::Error when markers and images differ in number (nothing is attached then).
 std::vector<int32_t> attach_images(SequenceEngine& seq, std::span<const int32_t> ids, int32_t placeholder,
                                    const std::vector<model::Media<float>>& images);
-// The feature rows `media` gives with config `c` (one placeholder each): Σ (h/mh)·(w/mw).
-int64_t media_rows(const model::ModelConfig& c, const model::Media<float>& media);
+// The feature rows `media` gives with tower `v` (one placeholder each): Σ (h/mh)·(w/mw).
+int64_t media_rows(const model::VisionConfig& v, const model::Media<float>& media);
 
 // One generation: feed it the logits after each token, it picks the next token and tells what text is
 // new. Stop tokens end generation without being emitted; stop strings cut the text before them.

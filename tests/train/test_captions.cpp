@@ -117,7 +117,7 @@ TEST(Captions, BatchHoldsWholeCaptionedDocuments) {
   const int32_t ph = f.tok.special("<|image|>"), doc = f.tok.special("<|doc|>");
   const auto placeholders = std::count(b.batch.ids.begin(), b.batch.ids.end(), ph);
   EXPECT_EQ(placeholders, 4 * b.images());
-  EXPECT_EQ(infer::media_rows(f.cfg, b.media), placeholders);
+  EXPECT_EQ(infer::media_rows(*f.cfg.vision, b.media), placeholders);
   EXPECT_GE(b.images(), n);  // at least one document per sequence
   const int64_t P = f.cfg.vision->patch_dim();
   ASSERT_EQ(static_cast<int64_t>(b.media.pixel_values.size()), b.images() * 16 * P);
