@@ -68,18 +68,21 @@ int run(const Args& a) {
       continue;
     }
     auto user = io::chat_tokens(tok, {{"user", line}}, true, false);
+    std::vector<int64_t> rows;
+    for (const auto& p : pending) rows.push_back(infer::media_rows(*m.config.vision, p));
     if (!pending.empty()) {
       infer::place_images(user, tok.special("<|user|>"), ph, std::ssize(pending));
-      user = infer::attach_images(seq, user, ph, pending);
-      pending.clear();
+      user = infer::expand_placeholders(user, ph, rows);
     }
     conv.insert(conv.end(), user.begin(), user.end());
     if (static_cast<int64_t>(conv.size()) >= seq.max_context()) {
       std::printf("[the conversation reached the context limit of %ld tokens; /reset to start over]\n",
                   static_cast<long>(seq.max_context()));
       conv.resize(conv.size() - user.size());
-      continue;
+      continue;  // (the images stay queued for the next turn)
     }
+    for (const auto& p : pending) seq.attach_media(p);
+    pending.clear();
     if (tty) std::printf("assistant> ");
     infer::SamplingParams tp = sp;
     tp.seed = sp.seed + turn++;

@@ -97,6 +97,12 @@ std::vector<int32_t> CaptionData::document(int64_t i, int64_t t) const {
   return d;
 }
 
+int64_t CaptionData::longest_document() const {
+  size_t text = 0;
+  for (const auto& t : text_) text = std::max(text, t.size());
+  return (tok_.bos() >= 0 ? 1 : 0) + rows_ + static_cast<int64_t>(text) + 1;
+}
+
 ImageBatch CaptionData::batch(uint64_t step, int64_t n, int64_t T) const {
   LM_CHECK(n >= 1, "images: no image sequences asked for");
   const Rng rng = Rng{seed_, kCaptionStream}.fork(step);

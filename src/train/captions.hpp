@@ -54,6 +54,8 @@ class CaptionData {
   // one document.
   ImageBatch batch(uint64_t step, int64_t n, int64_t T) const;
 
+  // The most tokens a document can take (any class, any template): what a sequence must hold.
+  int64_t longest_document() const;
   const io::LabelledImages& images() const { return images_; }
   int64_t rows_per_image() const { return rows_; }
 

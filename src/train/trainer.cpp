@@ -450,6 +450,11 @@ void Run::load_model() {
     const auto t0 = Clock::now();
     captions_ = std::make_unique<CaptionData>(io::read_fashion_mnist(cfg_.images, "train"), tok, mcfg_,
                                               cfg_.image_size, cfg_.seed);
+    const int64_t longest = captions_->longest_document();
+    int64_t shortest_seq = cfg_.stages.front().seq_len;
+    for (const auto& S : cfg_.stages) shortest_seq = std::min(shortest_seq, S.seq_len);
+    LM_CHECK(longest <= shortest_seq, "{}: an image document takes up to {} tokens, more than seq_len {}", cfg_.images,
+             longest, shortest_seq);
     say(fmt::format("images: {} labelled {}x{} images from {} in {:.1f}s, upscaled to {}x{} ({} feature rows each), "
                     "{:.0f}% of every step's sequences",
                     captions_->images().n, captions_->images().rows, captions_->images().cols, cfg_.images,

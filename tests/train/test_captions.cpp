@@ -149,6 +149,10 @@ TEST(Captions, BatchHoldsWholeCaptionedDocuments) {
   EXPECT_EQ(again.media.pixel_values, b.media.pixel_values);
   EXPECT_NE(other.batch.ids, b.batch.ids);
   EXPECT_THROW(cd.batch(5, 1, 12), Error);  // a document does not fit
+  int64_t longest = 0;
+  for (int64_t t = 0; t < 4; ++t)
+    for (int64_t i = 0; i < 10; ++i) longest = std::max<int64_t>(longest, std::ssize(cd.document(i, t)));
+  EXPECT_EQ(cd.longest_document(), longest);
   // The evaluation prompt: <s>, the image's rows, the first template's opening.
   const auto prompt = cd.class_prompt();
   EXPECT_EQ(std::count(prompt.begin(), prompt.end(), ph), 4);
@@ -211,7 +215,13 @@ TEST(Captions, JointRunTrainsTheTowerAndResumesExactly) {
   ASSERT_EQ(joined.size(), full.losses.size());
   for (size_t i = 0; i < joined.size(); ++i) EXPECT_EQ(joined[i], full.losses[i]) << "step " << i + 1;
 
-  // A text-only model config with images is refused before training.
+  // Sequences too short for an image document, and a text-only model config with images, are refused before
+  // training.
+  RunConfig short_seq = config("short");
+  short_seq.stages[0].seq_len = 24;
+  short_seq.stages[0].tokens = 24 * 8;
+  EXPECT_THROW(train::train(short_seq, quiet), Error);
+  EXPECT_FALSE(fs::exists(root / "short" / "metrics.jsonl"));
   RunConfig text = config("text");
   text.model = (root / "tiny.json").string();
   std::ofstream(root / "tiny.json") << tiny::kTinyModel;
