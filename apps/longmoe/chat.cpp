@@ -19,6 +19,7 @@ using namespace lm;
 
 struct Args : app::InferArgs {
   std::string system;
+  infer::ImageLimits image;
 };
 
 int run(const Args& a) {
@@ -59,7 +60,7 @@ int run(const Args& a) {
       try {
         const std::string path = line.substr(7);
         infer::image_token(m.config, tok);
-        pending.push_back(infer::image_media(io::read_file(path), path, *m.config.vision));
+        pending.push_back(infer::image_media(io::read_file(path), path, *m.config.vision, a.image));
         std::printf("[image %s: %ld feature rows, for the next turn]\n", path.c_str(),
                     static_cast<long>(infer::media_rows(*m.config.vision, pending.back())));
       } catch (const Error& e) {
@@ -106,6 +107,11 @@ app::Register reg({"chat", "Interactive chat with a checkpoint (stdin lines in, 
                      a->add_model(sub);
                      a->add_sampling(sub);
                      sub.add_option("--system", a->system, "system message");
+                     sub.add_option("--max-image-patches", a->image.max_patches, "patch budget per /image")
+                         ->check(CLI::Range(int64_t(4), int64_t(1) << 16));
+                     sub.add_option("--image-min-side", a->image.min_side, "upscale smaller images to this many px "
+                                    "on their shorter side first (the model's training size)")
+                         ->check(CLI::Range(int64_t(0), int64_t(4096)));
                      return [a] { return run(*a); };
                    }});
 

@@ -141,6 +141,9 @@ app::Register reg({"serve", "OpenAI-compatible HTTP server (completions, chat co
                      sub.add_option("--max-image-patches", so.image_limits.max_patches,
                                     "patch budget per image of a multimodal model (larger images are shrunk to it)")
                          ->check(CLI::Range(int64_t(4), int64_t(1) << 16));
+                     sub.add_option("--image-min-side", so.image_limits.min_side, "upscale smaller images to this "
+                                    "many px on their shorter side first (the model's training size)")
+                         ->check(CLI::Range(int64_t(0), int64_t(4096)));
                      sub.add_option("--max-image-pixels", so.image_limits.max_pixels,
                                     "largest image accepted, in decoded pixels (default 4096 x 4096)")
                          ->check(CLI::Range(int64_t(1), int64_t(1) << 28));

@@ -2,6 +2,7 @@
 #include "infer/generate.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 
 #include "core/error.hpp"
@@ -100,7 +101,12 @@ model::Media<float> image_media(std::string_view bytes, const std::string& ctx, 
                                 const ImageLimits& lim) {
   LM_CHECK(v.merge_h == v.merge_w, "{}: merge kernel {}x{} is not square (images are cut for square merges)", ctx,
            v.merge_h, v.merge_w);
-  const io::Image img = io::decode_image(bytes, ctx, lim.max_pixels);
+  io::Image img = io::decode_image(bytes, ctx, lim.max_pixels);
+  if (const int64_t side = std::min(img.width, img.height); lim.min_side > 0 && side < lim.min_side) {
+    const double s = double(lim.min_side) / double(side);
+    img = io::resize_image(img, std::max<int64_t>(lim.min_side, std::llround(double(img.width) * s)),
+                           std::max<int64_t>(lim.min_side, std::llround(double(img.height) * s)));
+  }
   io::ImagePatches p = io::image_patches(img, v.patch_size, v.merge_h, lim.max_patches);
   model::Media<float> m;
   m.grids.push_back({p.t, p.h, p.w});

@@ -47,6 +47,7 @@ class SequenceEngine;
 struct ImageLimits {
   int64_t max_pixels = int64_t(1) << 24;  // 16.7M: 4096 x 4096
   int64_t max_patches = 1024;
+  int64_t min_side = 0;  // px: a smaller image is first upscaled (aspect kept) so its shorter side is this (training's size)
 };
 // One image (PNG or JPEG bytes) as the input of the tower `v`. lm::Error naming `ctx` for an empty, corrupt or
 // truncated image, another format, or one over `lim.max_pixels`.

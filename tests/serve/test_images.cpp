@@ -150,6 +150,13 @@ TEST(ServeImages, ImagePartsReachTheModelAsInTheEngine) {
   infer::place_images(ids, tok.special("<|user|>"), ph, 1);
   const model::Media<float> media = infer::image_media(a, "a", *h.m.config().vision);
   EXPECT_EQ(infer::media_rows(*h.m.config().vision, media), 2);
+  // A small image upscaled to the training size first (min_side), or kept (28 px: one 2 x 2 block).
+  const std::string small = png(28, 28, 9);
+  EXPECT_EQ(infer::media_rows(*h.m.config().vision, infer::image_media(small, "s", *h.m.config().vision)), 1);
+  const model::Media<float> up = infer::image_media(small, "s", *h.m.config().vision, {.min_side = 56});
+  ASSERT_EQ(up.grids.size(), 1u);
+  EXPECT_EQ(up.grids[0].h, 4);
+  EXPECT_EQ(up.grids[0].w, 4);
   ids = infer::attach_images(seq, ids, ph, {media});
   infer::SamplingParams sp;
   sp.temperature = 0;
