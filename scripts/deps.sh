@@ -4,6 +4,7 @@
 #   scripts/deps.sh              build + test dependencies (what scripts/test.sh and .ci/run need), nodejs + npm
 #                                included (the corpus download and the OpenAI Node SDK test use them)
 #   scripts/deps.sh --with-node  the same (kept for older callers)
+#   scripts/deps.sh --with-fashion-mnist  also Debian's dataset-fashion-mnist (the vision run's images, 30 MB)
 #
 # Idempotent: when every package is already installed it touches nothing (no apt-get update, no
 # root needed). Otherwise it installs only the missing ones, through sudo unless run as root.
@@ -17,6 +18,7 @@ LONGMOE_APT_PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libsentencepiece-dev sentencepiece
   libcpp-httplib-dev libstb-dev
+  zlib1g-dev               # gzip-compressed IDX files (io/idx.cpp)
   libpng-dev libjpeg62-turbo-dev  # image decoding (io/image.cpp): fuzzed, unlike stb_image's decoder
   libopenmpi-dev openmpi-bin  # multi-process training (src/dist) and its mpirun tests
   strace                   # the save fault-injection test (a SIGKILL at every file-changing syscall of a save)
@@ -70,16 +72,19 @@ longmoe_install_node_deps() {
 }
 
 longmoe_deps_main() {
-  local a
+  local with_fmnist=0 a
   for a in "$@"; do
     case $a in
       --with-node) ;;
+      --with-fashion-mnist) with_fmnist=1 ;;
       -h|--help) sed -n '2,11p' "${BASH_SOURCE[0]}"; return 0 ;;
       *) echo "deps: unknown argument '$a'" >&2; return 2 ;;
     esac
   done
   longmoe_install_build_deps
   longmoe_install_node_deps
+  # /usr/share/datasets/fashion-mnist/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz
+  if [[ $with_fmnist -eq 1 ]]; then longmoe_apt_install dataset-fashion-mnist; fi
 }
 
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then

@@ -1,6 +1,7 @@
 // `longmoe chat --model DIR`: an interactive conversation in a plain terminal. Each stdin line is a user
 // turn; the reply streams to stdout. The conversation's tokens stay in one sequence, so each turn
-// prefills only the new tokens. Lines "/reset" (new conversation) and "/exit"; end of input ends it.
+// prefills only the new tokens. Lines "/reset" (new conversation) and "/exit"; end of input ends it. "/image PATH"
+// (a multimodal model) adds a PNG or JPEG to the next user turn, before its text.
 #include <unistd.h>
 
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include "apps/longmoe/commands.hpp"
 #include "apps/longmoe/infer_common.hpp"
 #include "core/error.hpp"
+#include "io/file.hpp"
 
 namespace {
 
@@ -17,6 +19,7 @@ using namespace lm;
 
 struct Args : app::InferArgs {
   std::string system;
+  infer::ImageLimits image;
 };
 
 int run(const Args& a) {
@@ -36,6 +39,9 @@ int run(const Args& a) {
                                                     : std::vector<io::ChatMessage>{{"system", a.system}},
                               false);
   };
+  std::vector<model::Media<float>> pending;  // images for the next user turn
+  const int32_t ph = m.model && m.model->media_placeholder() >= 0 ? m.model->media_placeholder() : -1;
+  if (ph >= 0) sp.stop_tokens.push_back(ph);  // an input token: a reply that would write one ends instead
   reset();
   if (tty)
     std::printf("longmoe chat (%s, %s). /reset starts over, /exit or Ctrl-D ends.\n", m.name.c_str(),
@@ -50,14 +56,34 @@ int run(const Args& a) {
       reset();
       continue;
     }
-    const auto user = io::chat_tokens(tok, {{"user", line}}, true, false);
+    if (line.rfind("/image ", 0) == 0) {
+      try {
+        const std::string path = line.substr(7);
+        infer::image_token(m.config, tok);
+        pending.push_back(infer::image_media(io::read_file(path), path, *m.config.vision, a.image));
+        std::printf("[image %s: %ld feature rows, for the next turn]\n", path.c_str(),
+                    static_cast<long>(infer::media_rows(*m.config.vision, pending.back())));
+      } catch (const Error& e) {
+        std::printf("[%s]\n", e.what());
+      }
+      continue;
+    }
+    auto user = io::chat_tokens(tok, {{"user", line}}, true, false);
+    std::vector<int64_t> rows;
+    for (const auto& p : pending) rows.push_back(infer::media_rows(*m.config.vision, p));
+    if (!pending.empty()) {
+      infer::place_images(user, tok.special("<|user|>"), ph, std::ssize(pending));
+      user = infer::expand_placeholders(user, ph, rows);
+    }
     conv.insert(conv.end(), user.begin(), user.end());
     if (static_cast<int64_t>(conv.size()) >= seq.max_context()) {
       std::printf("[the conversation reached the context limit of %ld tokens; /reset to start over]\n",
                   static_cast<long>(seq.max_context()));
       conv.resize(conv.size() - user.size());
-      continue;
+      continue;  // (the images stay queued for the next turn)
     }
+    for (const auto& p : pending) seq.attach_media(p);
+    pending.clear();
     if (tty) std::printf("assistant> ");
     infer::SamplingParams tp = sp;
     tp.seed = sp.seed + turn++;
@@ -81,6 +107,11 @@ app::Register reg({"chat", "Interactive chat with a checkpoint (stdin lines in, 
                      a->add_model(sub);
                      a->add_sampling(sub);
                      sub.add_option("--system", a->system, "system message");
+                     sub.add_option("--max-image-patches", a->image.max_patches, "patch budget per /image")
+                         ->check(CLI::Range(int64_t(4), int64_t(1) << 16));
+                     sub.add_option("--image-min-side", a->image.min_side, "upscale smaller images to this many px "
+                                    "on their shorter side first (the model's training size)")
+                         ->check(CLI::Range(int64_t(0), int64_t(4096)));
                      return [a] { return run(*a); };
                    }});
 

@@ -3,6 +3,9 @@
 // multi-needle (several key -> number facts, one asked for). Accuracy is reported per length.
 // Retrieval is infer/retrieval_eval.hpp (also run by the trainer after each stage, run config
 // "eval_retrieval"); its passkey template is the one of the trainer's synthetic passkey documents.
+// --classify DIR (a multimodal model trained with data.images): the first --images test images of the Fashion-MNIST
+// folder DIR, each asked "<image> This is a picture of" (train/captions.hpp), the greedy answer parsed for a class
+// name; accuracy against the labels (chance 10%), per class, and how many answers named no class.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -15,6 +18,8 @@
 #include "io/corpus.hpp"
 #include "infer/retrieval_eval.hpp"
 #include "io/file.hpp"
+#include "io/idx.hpp"
+#include "train/captions.hpp"
 
 namespace {
 
@@ -24,6 +29,8 @@ struct Args : app::InferArgs {
   std::string data, format = "auto", json_out;
   int64_t window = 2048, max_docs = 0, max_tokens_eval = 200000;
   infer::RetrievalOptions retrieval;
+  std::string classify;
+  int64_t images = 1000, image_size = 56;
 };
 
 // Perplexity: each document as [<s>] + tokens, cut into windows scored independently.
@@ -64,8 +71,49 @@ void perplexity(infer::Engine& s, const io::Tokenizer& tok, const Args& a) {
               std::exp(nll / n), n / t);
 }
 
+void classify(infer::Engine& s, const infer::LoadedModel& m, const Args& a) {
+  const io::Tokenizer& tok = *m.tokenizer;
+  infer::image_token(m.config, tok);  // (a clear error for a text-only model or tokenizer)
+  io::LabelledImages test = io::read_fashion_mnist(a.classify, "t10k");
+  LM_CHECK(a.images >= 1 && a.images <= test.n, "eval: --images {} outside [1, {}]", a.images, test.n);
+  const train::CaptionData cd(std::move(test), tok, m.config, a.image_size, 0);
+  infer::SamplingParams sp;
+  sp.temperature = 0;
+  sp.max_tokens = 8;
+  for (const char* stop : {"<|doc|>", "</s>", "<|image|>"}) sp.stop_tokens.push_back(tok.special(stop));
+  sp.stop = {"."};
+  const auto& names = io::fashion_mnist_classes();
+  std::vector<int64_t> right(names.size()), seen(names.size());
+  int64_t ok = 0, none = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string examples;
+  for (int64_t i = 0; i < a.images; ++i) {
+    infer::EngineSequence seq(s);
+    std::vector<int32_t> prompt = cd.class_prompt();
+    seq.attach_media(cd.media(i));
+    const std::string got = infer::generate(seq, tok, prompt, sp, [](const std::string&) {}).text();
+    const int label = cd.images().labels[static_cast<size_t>(i)], k = train::CaptionData::parse_class(got);
+    ++seen[static_cast<size_t>(label)];
+    if (k == label) ++ok, ++right[static_cast<size_t>(label)];
+    if (k < 0) ++none;
+    if (i < 5) examples += fmt::format("  image {} ({}): \"{}\"\n", i, names[static_cast<size_t>(label)], got);
+  }
+  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("classify    %s t10k: %ld images at %ld px: accuracy %.1f%% (%ld / %ld; chance 10%%), %ld answers "
+              "named no class  [%.1f s]\n%s",
+              a.classify.c_str(), static_cast<long>(a.images), static_cast<long>(a.image_size),
+              100.0 * static_cast<double>(ok) / static_cast<double>(a.images), static_cast<long>(ok),
+              static_cast<long>(a.images), static_cast<long>(none), t, examples.c_str());
+  for (size_t c = 0; c < names.size(); ++c)
+    std::printf("  %-10s %5.1f%% of %ld\n", names[c].c_str(),
+                seen[c] ? 100.0 * static_cast<double>(right[c]) / static_cast<double>(seen[c]) : 0.0,
+                static_cast<long>(seen[c]));
+  std::fflush(stdout);
+}
+
 int run(const Args& a) {
-  LM_CHECK(!a.data.empty() || !a.retrieval.empty(), "eval: nothing to do (give --data, --passkey and/or --multi-needle)");
+  LM_CHECK(!a.data.empty() || !a.retrieval.empty() || !a.classify.empty(),
+           "eval: nothing to do (give --data, --passkey, --multi-needle and/or --classify)");
   LM_CHECK(a.window >= 2, "eval: --window must be >= 2");
   LM_CHECK(a.json_out.empty() || !a.retrieval.empty(), "eval: --json writes retrieval results; give --passkey or --multi-needle");
   infer::LoadedModel m = a.load();
@@ -78,6 +126,7 @@ int run(const Args& a) {
   infer::Engine& s = *engine;
   std::printf("engine: %s\n", s.describe().c_str());
   if (!a.data.empty()) perplexity(s, *m.tokenizer, a);
+  if (!a.classify.empty()) classify(s, m, a);
   if (a.retrieval.empty()) return 0;
   std::string lines;
   infer::eval_retrieval(s, *m.tokenizer, a.retrieval, [&](const infer::RetrievalPoint& p) {
@@ -108,6 +157,10 @@ app::Register reg({"eval", "Held-out perplexity, passkey and multi-needle retrie
                      sub.add_option("--json", a->json_out, "also write the retrieval results as JSON lines (one per "
                                     "length: {length, passkey | multi_needle, ..._correct, trials}; `longmoe plot "
                                     "FILE --x length --y passkey --log-x` draws them), atomically");
+                     sub.add_option("--classify", a->classify, "Fashion-MNIST folder: name the class of its test "
+                                    "images by generation (a model trained with data.images)");
+                     sub.add_option("--images", a->images, "test images to classify (the first N of t10k)");
+                     sub.add_option("--image-size", a->image_size, "px per side, as in training (data.images.size)");
                      return [a] { return run(*a); };
                    }});
 

@@ -1,5 +1,7 @@
 // `longmoe generate --model DIR --prompt TEXT [--device cuda]`: prefill the prompt, then stream the generated text
-// to stdout as tokens arrive; timing and cache figures go to stderr.
+// to stdout as tokens arrive; timing and cache figures go to stderr. `--image FILE` (repeatable, a multimodal model)
+// puts an image where the prompt has a <|image|> marker (in order), or before the prompt when it has none.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -15,6 +17,8 @@ using namespace lm;
 
 struct Args : app::InferArgs {
   std::string prompt, prompt_file, system;
+  std::vector<std::string> images;
+  int64_t max_image_patches = 1024, image_min_side = 0;
   bool chat = false, quiet = false;
 };
 
@@ -26,6 +30,14 @@ int run(const Args& a) {
   const std::string text = a.prompt_file.empty() ? a.prompt : io::read_file(a.prompt_file);
   std::vector<int32_t> ids;
   infer::SamplingParams sp = sp0;
+  int32_t ph = -1;
+  std::vector<model::Media<float>> media;
+  if (!a.images.empty()) {  // (checked before the engine starts)
+    ph = infer::image_token(m.config, tok);
+    sp.stop_tokens.push_back(ph);  // an input token: a reply that would write one ends instead
+    for (const auto& f : a.images)
+      media.push_back(infer::image_media(io::read_file(f), f, *m.config.vision, {.max_patches = a.max_image_patches, .min_side = a.image_min_side}));
+  }
   if (tok.eos() >= 0) sp.stop_tokens.push_back(tok.eos());
   if (a.chat) {
     std::vector<io::ChatMessage> msgs;
@@ -33,13 +45,19 @@ int run(const Args& a) {
     msgs.push_back({"user", text});
     ids = io::chat_tokens(tok, msgs);
     sp.stop_tokens.push_back(tok.special("<|end|>"));
+    if (ph >= 0) infer::place_images(ids, tok.special("<|user|>"), ph, std::ssize(media));
   } else {
     if (tok.bos() >= 0) ids.push_back(tok.bos());
     const auto e = tok.encode(text);
     ids.insert(ids.end(), e.begin(), e.end());
+    if (ph >= 0) infer::place_images(ids, tok.bos(), ph, std::ssize(media));
   }
+  if (ph < 0 && m.model && m.model->media_placeholder() >= 0)  // <|image|> typed without an image
+    LM_CHECK(std::find(ids.begin(), ids.end(), m.model->media_placeholder()) == ids.end(),
+             "generate: the prompt has an <|image|> marker but no --image");
   infer::OwnedEngine engine = a.engine(m);
   infer::EngineSequence seq(*engine);
+  if (ph >= 0) ids = infer::attach_images(seq, ids, ph, media);
   const auto t0 = std::chrono::steady_clock::now();
   double t_first = 0;
   bool first = true;
@@ -70,6 +88,13 @@ app::Register reg({"generate", "Generate text from a checkpoint, streamed to std
                      sub.add_option("--prompt-file", a->prompt_file, "read the prompt from a file");
                      sub.add_flag("--chat", a->chat, "wrap the prompt in the chat template (one user turn)");
                      sub.add_option("--system", a->system, "system message (with --chat)");
+                     sub.add_option("--image", a->images, "a PNG or JPEG for a multimodal model, at the prompt's "
+                                    "<|image|> markers in order, else before the prompt (repeatable)");
+                     sub.add_option("--max-image-patches", a->max_image_patches, "patch budget per image (larger "
+                                    "images are shrunk to it)")->check(CLI::Range(int64_t(4), int64_t(1) << 16));
+                     sub.add_option("--image-min-side", a->image_min_side, "upscale smaller images to this many px on "
+                                    "their shorter side first (the size the model was trained on, e.g. 56)")
+                         ->check(CLI::Range(int64_t(0), int64_t(4096)));
                      sub.add_flag("--quiet", a->quiet, "no statistics on stderr");
                      return [a] { return run(*a); };
                    }});

@@ -79,6 +79,11 @@ int run(Args a) {
   LM_CHECK(!a.default_max_tokens_given || a.so.default_max_tokens <= s.max_context(),
            "--default-max-tokens {} exceeds the context limit of {} tokens", a.so.default_max_tokens, s.max_context());
   if (a.so.model_name.empty()) a.so.model_name = m.name;
+  // A multimodal model on the CPU takes image_url parts (the GPU engine has no tower yet: they stay refused there).
+  if (m.config.vision && a.device == "cpu" && m.tokenizer && m.tokenizer->has_special("<|image|>")) {
+    infer::image_token(m.config, *m.tokenizer);
+    a.so.vision = *m.config.vision;
+  }
   serve::Server server(s, *m.tokenizer, a.so);
   const int port = server.bind();
   std::fprintf(stderr, "longmoe serve: model '%s' (%s) on http://%s:%d, context %ld, batch %ld, %s%s\n",
@@ -133,6 +138,15 @@ app::Register reg({"serve", "OpenAI-compatible HTTP server (completions, chat co
                                     "accept this Host header besides localhost/127.0.0.1/[::1]; repeatable")
                          ->take_all();
                      sub.add_option("--access-log", so.access_log, "append one JSON line per request to FILE");
+                     sub.add_option("--max-image-patches", so.image_limits.max_patches,
+                                    "patch budget per image of a multimodal model (larger images are shrunk to it)")
+                         ->check(CLI::Range(int64_t(4), int64_t(1) << 16));
+                     sub.add_option("--image-min-side", so.image_limits.min_side, "upscale smaller images to this "
+                                    "many px on their shorter side first (the model's training size)")
+                         ->check(CLI::Range(int64_t(0), int64_t(4096)));
+                     sub.add_option("--max-image-pixels", so.image_limits.max_pixels,
+                                    "largest image accepted, in decoded pixels (default 4096 x 4096)")
+                         ->check(CLI::Range(int64_t(1), int64_t(1) << 28));
                      auto body_mb = std::make_shared<double>(8), inflight_mb = std::make_shared<double>(512);
                      sub.add_option("--max-body-mb", *body_mb, "largest request body in MiB (default 8)")
                          ->check(CLI::Range(0.001, 1024.0));

@@ -35,6 +35,14 @@ std::vector<float> CpuEngine::prefill(Id id, std::span<const int32_t> t, std::ve
   return s_.prefill(get(id), t, all_logits, store_prefix);
 }
 
+int64_t CpuEngine::attach_media(Id id, const model::Media<float>& media) {
+  Sequence& seq = get(id);
+  int64_t rows = 0;
+  const std::vector<float> features = s_.model().media_features(media, &rows);
+  s_.attach_media(seq, features);
+  return rows;
+}
+
 const std::vector<float>& CpuEngine::decode(std::span<const Id> ids, std::span<const int32_t> t) {
   std::vector<Sequence*> seqs;
   for (Id id : ids) seqs.push_back(&get(id));
@@ -257,6 +265,10 @@ std::vector<float> GpuEngine::prefill(Id id, std::span<const int32_t> t, std::ve
     if (k < at.size()) store(e);
   }
   return lg;
+}
+
+int64_t GpuEngine::attach_media(Id, const model::Media<float>&) {
+  fail("the GPU engine takes no images yet (the vision tower runs on the CPU only); use --device cpu");
 }
 
 const std::vector<float>& GpuEngine::decode(std::span<const Id> ids, std::span<const int32_t> t) {

@@ -53,6 +53,10 @@ class Engine {
   // ids outside the vocabulary or a length past the context (the sequence is then unchanged, or empty on the GPU).
   virtual std::vector<float> prefill(Id id, std::span<const int32_t> t, std::vector<float>* all_logits = nullptr,
                                      bool store_prefix = true) = 0;
+  // The image(s) of `media` through the model's tower, queued on sequence `id` for the placeholders of its next
+  // prefills (Session::attach_media). Returns the feature rows, one placeholder each. lm::Error for a model without a
+  // tower, media the tower refuses, or an engine that takes no images.
+  virtual int64_t attach_media(Id id, const model::Media<float>& media) = 0;
   // One token for each of the S sequences: logits [S, V] in the order asked, in the engine's buffer (valid until the
   // next decode: a step allocates nothing). On an error no sequence changes.
   virtual const std::vector<float>& decode(std::span<const Id> ids, std::span<const int32_t> t) = 0;
@@ -77,6 +81,7 @@ class CpuEngine final : public Engine {
   const std::vector<int32_t>& tokens(Id id) const override { return get(id).tokens; }
   std::vector<float> prefill(Id id, std::span<const int32_t> t, std::vector<float>* all_logits = nullptr,
                              bool store_prefix = true) override;
+  int64_t attach_media(Id id, const model::Media<float>& media) override;
   const std::vector<float>& decode(std::span<const Id> ids, std::span<const int32_t> t) override;
   int64_t max_context() const override { return s_.max_context(); }
   int64_t vocab_size() const override { return s_.vocab_size(); }
@@ -115,6 +120,7 @@ class GpuEngine final : public Engine {
   const std::vector<int32_t>& tokens(Id id) const override { return get(id).tokens; }
   std::vector<float> prefill(Id id, std::span<const int32_t> t, std::vector<float>* all_logits = nullptr,
                              bool store_prefix = true) override;
+  int64_t attach_media(Id id, const model::Media<float>& media) override;
   const std::vector<float>& decode(std::span<const Id> ids, std::span<const int32_t> t) override;
   int64_t max_context() const override { return o_.context; }
   int64_t vocab_size() const override;

@@ -2,10 +2,12 @@
 #include "infer/generate.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 
 #include "core/error.hpp"
 #include "io/checkpoint.hpp"
+#include "io/image.hpp"
 
 namespace lm::infer {
 
@@ -93,6 +95,72 @@ std::string Generation::finish(const std::string& reason) {
   if (done()) return {};
   finish_reason_ = reason;
   return stream_.finish(decoded());
+}
+
+model::Media<float> image_media(std::string_view bytes, const std::string& ctx, const model::VisionConfig& v,
+                                const ImageLimits& lim) {
+  LM_CHECK(v.merge_h == v.merge_w, "{}: merge kernel {}x{} is not square (images are cut for square merges)", ctx,
+           v.merge_h, v.merge_w);
+  io::Image img = io::decode_image(bytes, ctx, lim.max_pixels);
+  if (const int64_t side = std::min(img.width, img.height); lim.min_side > 0 && side < lim.min_side) {
+    const double s = double(lim.min_side) / double(side);
+    img = io::resize_image(img, std::max<int64_t>(lim.min_side, std::llround(double(img.width) * s)),
+                           std::max<int64_t>(lim.min_side, std::llround(double(img.height) * s)));
+  }
+  io::ImagePatches p = io::image_patches(img, v.patch_size, v.merge_h, lim.max_patches);
+  model::Media<float> m;
+  m.grids.push_back({p.t, p.h, p.w});
+  m.pixel_values = std::move(p.pixel_values);
+  return m;
+}
+
+int32_t image_token(const model::ModelConfig& c, const io::Tokenizer& tok) {
+  LM_CHECK(c.vision.has_value(), "this model has no vision tower (its config has no vision_config); it takes no images");
+  LM_CHECK(c.vision->media_placeholder_token_id.has_value(),
+           "this model's config sets no media_placeholder_token_id; it cannot take images");
+  LM_CHECK(tok.has_special("<|image|>"), "the model's tokenizer has no <|image|> token; it cannot take images");
+  const int32_t id = tok.special("<|image|>");
+  LM_CHECK(id == *c.vision->media_placeholder_token_id,
+           "the tokenizer's <|image|> is id {} but the model's media_placeholder_token_id is {}", id,
+           *c.vision->media_placeholder_token_id);
+  return id;
+}
+
+std::vector<int32_t> expand_placeholders(std::span<const int32_t> ids, int32_t placeholder,
+                                         std::span<const int64_t> rows) {
+  const auto markers = std::count(ids.begin(), ids.end(), placeholder);
+  LM_CHECK(markers == std::ssize(rows), "the prompt has {} <|image|> marker(s) for {} image(s)", markers, rows.size());
+  std::vector<int32_t> out;
+  size_t k = 0;
+  for (const int32_t t : ids) {
+    if (t == placeholder) out.insert(out.end(), static_cast<size_t>(rows[k++]), placeholder);
+    else out.push_back(t);
+  }
+  return out;
+}
+
+void place_images(std::vector<int32_t>& ids, int32_t after, int32_t placeholder, int64_t n) {
+  if (n == 0 || std::find(ids.begin(), ids.end(), placeholder) != ids.end()) return;
+  auto at = ids.begin();
+  if (after >= 0)
+    if (auto r = std::find(ids.rbegin(), ids.rend(), after); r != ids.rend()) at = r.base();
+  ids.insert(at, static_cast<size_t>(n), placeholder);
+}
+
+std::vector<int32_t> attach_images(SequenceEngine& seq, std::span<const int32_t> ids, int32_t placeholder,
+                                   const std::vector<model::Media<float>>& images) {
+  const auto markers = std::count(ids.begin(), ids.end(), placeholder);
+  LM_CHECK(markers == std::ssize(images), "the prompt has {} <|image|> marker(s) for {} image(s)", markers,
+           images.size());
+  std::vector<int64_t> rows;
+  for (const auto& m : images) rows.push_back(seq.attach_media(m));
+  return expand_placeholders(ids, placeholder, rows);
+}
+
+int64_t media_rows(const model::VisionConfig& v, const model::Media<float>& media) {
+  int64_t M = 0;
+  for (const auto& g : media.grids) M += (g.h / v.merge_h) * (g.w / v.merge_w);
+  return M;
 }
 
 Generation generate(SequenceEngine& seq, const io::Tokenizer& tok, const std::vector<int32_t>& prompt,

@@ -129,19 +129,36 @@ void Session::check_sequence(const Sequence& s, const char* what, int64_t index)
   LM_CHECK(ok, "{}: sequence {} does not belong to this model", what, index);
 }
 
-void Session::check_ids(std::span<const int32_t> ids) const {
+void Session::check_ids(std::span<const int32_t> ids, int64_t media_rows) const {
+  int64_t placeholders = 0;
   for (size_t i = 0; i < ids.size(); ++i) {
     LM_CHECK(ids[i] >= 0 && ids[i] < cfg_.vocab_size, "token id {} at position {} is outside the vocabulary [0, {})",
              ids[i], i, cfg_.vocab_size);
-    // The session takes no images yet: a placeholder here would embed the placeholder's own row (SPEC §9).
-    LM_CHECK(ids[i] != m_.media_placeholder(),
-             "token id {} at position {} is the media placeholder; this session takes no images", ids[i], i);
+    // A placeholder without an attached feature row would embed the placeholder's own row (SPEC §9).
+    if (ids[i] == m_.media_placeholder() && ++placeholders > media_rows)
+      fail("token id {} at position {} is the media placeholder, but {} image feature row(s) are attached to the "
+           "sequence (attach the image first: one placeholder per feature row)",
+           ids[i], i, media_rows);
   }
+}
+
+void Session::attach_media(Sequence& seq, std::span<const float> features) const {
+  const int64_t d = cfg_.hidden_size;
+  LM_CHECK(m_.media_placeholder() >= 0, "this model takes no images (no vision tower or placeholder id)");
+  LM_CHECK(!features.empty() && std::ssize(features) % d == 0,
+           "attach_media: {} values are not whole feature rows of width {}", features.size(), d);
+  check_sequence(seq, "attach_media", 0);
+  if (seq.media_taken > 0) {  // drop the rows already taken
+    seq.media.erase(seq.media.begin(), seq.media.begin() + seq.media_taken * d);
+    seq.media_taken = 0;
+  }
+  seq.media.insert(seq.media.end(), features.begin(), features.end());
 }
 
 // ---- the walk over the layers -----------------------------------------------------------------------------
 
-void Session::walk(const std::vector<Sequence*>& seqs, const int32_t* ids, int64_t rows, bool decode, float* hn) {
+void Session::walk(const std::vector<Sequence*>& seqs, const int32_t* ids, int64_t rows, bool decode, float* hn,
+                   const float* features) {
   const int64_t d = cfg_.hidden_size, L = cfg_.num_hidden_layers, V = cfg_.vocab_size, nd = rows * d;
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
   Buf a(nd), f(nd), xn(nd), x(nd);
@@ -149,6 +166,9 @@ void Session::walk(const std::vector<Sequence*>& seqs, const int32_t* ids, int64
   {
     Timer t(profile.other);
     ops::embedding_forward(ids, rows, embed_, V, d, prefix.data());
+    // The splice (SPEC §9), as Model::forward does it: each placeholder's row is the next image feature row.
+    for (int64_t r = 0; features && r < rows; ++r)
+      if (ids[r] == m_.media_placeholder()) std::copy_n(features, d, prefix.data() + r * d), features += d;
   }
   const model::Seqs seqs_rows = model::Seqs::batch(1, rows);
   std::vector<model::LayerCache<float>*> caches(seqs.size());
@@ -249,19 +269,26 @@ std::vector<float> Session::prefill(Sequence& seq, std::span<const int32_t> toke
                                     bool store) {
   const int64_t n = static_cast<int64_t>(tokens.size()), d = cfg_.hidden_size, V = cfg_.vocab_size;
   LM_CHECK(n >= 1, "prefill: no tokens");
-  check_ids(tokens);
+  const int64_t media_rows = std::ssize(seq.media) / d - seq.media_taken;
+  check_ids(tokens, media_rows);
+  const int32_t ph = m_.media_placeholder();
+  const bool has_media = ph >= 0 && std::find(tokens.begin(), tokens.end(), ph) != tokens.end();
   LM_CHECK(seq.pos() + n <= max_ctx_, "prompt of {} tokens (after {} cached) exceeds the context limit of {} tokens", n,
            seq.pos(), max_ctx_);
   check_sequence(seq, "prefill", 0);
   int64_t off = 0;
   if (seq.pos() == 0 && !all_logits && opt_.prefix_cache_bytes > 0) {
+    // (a stored prefix holds no image: a sequence with one is never stored)
     if (Snapshot snap = lookup_prefix(tokens, n - 1)) {
+      std::vector<float> media = std::move(seq.media);  // the images attached for this prompt stay
+      const int64_t taken = seq.media_taken;
       seq = resume(snap);
+      seq.media = std::move(media), seq.media_taken = taken;
       off = snap->pos();
     }
   }
   if (all_logits) all_logits->resize(static_cast<size_t>(n * V));
-  if (seq.pos() % opt_.prefill_chunk != 0) seq.on_grid = false;
+  if (seq.pos() % opt_.prefill_chunk != 0 || has_media) seq.on_grid = false;
   const int64_t end = seq.pos() + (n - off);
   // Room for the whole prompt at once; a prompt arriving in pieces (the server's) grows it by at least 1/16, not by
   // one piece at a time, which would copy the whole cache per piece.
@@ -278,7 +305,9 @@ std::vector<float> Session::prefill(Sequence& seq, std::span<const int32_t> toke
   while (off < n) {
     const int64_t p = seq.pos(), stop = std::min(end, (p / Cp + 1) * Cp), c = stop - p;
     hn.resize(static_cast<size_t>(c * d));
-    walk(one, tokens.data() + off, c, false, hn.data());
+    const float* features = has_media ? seq.media.data() + seq.media_taken * d : nullptr;
+    walk(one, tokens.data() + off, c, false, hn.data(), features);
+    if (has_media) seq.media_taken += std::count(tokens.begin() + off, tokens.begin() + off + c, ph);
     seq.tokens.insert(seq.tokens.end(), tokens.begin() + off, tokens.begin() + off + c);
     if (all_logits) {
       Timer t(profile.other);
@@ -327,7 +356,9 @@ Sequence Session::resume(const Snapshot& s) {
 
 void Session::store_prefix(const Sequence& s) {
   if (prefix_.find(s.tokens)) return;  // (made the most recent)
-  Snapshot snap = snapshot(s);
+  auto copy = std::make_shared<Sequence>(s);
+  copy->media.clear(), copy->media_taken = 0;  // images attached for later prompts are not the prefix's
+  Snapshot snap = std::move(copy);
   const int64_t bytes = snap->cache_bytes() + static_cast<int64_t>(s.tokens.size() * sizeof(int32_t));
   if (bytes > opt_.prefix_cache_bytes) return;
   while (prefix_.bytes() + bytes > opt_.prefix_cache_bytes && !prefix_.empty()) prefix_.pop_lru();

@@ -52,6 +52,11 @@ class Sequence {
   // bit for bit; only such sequences feed the prefix cache. Cleared by decode and by a prefill that starts
   // off the grid.
   bool on_grid = true;
+  // Image features attached (Session::attach_media) and not yet taken: the media placeholders of the next prefills
+  // take these rows in order [rows, d] (SPEC §9, the model's splice). A sequence holding an image is never on the
+  // grid: the prefix cache is keyed on tokens alone.
+  std::vector<float> media;
+  int64_t media_taken = 0;  // rows of `media` already consumed
 };
 
 // An immutable copy of a sequence's caches at a token boundary.
@@ -70,6 +75,7 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   const model::ModelConfig& config() const { return cfg_; }
+  model::Model<float>& model() const { return m_; }
   const SessionOptions& options() const { return opt_; }
   int64_t max_context() const { return max_ctx_; }
   int64_t vocab_size() const { return cfg_.vocab_size; }
@@ -84,6 +90,11 @@ class Session {
   // the vocabulary or a total length above max_context; `seq` is then unchanged.
   std::vector<float> prefill(Sequence& seq, std::span<const int32_t> tokens, std::vector<float>* all_logits = nullptr,
                              bool store_prefix = true);
+
+  // Queues image features [rows, d] (Model::media_features) for the placeholders of the next prefills of `seq`: each
+  // placeholder token takes the next row, in order, where the model's forward would splice it. A prefill with more
+  // placeholders than rows queued is an lm::Error (and changes nothing); decode refuses placeholders.
+  void attach_media(Sequence& seq, std::span<const float> features) const;
 
   // One new token for each sequence (S = seqs.size()): logits [S, V]. Same checks as prefill; on an
   // error no sequence is changed.
@@ -105,9 +116,12 @@ class Session {
  private:
   // Runs `n` new tokens of one sequence (prefill chunk) or one token of each of `seqs` (decode) through
   // the stack; writes the final-normed hidden [rows, d].
-  void walk(const std::vector<Sequence*>& seqs, const int32_t* ids, int64_t rows, bool decode, float* hn);
+  // `features` (prefill only): the rows the placeholders among `ids` take, in order.
+  void walk(const std::vector<Sequence*>& seqs, const int32_t* ids, int64_t rows, bool decode, float* hn,
+            const float* features = nullptr);
   void check_sequence(const Sequence& s, const char* what, int64_t index) const;
-  void check_ids(std::span<const int32_t> ids) const;
+  // Ids inside the vocabulary; placeholders only up to `media_rows` of them (decode: none).
+  void check_ids(std::span<const int32_t> ids, int64_t media_rows = 0) const;
   void store_prefix(const Sequence& s);
 
   model::Model<float>& m_;

@@ -115,6 +115,16 @@ Image decode_image(std::string_view bytes, const std::string& ctx, int64_t max_p
   throw Error(fmt::format("{}: not a PNG or JPEG image (neither signature)", ctx));
 }
 
+Image resize_image(const Image& img, int64_t W, int64_t H) {
+  LM_CHECK(img.width > 0 && img.height > 0 && img.rgb.size() == size_t(img.width * img.height * 3) && W > 0 && H > 0,
+           "resize_image: an empty or inconsistent image ({} x {}, {} bytes) or size {} x {}", img.width, img.height,
+           img.rgb.size(), W, H);
+  Image out{W, H, std::vector<uint8_t>(size_t(W * H * 3))};
+  LM_CHECK(stbir_resize_uint8(img.rgb.data(), int(img.width), int(img.height), 0, out.rgb.data(), int(W), int(H), 0, 3),
+           "resizing {} x {} to {} x {} failed", img.width, img.height, W, H);
+  return out;
+}
+
 ImagePatches image_patches(const Image& img, int64_t patch, int64_t merge, int64_t max_patches) {
   LM_CHECK(img.width > 0 && img.height > 0 && img.rgb.size() == size_t(img.width * img.height * 3),
            "image_patches: an empty or inconsistent image ({} x {}, {} bytes)", img.width, img.height, img.rgb.size());
@@ -132,13 +142,7 @@ ImagePatches image_patches(const Image& img, int64_t patch, int64_t merge, int64
     if ((W / patch) * (H / patch) <= max_patches) break;
     if (W == unit && H == unit) break;  // (max_patches >= merge² holds one unit square)
   }
-  std::vector<uint8_t> rs(size_t(W * H * 3));
-  if (W == img.width && H == img.height) {
-    rs = img.rgb;
-  } else {
-    LM_CHECK(stbir_resize_uint8(img.rgb.data(), int(img.width), int(img.height), 0, rs.data(), int(W), int(H), 0, 3),
-             "image_patches: resizing {} x {} to {} x {} failed", img.width, img.height, W, H);
-  }
+  const std::vector<uint8_t> rs = W == img.width && H == img.height ? img.rgb : resize_image(img, W, H).rgb;
   ImagePatches out;
   out.h = H / patch, out.w = W / patch;
   out.pixel_values.resize(size_t(out.h * out.w * 3 * patch * patch));

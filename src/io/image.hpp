@@ -21,6 +21,10 @@ struct Image {
 // format, a zero side, or more than `max_pixels` pixels (checked from the header, before decoding).
 Image decode_image(std::string_view bytes, const std::string& ctx, int64_t max_pixels = int64_t(1) << 26);
 
+// `img` resized (bilinear) to W×H, e.g. a 28×28 Fashion-MNIST item upscaled to 56×56. lm::Error for an empty image or
+// a zero side.
+Image resize_image(const Image& img, int64_t W, int64_t H);
+
 struct ImagePatches {
   int64_t t = 1, h = 0, w = 0;      // the grid in patches
   std::vector<float> pixel_values;  // [h·w, 3, p, p]

@@ -28,8 +28,11 @@ constexpr std::string_view kMetaSpace = "\xE2\x96\x81";  // U+2581, SentencePiec
 // trained before them loads without them, and the chat template writes their text instead: io/chat.hpp).
 const std::vector<std::string> kSpecials = {"<|doc|>",     "<|system|>",   "<|user|>",      "<|assistant|>",
                                             "<|end|>",     "<|tool|>",     "<tool_call>",   "</tool_call>",
-                                            "<tool_result>", "</tool_result>"};
+                                            "<tool_result>", "</tool_result>", "<|image|>"};
 constexpr size_t kRequired = 5;
+// <|image|> (the media placeholder, SPEC §9) is only in tokenizers trained with TrainOptions::image: a text-only
+// run's vocabulary stays as it was.
+constexpr std::string_view kImage = "<|image|>";
 
 // Length of the well-formed UTF-8 character at s (RFC 3629: no overlongs, no surrogates, at most
 // U+10FFFF), or 0 when the byte there does not start one. Matches what SentencePiece accepts.
@@ -248,7 +251,8 @@ Tokenizer Tokenizer::train(const std::vector<std::string>& texts, const std::str
   }
 
   std::string specials;
-  for (const auto& s : kSpecials) specials += (specials.empty() ? "" : ",") + s;
+  for (const auto& s : kSpecials)
+    if (o.image || s != kImage) specials += (specials.empty() ? "" : ",") + s;
   std::unordered_map<std::string, std::string> kw = {
       {"model_type", "bpe"},
       {"vocab_size", std::to_string(o.vocab_size)},
@@ -370,6 +374,10 @@ int32_t Tokenizer::special(std::string_view name) const {
     const std::string_view full = kSpecials[i];
     const bool bars = full.starts_with("<|");
     if (name == full || (bars && name == full.substr(2, full.size() - 4))) {
+      LM_CHECK(impl_->named[i] >= 0 || full != kImage,
+               "tokenizer '{}' has no special token {} (it was trained for a text-only model; a multimodal run trains "
+               "one that has it)",
+               impl_->path, full);
       LM_CHECK(impl_->named[i] >= 0,
                "tokenizer '{}' has no special token {} (it was trained before the tool-use specials; has_special() "
                "tells, and `longmoe tokenizer train` makes a tokenizer that has them)",

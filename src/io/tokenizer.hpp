@@ -9,7 +9,8 @@
 // <|tool|> <tool_call> </tool_call> <tool_result> </tool_result> (one id each; the chat format of
 // docs/rl.md), then the byte pieces, then the learned merges. Ask special()/bos()/... rather than
 // hard-coding ids. A tokenizer trained before the tool-use specials existed has only the first five
-// and loads as it is: has_special() tells, and its checkpoints keep working unchanged.
+// and loads as it is: has_special() tells, and its checkpoints keep working unchanged. <|image|>, the media
+// placeholder of multimodal models (SPEC §9), comes last among the specials and only with TrainOptions::image.
 //
 // Two things SentencePiece cannot represent are sent as byte pieces by encode() itself, so they
 // survive: bytes that are not valid UTF-8 (SentencePiece would turn them into U+FFFD) and the
@@ -36,6 +37,7 @@ class Tokenizer {
     int num_threads = 0;  // 0: one thread. One thread is deterministic; the count is stored in the model file
     size_t max_sentence_length = 16384;  // bytes; longer lines are cut into pieces of this size for training
     size_t input_sentence_size = 0;      // 0: train on every line; else a seeded sample of this many lines
+    bool image = false;  // add the <|image|> special (multimodal runs: the media placeholder's id)
   };
 
   // Trains BPE with byte fallback on `texts` (each a document) and writes `model_path` atomically.
@@ -68,7 +70,7 @@ class Tokenizer {
   int32_t pad() const;
   int32_t unk() const;
   // "<|doc|>" (document separator), "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>",
-  // "<tool_call>", "</tool_call>", "<tool_result>", "</tool_result>"; the <|...|> ones also without the
+  // "<tool_call>", "</tool_call>", "<tool_result>", "</tool_result>", "<|image|>"; the <|...|> ones also without the
   // brackets ("doc"), and "<s>", "</s>", "<pad>", "<unk>". Throws if unknown or absent from this model.
   int32_t special(std::string_view name) const;
   bool has_special(std::string_view name) const;  // false for a tool-use special an older model lacks

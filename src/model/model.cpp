@@ -73,6 +73,27 @@ Model<F>::Model(const ModelConfig& c) : cfg_(c), ps_(cfg_) {
 }
 
 template <class F>
+Buf<F> Model<F>::media_features(const Media<F>& media, int64_t* rows) {
+  LM_CHECK(tower_, "this model has no vision tower (its config has no vision_config); it takes no images");
+  LM_CHECK(placeholder_ >= 0,
+           "images need 'vision_config.media_placeholder_token_id' (the prompt token their features replace), "
+           "which this config does not set");
+  const VisionConfig& v = *cfg_.vision;
+  const int64_t P = v.patch_dim(), d = cfg_.hidden_size;
+  const auto n_px = static_cast<int64_t>(media.pixel_values.size());
+  LM_CHECK(n_px % P == 0, "pixel_values holds {} values, not a whole number of patches of 3 x {} x {} = {}", n_px,
+           v.patch_size, v.patch_size, P);
+  const VisionBatch b = VisionBatch::make(v, media.grids, n_px / P, "the images' grids");
+  Buf<F> features(b.merged() * d);
+  {
+    Timer t(profile.fwd[Profile::Vision]);
+    tower_->forward(media.pixel_values.data(), b, features.data());
+  }
+  if (rows) *rows = b.merged();
+  return features;
+}
+
+template <class F>
 void Model<F>::splice_forward(const int32_t* ids, int64_t rows, const Media<F>* media, F* emb) {
   media_rows_.clear();
   const bool has_media = media && !media->empty();
@@ -89,25 +110,14 @@ void Model<F>::splice_forward(const int32_t* ids, int64_t rows, const Media<F>* 
              placeholder_);
     return;
   }
-  LM_CHECK(placeholder_ >= 0,
-           "forward: images need 'vision_config.media_placeholder_token_id' (the prompt token their features replace), "
-           "which this config does not set");
+  int64_t M = 0;
+  const Buf<F> features = media_features(*media, &M);
+  const int64_t d = cfg_.hidden_size;
   const VisionConfig& v = *cfg_.vision;
-  const int64_t P = v.patch_dim(), d = cfg_.hidden_size;
-  const auto n_px = static_cast<int64_t>(media->pixel_values.size());
-  LM_CHECK(n_px % P == 0, "forward: pixel_values holds {} values, not a whole number of patches of 3 x {} x {} = {}",
-           n_px, v.patch_size, v.patch_size, P);
-  const VisionBatch b = VisionBatch::make(v, media->grids, n_px / P, "forward: the images' grids");
-  const int64_t M = b.merged();
   LM_CHECK(n_placeholders == M,
            "forward: the prompt has {} media placeholder token(s) (id {}), but its {} image(s) give {} feature rows; a "
            "prompt carries one placeholder per feature row, (h/{})·(w/{}) per image of h x w patches",
-           n_placeholders, placeholder_, b.size(), M, v.merge_h, v.merge_w);
-  Buf<F> features(M * d);
-  {
-    Timer t(profile.fwd[Profile::Vision]);
-    tower_->forward(media->pixel_values.data(), b, features.data());
-  }
+           n_placeholders, placeholder_, media->grids.size(), M, v.merge_h, v.merge_w);
   for (int64_t j = 0; j < M; ++j) std::copy_n(features.data() + j * d, d, emb + media_rows_[j] * d);
 }
 

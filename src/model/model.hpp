@@ -93,6 +93,10 @@ class Model {
 
   // The tower (nullptr for a text-only config); its tensors live in params() beside the text model's.
   VisionTower<F>* vision() { return tower_.get(); }
+  // The tower and projector over `media` (SPEC §9): features [M, d], the rows its placeholders take in order (M in
+  // *rows). What the splice runs; the inference session calls it once per image and keeps the rows. lm::Error for a
+  // model without a tower or placeholder id, pixel_values that are no whole number of patches, grids off the config.
+  Buf<F> media_features(const Media<F>& media, int64_t* rows = nullptr);
   // The placeholder id of a model with a tower (-1: none).
   int32_t media_placeholder() const { return placeholder_; }
 

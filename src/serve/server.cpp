@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "io/data_url.hpp"
 #include "io/json.hpp"
 
 namespace lm::serve {
@@ -469,6 +470,7 @@ struct Request {
   bool chat = false, stream = false, include_usage = false, echo = false;
   int64_t logprobs = -1;  // alternatives per token (-1: none)
   std::vector<int32_t> prompt;
+  std::vector<model::Media<float>> media;  // chat images in placeholder order (attached when the sequence opens)
   std::string echo_text;  // completions with echo: the prompt's text
   infer::SamplingParams sp;
   Clock::time_point deadline;
@@ -525,6 +527,7 @@ struct Server::Impl {
   std::vector<std::shared_ptr<Request>> active, prefilling;  // scheduler thread only
   double prefill_debt_s = 0;  // continued-prefill time not yet matched by decode time (scheduler thread)
   std::vector<int32_t> chat_stops, completion_stops;
+  int32_t placeholder = -1;  // the media placeholder (with o.vision)
   Budget budget;
   ConnTable conns;
   bool check_host = false;
@@ -542,6 +545,13 @@ struct Server::Impl {
              e.vocab_size());
     if (tok.eos() >= 0) completion_stops.push_back(tok.eos()), chat_stops.push_back(tok.eos());
     chat_stops.push_back(tok.special("<|end|>"));
+    if (o.vision) {  // the placeholder is an input: a reply that would write one ends instead
+      LM_CHECK(o.vision->media_placeholder_token_id && tok.has_special("<|image|>") &&
+                   tok.special("<|image|>") == *o.vision->media_placeholder_token_id,
+               "serve: images need the tokenizer's <|image|> to be the model's media_placeholder_token_id");
+      placeholder = tok.special("<|image|>");
+      chat_stops.push_back(placeholder);
+    }
     const std::string h = lower(o.host);
     check_host = h == "localhost" || h == "::1" || h == "[::1]" || h.rfind("127.", 0) == 0 || !o.allowed_hosts.empty();
     if (!o.access_log.empty()) {
@@ -842,18 +852,44 @@ struct Server::Impl {
                       field, 400, "context_length_exceeded"};
   }
 
-  // The text of a message's content: a string, or an array of text parts (joined with "\n").
-  static std::string content_text(const json& c, const std::string& where) {
+  // The text of a message's content: a string, or an array of text parts (joined with "\n"). With `images` (a user
+  // message to a model that takes them) also image_url parts, whose data URLs' bytes are appended in order.
+  static std::string content_text(const json& c, const std::string& where, std::vector<std::string>* images = nullptr,
+                                  bool takes_images = false) {
     if (c.is_string()) return c.get<std::string>();
     if (!c.is_array())
       throw BadRequest{fmt::format("'{}' must be a string or an array of content parts", where), where};
     std::string out;
+    int64_t texts = 0;
     for (size_t k = 0; k < c.size(); ++k) {
       const json& p = c[k];
       const std::string pw = fmt::format("{}[{}]", where, k);
       if (!p.is_object() || !p.contains("type") || !p["type"].is_string())
         throw BadRequest{fmt::format("'{}' must be an object with a string 'type'", pw), pw};
       const std::string type = p["type"].get<std::string>();
+      if (type == "image_url" && images) {
+        for (const auto& [key, v] : p.items())
+          if (key != "type" && key != "image_url")
+            throw BadRequest{fmt::format("'{}.{}' is not supported", pw, key), pw + "." + key};
+        const json* u = p.contains("image_url") ? &p["image_url"] : nullptr;
+        if (u && u->is_object()) {
+          for (const auto& [key, v] : u->items())
+            if (key != "url" && key != "detail")
+              throw BadRequest{fmt::format("'{}.image_url.{}' is not supported", pw, key), pw + ".image_url." + key};
+          u = u->contains("url") ? &(*u)["url"] : nullptr;
+        }
+        if (!u || !u->is_string())
+          throw BadRequest{fmt::format("'{}.image_url' must be {{\"url\": \"data:image/...;base64,...\"}}", pw),
+                           pw + ".image_url"};
+        try {
+          images->push_back(io::parse_data_url(u->get<std::string>(), pw + ".image_url.url").bytes);
+        } catch (const Error& e) {
+          throw BadRequest{e.what(), pw + ".image_url.url"};
+        }
+        continue;
+      }
+      if (type == "image_url" && takes_images)
+        throw BadRequest{fmt::format("'{}': images go in user messages only", pw), pw + ".type"};
       if (type != "text")
         throw BadRequest{fmt::format("'{}' has type '{}': only text parts are supported (this model has no {} input)",
                                      pw, type, type == "image_url" ? "image" : type == "input_audio" ? "audio" : type),
@@ -863,7 +899,7 @@ struct Server::Impl {
           throw BadRequest{fmt::format("'{}.{}' is not supported", pw, key), pw + "." + key};
       if (!p.contains("text") || !p["text"].is_string())
         throw BadRequest{fmt::format("'{}.text' must be a string", pw), pw + ".text"};
-      if (k > 0) out += "\n";
+      if (texts++ > 0) out += "\n";
       out += p["text"].get<std::string>();
     }
     return out;
@@ -979,6 +1015,7 @@ struct Server::Impl {
         if (!j.contains("messages") || !j["messages"].is_array() || j["messages"].empty())
           throw BadRequest{"'messages' must be a non-empty array", "messages"};
         std::vector<io::ChatMessage> msgs;
+        std::vector<size_t> image_at;  // the message of each image in r->media
         int64_t bytes = 0;
         for (size_t i = 0; i < j["messages"].size(); ++i) {
           const json& m = j["messages"][i];
@@ -1001,7 +1038,18 @@ struct Server::Impl {
             throw BadRequest{fmt::format("'{}.{}' is not supported", where, key), where + "." + key};
           }
           if (!m.contains("content")) throw BadRequest{fmt::format("'{}.content' is required", where), where + ".content"};
-          msgs.push_back({role, content_text(m["content"], where + ".content")});
+          std::vector<std::string> images;
+          msgs.push_back({role, content_text(m["content"], where + ".content",
+                                             o.vision && role == "user" ? &images : nullptr, o.vision.has_value())});
+          for (size_t k = 0; k < images.size(); ++k) {
+            const std::string iw = fmt::format("{}.content (image {})", where, k);
+            try {
+              r->media.push_back(infer::image_media(images[k], iw, *o.vision, o.image_limits));
+            } catch (const Error& e) {
+              throw BadRequest{e.what(), where + ".content"};
+            }
+            image_at.push_back(msgs.size() - 1);
+          }
           bytes += static_cast<int64_t>(msgs.back().content.size());
         }
         const int64_t limit = ctx - 1;
@@ -1009,6 +1057,24 @@ struct Server::Impl {
           throw too_long(fmt::format("at least {}", (bytes + tok.max_piece_bytes() - 1) / tok.max_piece_bytes()), what);
         r->prompt = io::chat_tokens(tok, msgs, true, true, limit);
         if (static_cast<int64_t>(r->prompt.size()) > limit) throw too_long(fmt::format("more than {}", limit), what);
+        if (!r->media.empty()) {
+          // A message's images open its turn (after its <|user|>), one placeholder per feature row: the template is
+          // a concatenation, so the turn starts where the earlier messages' rendering ends.
+          std::vector<int32_t> ids;
+          size_t from = 0;
+          for (size_t i = 0; i < image_at.size(); ++i) {
+            const io::Conversation before(msgs.begin(), msgs.begin() + static_cast<ptrdiff_t>(image_at[i]));
+            const size_t at = io::chat_tokens(tok, before, false, true).size() + 1;
+            ids.insert(ids.end(), r->prompt.begin() + static_cast<ptrdiff_t>(from),
+                       r->prompt.begin() + static_cast<ptrdiff_t>(std::max(from, at)));
+            ids.insert(ids.end(), static_cast<size_t>(infer::media_rows(*o.vision, r->media[i])), placeholder);
+            from = std::max(from, at);
+          }
+          ids.insert(ids.end(), r->prompt.begin() + static_cast<ptrdiff_t>(from), r->prompt.end());
+          r->prompt = std::move(ids);
+          if (static_cast<int64_t>(r->prompt.size()) > limit)
+            throw too_long(fmt::format("{} (with its images' feature rows)", r->prompt.size()), what);
+        }
       } else {
         if (!j.contains("prompt")) throw BadRequest{"'prompt' is required", "prompt"};
         const json* p = &j["prompt"];
@@ -1108,7 +1174,12 @@ struct Server::Impl {
   }
 
   // A new sequence for an admitted request, resumed from the longest stored prefix of its prompt.
-  void start(Request& r) { r.seq = engine.open(r.prompt, r.reserve); }
+  // Its images go to the sequence first: their features fill the prompt's placeholders as the prefill reaches them.
+  void start(Request& r) {
+    r.seq = engine.open(r.prompt, r.reserve);
+    for (const auto& m : r.media) engine.attach_media(r.seq, m);
+    r.media.clear();
+  }
 
   // One round of prefill, bounded in time by prefill_slice_s: pieces of whole grid units (they end on the engine's
   // grid, so the caches equal one prefill call's), sized from the seconds per token each prompt's last piece took.

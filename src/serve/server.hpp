@@ -65,6 +65,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -92,6 +93,10 @@ struct ServerOptions {
   std::vector<std::string> cors_origins;   // browser origins allowed ("*": any); empty: none
   std::vector<std::string> allowed_hosts;  // Host names accepted besides the loopback names
   std::string access_log;          // file to append one JSON line per request to; empty: none
+  // The model's tower (a multimodal model on an engine that takes images): chat user messages may then hold
+  // image_url parts with base64 data URLs, decoded within `image_limits`. Unset: image parts are refused.
+  std::optional<model::VisionConfig> vision;
+  infer::ImageLimits image_limits;
   void validate() const;           // throws lm::Error naming the bad option
 };
 

@@ -48,9 +48,11 @@ class Engine {
   // One micro-batch: forward, cross-entropy normalised by the step's n_valid_total targets (so that
   // accumulation equals one big batch), backward into the gradients; adds the micro-batch's expert loads
   // and router statistics to the step's. NonFinite on a NaN/Inf loss (naming the first bad layer where it can).
-  virtual LossStats forward_backward(const Batch& b, int64_t n_valid_total) = 0;
+  // With `media`: the batch's images, in placeholder order (the model's splice; the tower gets its gradient).
+  virtual LossStats forward_backward(const Batch& b, int64_t n_valid_total,
+                                     const model::Media<float>* media = nullptr) = 0;
   // Loss only (held-out evaluation).
-  virtual LossStats loss(const Batch& b) = 0;
+  virtual LossStats loss(const Batch& b, const model::Media<float>* media = nullptr) = 0;
   // Global-norm clip and the optimiser update, learning rates times the schedule's lr_factor.
   // NonFinite on a NaN/Inf gradient; weights and optimiser state are then unchanged.
   virtual StepInfo step(double lr_factor) = 0;

@@ -40,16 +40,16 @@ class CpuEngine final : public Engine {
     bal_.clear();
   }
 
-  LossStats forward_backward(const Batch& b, int64_t n_valid_total) override {
+  LossStats forward_backward(const Batch& b, int64_t n_valid_total, const model::Media<float>* media) override {
     const model::Seqs seqs = model::Seqs::packed(b.cu_seqlens);
-    const auto st = m_.forward_backward(b.ids.data(), b.targets.data(), seqs, n_valid_total);
+    const auto st = m_.forward_backward(b.ids.data(), b.targets.data(), seqs, n_valid_total, media);
     if (!std::isfinite(st.loss_sum)) throw NonFinite(diagnose_loss(b, seqs, st.loss_sum));
     bal_.accumulate(b.tokens());
     return {st.loss_sum, st.n_valid};
   }
 
-  LossStats loss(const Batch& b) override {
-    const auto st = m_.loss(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens));
+  LossStats loss(const Batch& b, const model::Media<float>* media) override {
+    const auto st = m_.loss(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens), media);
     return {st.loss_sum, st.n_valid};
   }
 

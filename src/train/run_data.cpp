@@ -46,6 +46,7 @@ std::unique_ptr<io::Tokenizer> make_tokenizer(const RunConfig& cfg, const fs::pa
   io::Tokenizer::TrainOptions to;
   to.vocab_size = cfg.tokenizer_vocab;
   to.seed = cfg.seed;
+  to.image = !cfg.images.empty();  // the media placeholder of a run with images
   auto tok = std::make_unique<io::Tokenizer>(io::Tokenizer::train(texts, tok_path.string(), to));
   say(fmt::format("tokenizer: BPE, {} tokens, trained on {} documents in {:.1f}s", tok->vocab_size(), texts.size(),
                   std::chrono::duration<double>(Clock::now() - t0).count()));

@@ -24,6 +24,8 @@
 
 #include "core/error.hpp"
 #include "core/parallel.hpp"
+#include "io/idx.hpp"
+#include "train/captions.hpp"
 #include "io/checkpoint.hpp"
 #include "io/corpus.hpp"
 #include "io/file.hpp"
@@ -81,7 +83,15 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   c.model = c.init.empty() || j.contains("model") ? io::get_required<std::string>(j, "model", ctx)
                                                   : (fs::path(c.init) / "config.json").string();
   const json& d = j.at("data");
-  io::check_known_fields(d, {"path", "format", "heldout_fraction", "passkey_fraction"}, ctx + " data");
+  io::check_known_fields(d, {"path", "format", "heldout_fraction", "passkey_fraction", "images"}, ctx + " data");
+  if (d.contains("images")) {
+    const json& im = d["images"];
+    const std::string ictx = ctx + " data.images";
+    io::check_known_fields(im, {"path", "size", "fraction"}, ictx);
+    c.images = io::get_required<std::string>(im, "path", ictx);
+    c.image_size = io::get_or<int64_t>(im, "size", 56, ictx);
+    c.image_fraction = io::get_or<double>(im, "fraction", 0.25, ictx);
+  }
   c.data = io::get_required<std::string>(d, "path", ctx + " data");
   c.data_format = io::get_or<std::string>(d, "format", "auto", ctx + " data");
   c.heldout_fraction = io::get_or<double>(d, "heldout_fraction", 0.05, ctx + " data");
@@ -168,6 +178,8 @@ json RunConfig::to_json() const {
                {"format", data_format},
                {"heldout_fraction", heldout_fraction},
                {"passkey_fraction", passkey_fraction}};
+  if (!images.empty())
+    j["data"]["images"] = {{"path", images}, {"size", image_size}, {"fraction", image_fraction}};
   j["tokenizer"] = {{"vocab_size", tokenizer_vocab}};
   if (!tokenizer.empty()) j["tokenizer"]["model"] = tokenizer;
   j["out"] = out;
@@ -200,6 +212,21 @@ void RunConfig::validate(const std::string& ctx) const {
   LM_CHECK(passkey_fraction >= 0 && passkey_fraction <= 0.9,
            "{}: data.passkey_fraction must be in [0, 0.9] (0: no synthetic passkey documents), got {}", ctx,
            passkey_fraction);
+  if (!images.empty()) {
+    LM_CHECK(image_fraction > 0 && image_fraction <= 0.9, "{}: data.images.fraction must be in (0, 0.9], got {}", ctx,
+             image_fraction);
+    LM_CHECK(image_size >= 28 && image_size <= 448 && image_size % 28 == 0,
+             "{}: data.images.size must be a multiple of 28 in [28, 448], got {}", ctx, image_size);
+    LM_CHECK(data_format != "chat" && passkey_fraction == 0 && parallel.dp == 1,
+             "{}: data.images: a text corpus run of one process without passkey documents only (so far)", ctx);
+    for (size_t i = 0; i < stages.size(); ++i) {
+      const int64_t n_img = std::llround(image_fraction * double(stages[i].batch_seqs));
+      LM_CHECK(n_img >= 1 && n_img < stages[i].batch_seqs && !stages[i].concat_documents,
+               "{}: stages[{}]: data.images.fraction {} of batch_seqs {} must leave at least one image and one text "
+               "sequence (and no concat_documents)",
+               ctx, i, image_fraction, stages[i].batch_seqs);
+    }
+  }
   LM_CHECK(tokenizer_vocab >= 300 && tokenizer_vocab <= 1 << 20, "{}: tokenizer.vocab_size must be in [300, 2^20]",
            ctx);
   if (data_format == "chat") {
@@ -340,6 +367,7 @@ class Run {
   // are kept up to date (stage, step_in_stage and position are filled in by save()).
   TrainerState start_, at_;
   std::unique_ptr<Loader> loader_;
+  std::unique_ptr<CaptionData> captions_;  // with data.images
   std::unique_ptr<MetricsLog> metrics_;
   TrainResult result_;
   std::string last_ckpt_;
@@ -421,7 +449,26 @@ void Run::load_model() {
   for (auto [field, id] : {std::pair{&mcfg_.bos_token_id, tok.bos()}, std::pair{&mcfg_.eos_token_id, tok.eos()},
                            std::pair{&mcfg_.pad_token_id, tok.pad()}})
     *field = id >= 0 ? io::json(id) : io::json();
+  if (!cfg_.images.empty()) {  // the tokenizer's <|image|> is the placeholder the splice replaces (SPEC §9)
+    LM_CHECK(mcfg_.vision.has_value(), "{}: data.images needs a model config with vision_config", cfg_.model);
+    mcfg_.vision->media_placeholder_token_id = tok.special("<|image|>");
+  }
   mcfg_.validate(cfg_.model);
+  if (!cfg_.images.empty()) {
+    const auto t0 = Clock::now();
+    captions_ = std::make_unique<CaptionData>(io::read_fashion_mnist(cfg_.images, "train"), tok, mcfg_,
+                                              cfg_.image_size, cfg_.seed);
+    const int64_t longest = captions_->longest_document();
+    int64_t shortest_seq = cfg_.stages.front().seq_len;
+    for (const auto& S : cfg_.stages) shortest_seq = std::min(shortest_seq, S.seq_len);
+    LM_CHECK(longest <= shortest_seq, "{}: an image document takes up to {} tokens, more than seq_len {}", cfg_.images,
+             longest, shortest_seq);
+    say(fmt::format("images: {} labelled {}x{} images from {} in {:.1f}s, upscaled to {}x{} ({} feature rows each), "
+                    "{:.0f}% of every step's sequences",
+                    captions_->images().n, captions_->images().rows, captions_->images().cols, cfg_.images,
+                    seconds_since(t0), cfg_.image_size, cfg_.image_size, captions_->rows_per_image(),
+                    100 * cfg_.image_fraction));
+  }
   if (writer_) {
     mcfg_.save((out_ / "config.json").string());
     io::write_file_atomic((out_ / "run.json").string(), cfg_.to_json().dump(2) + "\n");
@@ -522,14 +569,23 @@ StepReport Run::train_step(const Stage& st, int64_t step) {
   // One batch of all B sequences (the loader's lanes are defined by B), then split: accumulation
   // sees exactly the sequences of the unaccumulated step.
   // Data parallel: every replica reads the same batch and runs its shard, sequences [r·B/dp, (r+1)·B/dp).
+  // With images: round(image_fraction · B) of the B sequences are captioned images (one micro-batch of their own,
+  // drawn for this global step), the others the corpus' lanes.
   std::vector<Batch> mb;
-  Batch whole = loader_->next(st.cfg.batch_seqs);
+  const int64_t n_img = captions_ ? std::llround(cfg_.image_fraction * double(st.cfg.batch_seqs)) : 0;
+  const int64_t n_text = st.cfg.batch_seqs - n_img;
+  Batch whole = loader_->next(n_text);
+  ImageBatch img;
+  if (n_img > 0) img = captions_->batch(static_cast<uint64_t>(at_.global_step), n_img, st.cfg.seq_len);
   // The model's count: it also drops targets that name the media placeholder (SPEC §9).
-  const int64_t n_valid = model_->count_targets(whole.targets.data(), static_cast<int64_t>(whole.targets.size()));
+  const int64_t n_valid = model_->count_targets(whole.targets.data(), static_cast<int64_t>(whole.targets.size())) +
+                          model_->count_targets(img.batch.targets.data(), img.batch.tokens());
   const int64_t shard = st.cfg.replica_seqs(cfg_.parallel.dp), first = comm_.rank() * shard;
   const int64_t micro = st.cfg.replica_micro(cfg_.parallel.dp);
-  if (micro == st.cfg.batch_seqs) {
+  if (micro >= n_text && n_img == 0) {
     mb.push_back(std::move(whole));
+  } else if (n_img > 0) {  // (one process: validate)
+    for (int64_t b = 0; b < n_text; b += micro) mb.push_back(whole.sequences(b, std::min(micro, n_text - b)));
   } else {
     for (int64_t b = first; b < first + shard; b += micro) mb.push_back(whole.sequences(b, micro));
   }
@@ -539,6 +595,7 @@ StepReport Run::train_step(const Stage& st, int64_t step) {
   try {
     engine_->zero_grads();
     for (const Batch& b : mb) loss_sum += engine_->forward_backward(b, n_valid).loss_sum;
+    if (n_img > 0) loss_sum += engine_->forward_backward(img.batch, n_valid, &img.media).loss_sum;
     comm_.all_reduce_sum(&loss_sum, 1);
     r.info = engine_->step(st.sched.factor_at(step));  // (sums the replicas' gradients first)
   } catch (const NonFinite& e) {

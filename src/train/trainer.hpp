@@ -76,6 +76,13 @@ struct RunConfig {
   // Synthetic passkey documents' share of the training tokens, per stage at its seq_len
   // (train/synthetic.hpp); 0: none. In [0, 0.9]. The held-out split stays pure corpus.
   double passkey_fraction = 0;
+  // Images (issue 22 item 4: SPEC §9 trained jointly): a Fashion-MNIST folder (io::read_fashion_mnist) whose train
+  // split's images, captioned from their labels (train/captions.hpp), fill `image_fraction` of every step's
+  // sequences; the rest are the corpus as before. Needs a model config with vision_config; the tokenizer trained
+  // here then has <|image|>, which becomes media_placeholder_token_id. "": text only.
+  std::string images;
+  int64_t image_size = 56;      // px: each 28x28 item is upscaled to image_size², a multiple of patch·merge
+  double image_fraction = 0;    // of a step's batch_seqs, rounded; in [0, 0.9]
   int tokenizer_vocab = 4096;
   std::string tokenizer;                  // an existing tokenizer.model to use instead of training one
   std::string out = "runs/default";

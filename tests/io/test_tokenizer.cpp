@@ -83,6 +83,7 @@ TEST(Tokenizer, LayoutAndSpecials) {
   EXPECT_EQ(t.pad(), 3);
   std::vector<int32_t> ids;
   for (const auto& name : Tokenizer::special_names()) {
+    if (name == "<|image|>") continue;  // only in tokenizers trained with images (below)
     const int32_t id = t.special(name);
     ids.push_back(id);
     EXPECT_TRUE(t.is_special(id)) << name;
@@ -106,6 +107,28 @@ TEST(Tokenizer, LayoutAndSpecials) {
   EXPECT_EQ(mixed.back(), t.special("<|assistant|>"));
   EXPECT_EQ(t.decode(mixed), "<|user|>hi the fox<|end|>\n<|assistant|>");
   EXPECT_EQ(t.decode({t.bos(), t.encode("the")[0], t.eos(), t.pad()}), "the");
+}
+
+// <|image|> (the media placeholder) only when asked for: a text-only tokenizer keeps its layout and lacks it, and
+// encode_text spells it out as bytes in either.
+TEST(Tokenizer, ImageSpecialOnlyWhenAsked) {
+  const Tokenizer& t = tiny();
+  EXPECT_FALSE(t.has_special("<|image|>"));
+  EXPECT_THROW(t.special("image"), lm::Error);
+  EXPECT_GT(t.encode("<|image|>").size(), 1u);
+  Tokenizer::TrainOptions o;
+  o.vocab_size = 400;
+  o.image = true;
+  const Tokenizer m = Tokenizer::train(synthetic_corpus(300, 1), (temp_dir() / "image.model").string(), o);
+  ASSERT_TRUE(m.has_special("<|image|>"));
+  EXPECT_EQ(m.special("<|image|>"), 14);  // after the ten others
+  EXPECT_EQ(m.special("image"), 14);
+  EXPECT_EQ(m.special("<|doc|>"), t.special("<|doc|>"));
+  EXPECT_EQ(m.encode("a<|image|>b")[1], 14);
+  const auto plain = m.encode_text("<|image|>");
+  EXPECT_GT(plain.size(), 1u);
+  EXPECT_EQ(m.decode(plain), "<|image|>");
+  EXPECT_EQ(m.decode({14}), "<|image|>");
 }
 
 TEST(Tokenizer, LearnsWordsAndNewlines) {

@@ -10,6 +10,7 @@
 
 #include <unistd.h>
 
+#include "infer/engine.hpp"
 #include "infer/generate.hpp"
 #include "infer/session.hpp"
 #include "io/checkpoint.hpp"
@@ -400,9 +401,56 @@ TEST(Multimodal, PlaceholderTargetsCarryNoLoss) {
     }
 }
 
-// Until generation takes images, the inference session of a multimodal model decodes text and refuses a
-// placeholder (which would otherwise embed the placeholder's own row).
-TEST(Multimodal, SessionDecodesTextAndRefusesPlaceholders) {
+// The inference session's prefill with images equals the model's forward on the same spliced input: the features
+// attached to the sequence (Model::media_features) take the placeholders' rows, in order, across prefill chunks that
+// cut an image (chunk 5: the 16 tokens run as 5 + 5 + 5 + 1), and continue into decode.
+TEST(Multimodal, SessionPrefillWithImagesEqualsTheForward) {
+  const ModelConfig c = multimodal();
+  Model<float> m(c);
+  randomise(m.params(), 51);
+  const Media<float> media = two_images<float>(13);
+  const auto ids = prompt();
+  ForwardResult<float> want;
+  m.forward(ids.data(), Seqs::batch(1, 16), ForwardOptions{false, true, false}, &want, &media);
+
+  infer::Session s(m, infer::SessionOptions{5, 0, 1 << 20});
+  infer::Sequence seq = s.new_sequence();
+  int64_t rows = 0;
+  const std::vector<float> f = m.media_features(media, &rows);
+  ASSERT_EQ(rows, kFeatureRows);
+  s.attach_media(seq, f);
+  std::vector<float> got;
+  s.prefill(seq, ids, &got);
+  const int64_t V = c.vocab_size;
+  ASSERT_EQ(got.size(), want.logits.size());
+  EXPECT_LT(lm::testing::rel_rms_vec(want.logits, got), 1e-5);
+  EXPECT_EQ(seq.media_taken, kFeatureRows);
+  EXPECT_FALSE(seq.on_grid);  // never a prefix snapshot: the cache is keyed on tokens alone
+  EXPECT_EQ(s.prefix_stats().entries, 0);
+
+  // A decode step after it equals the forward over the 17 tokens.
+  auto ids17 = ids;
+  ids17.push_back(6);
+  ForwardResult<float> want17;
+  m.forward(ids17.data(), Seqs::batch(1, 17), ForwardOptions{false, true, false}, &want17, &media);
+  const std::vector<float> step = s.decode({&seq}, std::vector<int32_t>{6});
+  const std::vector<float> last(want17.logits.end() - V, want17.logits.end());
+  EXPECT_LT(lm::testing::rel_rms_vec(last, step), 1e-5);
+
+  // Text before an image in one call, the image in a later one (images attached in between): the same logits.
+  infer::Sequence seq3 = s.new_sequence();
+  s.prefill(seq3, std::span(ids).first(2));
+  s.attach_media(seq3, std::span(f).first(4 * c.hidden_size));
+  s.prefill(seq3, std::span(ids).subspan(2, 6));
+  s.attach_media(seq3, std::span(f).subspan(4 * c.hidden_size));
+  const std::vector<float> tail = s.prefill(seq3, std::span(ids).subspan(8));
+  const std::vector<float> last16(want.logits.end() - V, want.logits.end());
+  EXPECT_LT(lm::testing::rel_rms_vec(last16, tail), 1e-5);
+}
+
+// Placeholders beyond the attached rows, in decode, or for a model without a tower are clear errors that change
+// nothing; the engine attaches through the model's tower.
+TEST(Multimodal, SessionRefusesPlaceholdersWithoutImages) {
   Model<float> m(multimodal());
   m.params().init(8);
   infer::Session s(m);
@@ -411,5 +459,21 @@ TEST(Multimodal, SessionDecodesTextAndRefusesPlaceholders) {
   EXPECT_EQ(s.prefill(seq, text).size(), 40u);
   infer::Sequence seq2 = s.new_sequence();
   const std::vector<int32_t> with_image = {5, kPh, kPh, kPh, kPh, 3};
-  EXPECT_ERROR(s.prefill(seq2, with_image), "media placeholder", "takes no images");
+  EXPECT_ERROR(s.prefill(seq2, with_image), "media placeholder", "0 image feature row(s) are attached");
+  s.attach_media(seq2, std::vector<float>(3 * 16, 0.5f));
+  EXPECT_ERROR(s.prefill(seq2, with_image), "media placeholder", "3 image feature row(s)");
+  EXPECT_EQ(seq2.pos(), 0);
+  EXPECT_EQ(seq2.media_taken, 0);
+  EXPECT_ERROR(s.decode({&seq}, std::vector<int32_t>{kPh}), "media placeholder");
+  EXPECT_EQ(seq.pos(), 4);
+  EXPECT_ERROR(s.attach_media(seq2, std::vector<float>(7, 0.f)), "not whole feature rows");
+
+  infer::CpuEngine e(s);
+  const auto id = e.open();
+  EXPECT_EQ(e.attach_media(id, two_images<float>(3)), kFeatureRows);
+  EXPECT_ERROR(e.attach_media(id, Media<float>{{1.f, 2.f}, {{1, 2, 2}}}), "pixel_values");
+
+  Model<float> t(ModelConfig::from_json(json::parse(kMicroK3), "text"));
+  t.params().init(8);
+  EXPECT_ERROR(t.media_features(two_images<float>(3)), "no vision tower");
 }
