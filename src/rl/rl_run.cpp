@@ -253,7 +253,6 @@ RlResult run_rl(const RlConfig& c, const RlOptions& o) {
   const auto t0 = Clock::now();
   Loop L{c, o, fs::path(c.out), {}, {}, {}, {}, 0, 0, 0, -1, {}};
   const std::string init = io::resolve_checkpoint(c.init);
-  L.tokenizer_file = (fs::path(init) / "tokenizer.model").string();
   LM_CHECK(!(o.resume && o.overwrite), "rl: --resume continues the run in {}, --overwrite replaces it; give one", c.out);
   fs::create_directories(L.out);
   const auto markers = train::run_markers(L.out);
@@ -268,6 +267,10 @@ RlResult run_rl(const RlConfig& c, const RlOptions& o) {
     fs::remove(L.out / "samples.jsonl");
   }
   L.policy = infer::load_model_dir(resume_dir.empty() ? init : resume_dir);
+  // The run keeps its own copy of the tokenizer its checkpoints carry (the init folder may go away).
+  L.tokenizer_file = (L.out / "tokenizer.model").string();
+  io::write_file_atomic(L.tokenizer_file,
+                        io::read_file((fs::path(resume_dir.empty() ? init : resume_dir) / "tokenizer.model").string()));
   if (c.grpo.kl_coef > 0) L.ref = std::move(infer::load_model_dir(init).model);
   L.policy.model->params().enable_grads();
   L.opt = std::make_unique<train::Optimizer>(L.policy.model->params(), L.policy.config, c.optim);
