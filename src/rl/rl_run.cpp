@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <map>
 #include <numeric>
 
 #include "core/error.hpp"
@@ -133,7 +134,8 @@ struct Loop {
     return infer::Session(*policy.model, so);
   }
 
-  double evaluate() {
+  // Greedy held-out success: over all tasks, and per kind ("eval_success_<kind>") when there are several.
+  json evaluate() {
     RolloutConfig rc = c.rollout;
     rc.temperature = 0;
     std::vector<Trajectory> ts;
@@ -143,9 +145,17 @@ struct Loop {
     for (auto& t : ts) p.push_back(&t);
     infer::Session s = session();
     rollout(s, *policy.tokenizer, rc, p);
+    std::map<std::string, std::pair<double, double>> by_kind;  // kind -> (solved, tasks)
     double ok = 0;
-    for (const auto& t : ts) ok += t.episode.reward == 1.0;
-    return ok / static_cast<double>(c.eval_tasks);
+    for (const auto& t : ts) {
+      ok += t.episode.reward == 1.0;
+      auto& k = by_kind[std::string(task_kind_name(t.task.kind))];
+      k.first += t.episode.reward == 1.0, k.second += 1;
+    }
+    json r = {{"eval_success", ok / static_cast<double>(c.eval_tasks)}};
+    if (by_kind.size() > 1)
+      for (const auto& [k, v] : by_kind) r["eval_success_" + k] = v.first / v.second;
+    return r;
   }
 
   json state() const {
@@ -285,12 +295,15 @@ RlResult run_rl(const RlConfig& c, const RlOptions& o) {
   RlResult r;
   const auto eval_row = [&](int64_t step) {
     const auto te = Clock::now();
-    const double s = L.evaluate();
+    json row = L.evaluate();
+    const double s = row["eval_success"].get<double>();
     r.eval_success.push_back(s);
     if (L.first_eval < 0) L.first_eval = s;
-    metrics.write({{"step", step}, {"eval_success", s}, {"eval_tasks", c.eval_tasks},
-                   {"eval_seconds", std::chrono::duration<double>(Clock::now() - te).count()}});
-    L.say(fmt::format("iteration {:4}  held-out success {:.3f} ({} tasks)", step, s, c.eval_tasks));
+    row["step"] = step;
+    row["eval_tasks"] = c.eval_tasks;
+    row["eval_seconds"] = std::chrono::duration<double>(Clock::now() - te).count();
+    metrics.write(row);
+    L.say(fmt::format("iteration {:4}  held-out success {:.3f} ({} tasks) {}", step, s, c.eval_tasks, row.dump()));
   };
   if (L.iteration == 0) eval_row(0);
   int64_t here = 0;
