@@ -135,6 +135,7 @@ std::string save_checkpoint(const fs::path& out, const CheckpointContent& c, con
   }
   // Test hook: die in the middle of a save (after the weights, before the rename), as a kill would.
   if (env::crash_in_save_at_step() == st.global_step) std::abort();
+  for (const auto& [file, bytes] : c.extra_files) io::write_file_atomic((tmp / file).string(), bytes);
   io::write_file_atomic((tmp / "trainer_state.json").string(), state_json(st).dump(2) + "\n");
   // Replacing a checkpoint of the same step (a save after a resume): rename it aside, then the new one into
   // place, so a kill at any moment leaves a complete folder of that name or its predecessor under .old-.

@@ -50,6 +50,9 @@ struct CheckpointContent {
   const Optimizer& optim;
   dist::Comm* comm = nullptr;  // the job's replicas (null: one process); rank 0 writes the checkpoint
   bool sharded = false;        // the optimiser is sharded over comm (ZeRO-1): every rank writes its shard
+  // More files of the checkpoint, name -> contents (e.g. the RL loop's rl_state.json), written into the temporary
+  // folder with the rest, so they appear with the checkpoint or not at all.
+  std::vector<std::pair<std::string, std::string>> extra_files = {};
 };
 
 // Writes out/ckpt/step-<global_step> (config.json, tokenizer.model, model.safetensors, the optimiser state,
