@@ -103,11 +103,12 @@ int run(Args a) {
 app::Register reg({"serve", "OpenAI-compatible HTTP server (completions, chat completions, SSE streaming)",
                    [](CLI::App& sub) {
                      auto a = std::make_shared<Args>();
-                     // The scheduler prefills one chunk per step between other requests' tokens: a smaller
-                     // chunk than the other verbs' 512 keeps a long prompt from holding up short requests
-                     // (k3-small, 2 cores: a 2-token request during an 8K-token prefill waits ~3x its
-                     // unloaded time with 128, ~12x with 512), for ~25% slower long prefills.
-                     a->cpu_chunk = 128;
+                     // The scheduler prefills in rounds of whole chunks (--prefill-slice-ms) between other requests'
+                     // tokens, and a chunk cannot be cut: on the CPU a small chunk bounds how long a short request
+                     // waits behind a long prompt. 2 busy cores, a 4-layer k3-small, a 60K-token prompt: short
+                     // requests' p99 6.6x unloaded with 8 (3.4x at --threads 1), 8.8x with 16, ~19x with 128
+                     // (README, attack table), for about half the prefill speed of 128 early in a prompt.
+                     a->cpu_chunk = 8;
                      // The GPU's GEMMs want thousands of rows; its chunks still interleave with decode steps.
                      a->gpu_chunk = 2048;
                      a->add_model(sub);

@@ -37,11 +37,13 @@
 // new connection closes the one that has waited longest for its request (idle keep-alive or still sending
 // its head), else it gets 503. A request's head and body must arrive within header_timeout_s in all (not
 // per line). A client that disconnects cancels its request (streaming or not), as does the request timeout.
-// The scheduler prefills long prompts one chunk (Engine::prefill_chunk, on the engine's absolute grid, so on
-// the CPU the result is bit for bit that of one prefill call) per iteration, shortest remaining prompt first
-// (with ageing), between the decode steps of running sequences; while sequences decode, a prompt past its first
-// chunk gets at most half of the time. A long prompt never stalls other streams: a new request waits at most
-// for the chunk in flight (`serve` uses 128-token chunks on the CPU, 2048 on the GPU, for that reason).
+// The scheduler prefills long prompts in rounds bounded in time (prefill_slice_s): each round's pieces are whole
+// chunks (Engine::prefill_chunk, on the engine's absolute grid, so on the CPU the result is bit for bit that of one
+// prefill call), as many as the prompt's measured speed fits in the slice, at least one. New requests' first
+// chunks run before the round's decode step, continued prompts after it, shortest remaining first (with ageing;
+// one passed over twice goes first); while sequences decode, a prompt past its first chunk gets at most half of
+// the time. A new request thus waits at most for the slice or chunk in flight (`serve` uses 8-token chunks on the
+// CPU, 2048 on the GPU).
 // Admission: a request reserves the cache for its prompt plus max_tokens (Engine::open); on the GPU, whose
 // latent pool is fixed, requests wait in the queue, first come first served, until the pool can hold them,
 // and one that could never fit gets 400 at once.
@@ -54,7 +56,7 @@
 //
 // Concurrency: HTTP handler threads parse and validate, then hand the request to one scheduler thread, the
 // only one that calls the engine. Each scheduler iteration admits waiting requests (up to max_batch sequences
-// prefilling or decoding), runs one prefill chunk and one decode step over every decoding sequence
+// prefilling or decoding), runs a prefill round and one decode step over every decoding sequence
 // (continuous batching). Text flows back through a per-request event queue; a streaming handler turns
 // events into SSE `data: {...}` lines and ends with `data: [DONE]`.
 // stop() (e.g. on SIGTERM): new requests get 503, running ones end (finish_detail "shutdown"), their
