@@ -15,7 +15,7 @@ namespace {
 namespace fs = std::filesystem;
 using namespace lm::io;
 
-const fs::path kRepo = fs::path(__FILE__).parent_path().parent_path().parent_path();
+const fs::path kRepo = fs::path(LONGMOE_SOURCE_DIR);
 
 struct TempDir {
   fs::path path;

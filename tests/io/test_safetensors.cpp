@@ -587,7 +587,7 @@ TEST(SafeTensorsReject, GoldenFilesStillParse) {
 
 TEST(SafeTensorsReject, FuzzSeedCorpusIsWhatItClaims) {
   // fuzz/corpus/safetensors: seeds named bad_* must be rejected, all others must load fully.
-  const fs::path corpus = fs::path(__FILE__).parent_path() / ".." / ".." / "fuzz" / "corpus" / "safetensors";
+  const fs::path corpus = fs::path(LONGMOE_SOURCE_DIR) / "fuzz" / "corpus" / "safetensors";
   if (!fs::is_directory(corpus)) GTEST_SKIP() << "no fuzz corpus at " << corpus;
   int n = 0;
   for (const auto& e : fs::directory_iterator(corpus)) {

@@ -322,7 +322,7 @@ TEST(Tokenizer, TrainingErrorsWriteNothing) {
 TEST(Tokenizer, BrownRoundTrip) {
   std::string dir;
   if (const std::string e = lm::env::brown_dir(""); !e.empty()) dir = e;
-  else if (const fs::path d = fs::path(__FILE__).parent_path().parent_path().parent_path() / "data/brown"; fs::exists(d))
+  else if (const fs::path d = fs::path(LONGMOE_SOURCE_DIR) / "data/brown"; fs::exists(d))
     dir = d.string();
   if (dir.empty()) GTEST_SKIP() << "Brown corpus not found (set LONGMOE_BROWN_DIR or run scripts/fetch_brown.sh data/brown)";
   const auto docs = lm::io::read_brown(dir);

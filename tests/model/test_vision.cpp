@@ -306,7 +306,7 @@ TEST(Vision, ModelConfigCarriesAVisionConfig) {
 
 TEST(Vision, ShippedK3VisionConfigCountsTheTower) {
   const std::filesystem::path path =
-      std::filesystem::path(__FILE__).parent_path().parent_path().parent_path() / "configs" / "kimi-k3-vision.json";
+      std::filesystem::path(LONGMOE_SOURCE_DIR) / "configs" / "kimi-k3-vision.json";
   if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " not found";
   const ModelConfig c = ModelConfig::load(path.string());
   ASSERT_TRUE(c.vision.has_value());

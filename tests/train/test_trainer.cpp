@@ -517,8 +517,7 @@ TEST(Trainer, BadRunConfigsAreClearErrors) {
 // Every shipped run config parses (the README job, the experiments, the K3 recipe) and every model
 // config it names (in this repository) builds.
 TEST(Trainer, ShippedRunConfigsParse) {
-  const fs::path dir = fs::path(LONGMOE_BINARY).parent_path().parent_path() / "configs";
-  const fs::path src = fs::exists(dir) ? dir : fs::path(__FILE__).parent_path().parent_path().parent_path() / "configs";
+  const fs::path src = fs::path(LONGMOE_SOURCE_DIR) / "configs";
   int n = 0;
   for (const auto& e : fs::directory_iterator(src)) {
     const std::string name = e.path().filename().string();
