@@ -307,7 +307,8 @@ RlResult run_rl(const RlConfig& c, const RlOptions& o) {
   };
   if (L.iteration == 0) eval_row(0);
   int64_t here = 0;
-  while (L.iteration < c.iterations && !(c.max_iterations > 0 && here >= c.max_iterations)) {
+  const train::InterruptScope interrupts;  // SIGINT / SIGTERM: finish the iteration, save, stop
+  while (L.iteration < c.iterations && !(c.max_iterations > 0 && here >= c.max_iterations) && !r.interrupted) {
     const auto ti = Clock::now();
     while (static_cast<int64_t>(L.open.size()) < c.prompts_per_iter) {  // new prompts, K samples each
       const TaskRef t = L.task(c.task_seed + static_cast<uint64_t>(L.next_task), L.next_task);
@@ -358,8 +359,9 @@ RlResult run_rl(const RlConfig& c, const RlOptions& o) {
                       row["seconds"].get<double>()));
     const bool last = L.iteration == c.iterations;
     if (last || (c.eval_every > 0 && L.iteration % c.eval_every == 0)) eval_row(L.iteration);
+    r.interrupted = train::interrupt_requested();
     if (last || (c.save_every > 0 && L.iteration % c.save_every == 0) ||
-        (c.max_iterations > 0 && here >= c.max_iterations))
+        (c.max_iterations > 0 && here >= c.max_iterations) || r.interrupted)
       r.checkpoint = L.save();
   }
   r.iterations = L.iteration;

@@ -57,6 +57,7 @@ struct RlResult {
   double first_eval = -1, last_eval = -1; // held-out success rate at the start of the run and at its end
   double seconds = 0;
   std::string checkpoint;
+  bool interrupted = false;               // stopped by SIGINT / SIGTERM after an iteration (a checkpoint was saved)
 };
 
 RlResult run_rl(const RlConfig& c, const RlOptions& o);
