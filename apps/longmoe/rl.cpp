@@ -38,6 +38,14 @@ int run(const Args& a) {
   if (a.max_iterations > 0) j["max_iterations"] = a.max_iterations;
   const lm::rl::RlConfig c = lm::rl::RlConfig::from_json(j, ctx);
   const lm::rl::RlResult r = lm::rl::run_rl(c, {a.resume, a.overwrite, a.quiet});
+  if (r.metrics.empty() && r.iterations >= c.iterations) {
+    std::printf("rl: the run in %s has finished (%ld of %ld iterations); nothing to do\n", c.out.c_str(),
+                static_cast<long>(r.iterations), static_cast<long>(c.iterations));
+    return 0;
+  }
+  if (r.interrupted)
+    std::printf("interrupted after iteration %ld; checkpoint %s (continue with --resume --out %s)\n",
+                static_cast<long>(r.iterations), r.checkpoint.c_str(), c.out.c_str());
   std::printf("rl: %ld iterations; held-out success %.3f at the start, %.3f now (%ld tasks); %.1f s; checkpoint %s\n",
               static_cast<long>(r.iterations), r.first_eval, r.last_eval, static_cast<long>(c.eval_tasks),
               r.seconds, r.checkpoint.c_str());

@@ -91,6 +91,7 @@ GrpoLoss grpo_loss(const std::vector<double>& logp, const GrpoTokens& b, const G
     r.policy_loss += l * inv_n;
     r.kl += k * inv_n;
     r.ratio_mean += rho * inv_n;
+    r.ratio_dev += std::abs(rho - 1) * inv_n;
     r.dlogp[t] = g * inv_n;
   }
   r.loss = r.policy_loss + (kl ? c.kl_coef * r.kl : 0.0);

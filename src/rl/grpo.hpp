@@ -51,7 +51,8 @@ struct GrpoLoss {
   double policy_loss = 0;  // (1/N) sum m_t l_t
   double kl = 0;           // (1/N) sum m_t k_t (0 without a reference)
   double clip_frac = 0;    // share of the N tokens that are clipped
-  double ratio_mean = 0;   // (1/N) sum m_t rho_t
+  double ratio_mean = 0;   // (1/N) sum m_t rho_t (about 1 by construction: E_old[rho] = 1)
+  double ratio_dev = 0;    // (1/N) sum m_t |rho_t - 1|: how far the policy has moved from the rollout's
   int64_t n = 0;           // N
   std::vector<double> dlogp;  // dL/dlogp_t
 };

@@ -33,7 +33,7 @@ int64_t default_size(TaskKind k, int64_t size) { return size > 0 ? size : (k == 
 RlConfig RlConfig::from_json(const json& j, const std::string& ctx) {
   io::check_known_fields(j,
                          {"init", "out", "tasks", "eval", "iterations", "prompts_per_iter", "iteration_tokens",
-                          "micro_trajectories", "optimizer", "grpo", "rollout", "samples_per_iter", "save_every",
+                          "micro_trajectories", "epochs", "optimizer", "grpo", "rollout", "samples_per_iter", "save_every",
                           "keep_checkpoints", "max_iterations", "comment"},
                          ctx);
   RlConfig c;
@@ -64,6 +64,7 @@ RlConfig RlConfig::from_json(const json& j, const std::string& ctx) {
   c.prompts_per_iter = io::get_or<int64_t>(j, "prompts_per_iter", c.prompts_per_iter, ctx);
   c.iteration_tokens = io::get_or<int64_t>(j, "iteration_tokens", c.iteration_tokens, ctx);
   c.micro_trajectories = io::get_or<int64_t>(j, "micro_trajectories", c.micro_trajectories, ctx);
+  c.epochs = io::get_or<int64_t>(j, "epochs", c.epochs, ctx);
   c.optim = train::OptimConfig::from_json(j.contains("optimizer") ? j["optimizer"] : json::parse(kDefaultOptim),
                                           ctx + ": optimizer");
   if (j.contains("grpo")) c.grpo = GrpoConfig::from_json(j["grpo"], ctx);
@@ -72,8 +73,9 @@ RlConfig RlConfig::from_json(const json& j, const std::string& ctx) {
   c.save_every = io::get_or<int64_t>(j, "save_every", c.save_every, ctx);
   c.keep_checkpoints = io::get_or<int64_t>(j, "keep_checkpoints", c.keep_checkpoints, ctx);
   c.max_iterations = io::get_or<int64_t>(j, "max_iterations", c.max_iterations, ctx);
-  LM_CHECK(c.iterations >= 1 && c.prompts_per_iter >= 1 && c.micro_trajectories >= 1 && c.eval_tasks >= 1,
-           "{}: iterations, prompts_per_iter, micro_trajectories and eval.tasks must be >= 1", ctx);
+  LM_CHECK(c.iterations >= 1 && c.prompts_per_iter >= 1 && c.micro_trajectories >= 1 && c.eval_tasks >= 1 &&
+               c.epochs >= 1,
+           "{}: iterations, prompts_per_iter, micro_trajectories, epochs and eval.tasks must be >= 1", ctx);
   LM_CHECK(c.iteration_tokens >= 0 && c.eval_every >= 0 && c.save_every >= 0 && c.samples_per_iter >= 0 &&
                c.keep_checkpoints >= 1 && c.max_iterations >= 0,
            "{}: iteration_tokens, eval.every, save_every, samples_per_iter, max_iterations must be >= 0 and "
@@ -94,6 +96,7 @@ json RlConfig::to_json() const {
           {"prompts_per_iter", prompts_per_iter},
           {"iteration_tokens", iteration_tokens},
           {"micro_trajectories", micro_trajectories},
+          {"epochs", epochs},
           {"optimizer", optim.to_json()},
           {"grpo", grpo.to_json()},
           {"rollout", rollout.to_json()},
@@ -199,43 +202,48 @@ struct Loop {
     int64_t N = 0;
     for (const Trajectory* t : ts) N += std::accumulate(t->mask.begin() + 1, t->mask.end(), int64_t{0});
     model::ParamStore<float>& ps = policy.model->params();
-    ps.zero_grads();
-    double loss = 0, pol = 0, kl = 0, clip = 0, ratio = 0;
-    for (size_t b = 0; b < ts.size(); b += static_cast<size_t>(c.micro_trajectories)) {
-      const size_t e = std::min(ts.size(), b + static_cast<size_t>(c.micro_trajectories));
-      std::vector<int32_t> ids, tg;
-      std::vector<int64_t> cu = {0};
-      GrpoTokens gt;
-      for (size_t i = b; i < e; ++i) {
-        const Trajectory& t = *ts[i];
-        const size_t n = t.tokens.size() - 1;  // row r predicts token r + 1
-        for (size_t r = 0; r < n; ++r) {
-          ids.push_back(t.tokens[r]);
-          const bool m = t.mask[r + 1] != 0;
-          tg.push_back(m ? t.tokens[r + 1] : -100);
-          gt.mask.push_back(m);
-          gt.old_logp.push_back(t.logp[r + 1]);
-          gt.adv.push_back(adv[i]);
+    double loss = 0, pol = 0, kl = 0, clip = 0, ratio = 0, ratio_dev = 0;
+    train::StepInfo si;
+    // epochs > 1: more optimiser steps on the same rollouts; from the second on the ratios leave 1 and clip.
+    for (int64_t epoch = 0; epoch < c.epochs; ++epoch) {
+      ps.zero_grads();
+      loss = pol = kl = clip = ratio = ratio_dev = 0;
+      for (size_t b = 0; b < ts.size(); b += static_cast<size_t>(c.micro_trajectories)) {
+        const size_t e = std::min(ts.size(), b + static_cast<size_t>(c.micro_trajectories));
+        std::vector<int32_t> ids, tg;
+        std::vector<int64_t> cu = {0};
+        GrpoTokens gt;
+        for (size_t i = b; i < e; ++i) {
+          const Trajectory& t = *ts[i];
+          const size_t n = t.tokens.size() - 1;  // row r predicts token r + 1
+          for (size_t r = 0; r < n; ++r) {
+            ids.push_back(t.tokens[r]);
+            const bool m = t.mask[r + 1] != 0;
+            tg.push_back(m ? t.tokens[r + 1] : -100);
+            gt.mask.push_back(m);
+            gt.old_logp.push_back(t.logp[r + 1]);
+            gt.adv.push_back(adv[i]);
+          }
+          cu.push_back(cu.back() + static_cast<int64_t>(n));
         }
-        cu.push_back(cu.back() + static_cast<int64_t>(n));
+        const model::Seqs s = model::Seqs::packed(cu);
+        if (ref && c.grpo.kl_coef > 0) {
+          const std::vector<float> rl = ref->target_logprobs(ids.data(), tg.data(), s);
+          gt.ref_logp.assign(rl.begin(), rl.end());
+        }
+        policy.model->forward_backward_logp(ids.data(), tg.data(), s, [&](const std::vector<float>& lp) {
+          const GrpoLoss L = grpo_loss(std::vector<double>(lp.begin(), lp.end()), gt, c.grpo);
+          // grpo_loss normalises by this micro-batch's tokens; the step's mean is over all N.
+          const double w = N > 0 ? static_cast<double>(L.n) / static_cast<double>(N) : 0.0;
+          loss += w * L.loss, pol += w * L.policy_loss, kl += w * L.kl, clip += w * L.clip_frac;
+          ratio += w * L.ratio_mean, ratio_dev += w * L.ratio_dev;
+          std::vector<float> g(L.dlogp.size());
+          for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>(w * L.dlogp[i]);
+          return g;
+        });
       }
-      const model::Seqs s = model::Seqs::packed(cu);
-      if (ref && c.grpo.kl_coef > 0) {
-        const std::vector<float> rl = ref->target_logprobs(ids.data(), tg.data(), s);
-        gt.ref_logp.assign(rl.begin(), rl.end());
-      }
-      policy.model->forward_backward_logp(ids.data(), tg.data(), s, [&](const std::vector<float>& lp) {
-        const GrpoLoss L = grpo_loss(std::vector<double>(lp.begin(), lp.end()), gt, c.grpo);
-        // grpo_loss normalises by this micro-batch's tokens; the step's mean is over all N.
-        const double w = N > 0 ? static_cast<double>(L.n) / static_cast<double>(N) : 0.0;
-        loss += w * L.loss, pol += w * L.policy_loss, kl += w * L.kl, clip += w * L.clip_frac;
-        ratio += w * L.ratio_mean;
-        std::vector<float> g(L.dlogp.size());
-        for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>(w * L.dlogp[i]);
-        return g;
-      });
+      si = opt->step(1.0);
     }
-    const train::StepInfo si = opt->step(1.0);
     double reward = 0, success = 0, turns = 0, tokens = 0, ent = 0, gen = 0, iters = 0;
     for (const Trajectory* t : ts) {
       reward += t->episode.reward;
@@ -251,7 +259,7 @@ struct Loop {
     return {{"reward", reward / n},    {"success", success / n},      {"turns", turns / n},
             {"traj_tokens", tokens / n}, {"entropy", gen > 0 ? ent / gen : 0.0}, {"kl", kl},
             {"clip_frac", clip},       {"loss", loss},                {"policy_loss", pol},
-            {"ratio", ratio},          {"grad_norm", si.grad_norm},   {"lr", si.lr_adamw},
+            {"ratio", ratio}, {"ratio_dev", ratio_dev},          {"grad_norm", si.grad_norm},   {"lr", si.lr_adamw},
             {"trajectories", ts.size()}, {"train_tokens", N},         {"traj_iterations", iters / n}};
   }
 };
@@ -307,7 +315,8 @@ RlResult run_rl(const RlConfig& c, const RlOptions& o) {
   };
   if (L.iteration == 0) eval_row(0);
   int64_t here = 0;
-  while (L.iteration < c.iterations && !(c.max_iterations > 0 && here >= c.max_iterations)) {
+  const train::InterruptScope interrupts;  // SIGINT / SIGTERM: finish the iteration, save, stop
+  while (L.iteration < c.iterations && !(c.max_iterations > 0 && here >= c.max_iterations) && !r.interrupted) {
     const auto ti = Clock::now();
     while (static_cast<int64_t>(L.open.size()) < c.prompts_per_iter) {  // new prompts, K samples each
       const TaskRef t = L.task(c.task_seed + static_cast<uint64_t>(L.next_task), L.next_task);
@@ -358,8 +367,9 @@ RlResult run_rl(const RlConfig& c, const RlOptions& o) {
                       row["seconds"].get<double>()));
     const bool last = L.iteration == c.iterations;
     if (last || (c.eval_every > 0 && L.iteration % c.eval_every == 0)) eval_row(L.iteration);
+    r.interrupted = train::interrupt_requested();
     if (last || (c.save_every > 0 && L.iteration % c.save_every == 0) ||
-        (c.max_iterations > 0 && here >= c.max_iterations))
+        (c.max_iterations > 0 && here >= c.max_iterations) || r.interrupted)
       r.checkpoint = L.save();
   }
   r.iterations = L.iteration;

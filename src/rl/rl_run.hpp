@@ -33,6 +33,7 @@ struct RlConfig {
   int64_t prompts_per_iter = 8;      // open groups per iteration
   int64_t iteration_tokens = 0;      // the token deadline of an iteration's rollouts (0: none)
   int64_t micro_trajectories = 8;    // trajectories per forward/backward
+  int64_t epochs = 1;                // optimiser steps per batch of rollouts (the metrics are the last one's)
   double lr = 1e-5;                  // constant (AdamW unless optimizer says otherwise)
   train::OptimConfig optim;
   GrpoConfig grpo;
@@ -57,6 +58,7 @@ struct RlResult {
   double first_eval = -1, last_eval = -1; // held-out success rate at the start of the run and at its end
   double seconds = 0;
   std::string checkpoint;
+  bool interrupted = false;               // stopped by SIGINT / SIGTERM after an iteration (a checkpoint was saved)
 };
 
 RlResult run_rl(const RlConfig& c, const RlOptions& o);

@@ -1,6 +1,8 @@
 #include "train/run_dir.hpp"
 
 #include <algorithm>
+#include <atomic>
+#include <csignal>
 #include <cstdlib>
 #include <vector>
 
@@ -203,6 +205,27 @@ std::vector<std::string> optimizer_files(const fs::path& dir) {
   }
   return r;
 }
+
+namespace {
+std::atomic<int> g_interrupts{0};
+void on_interrupt(int sig) {
+  if (g_interrupts.fetch_add(1) > 0) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+  }
+}
+}  // namespace
+
+InterruptScope::InterruptScope() {
+  g_interrupts = 0;
+  old_int_ = std::signal(SIGINT, on_interrupt);
+  old_term_ = std::signal(SIGTERM, on_interrupt);
+}
+InterruptScope::~InterruptScope() {
+  std::signal(SIGINT, old_int_);
+  std::signal(SIGTERM, old_term_);
+}
+bool interrupt_requested() { return g_interrupts.load() > 0; }
 
 MetricsLog::MetricsLog(const fs::path& path, bool resume, int64_t global_step) {
   if (resume && fs::exists(path)) {

@@ -78,6 +78,22 @@ bool relink_stage_if_needed(const std::filesystem::path& out, const std::filesys
 // naming the folder when neither is there, or a listed shard is missing.
 std::vector<std::string> optimizer_files(const std::filesystem::path& dir);
 
+// SIGINT / SIGTERM while a run's loop is going (train, sft, rl): the first one asks the loop to stop after the
+// current step and save a checkpoint (a stopped run is one --resume away from continuing); a second one exits at
+// once. The handlers are installed for the scope's lifetime.
+class InterruptScope {
+ public:
+  InterruptScope();
+  ~InterruptScope();
+  InterruptScope(const InterruptScope&) = delete;
+  InterruptScope& operator=(const InterruptScope&) = delete;
+
+ private:
+  using Handler = void (*)(int);
+  Handler old_int_, old_term_;
+};
+bool interrupt_requested();  // a SIGINT or SIGTERM arrived inside the current InterruptScope
+
 // metrics.jsonl, a JSON object a line, flushed line by line (a killed run keeps what it logged). A new
 // run starts it empty; a resumed one first drops the lines of steps after its checkpoint's global_step
 // (and a torn last line).

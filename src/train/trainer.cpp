@@ -280,31 +280,6 @@ std::string fmt_duration(double s) {
   return fmt::format("{}s", t);
 }
 
-// SIGINT / SIGTERM: the first one asks the step loop to stop after the current step and save a
-// checkpoint (a stopped run is one --resume away from continuing); a second one exits at once.
-std::atomic<int> g_interrupts{0};
-void on_interrupt(int sig) {
-  if (g_interrupts.fetch_add(1) > 0) {
-    std::signal(sig, SIG_DFL);
-    std::raise(sig);
-  }
-}
-struct InterruptScope {
-  using Handler = void (*)(int);
-  Handler old_int, old_term;
-  InterruptScope() {
-    g_interrupts = 0;
-    old_int = std::signal(SIGINT, on_interrupt);
-    old_term = std::signal(SIGTERM, on_interrupt);
-  }
-  ~InterruptScope() {
-    std::signal(SIGINT, old_int);
-    std::signal(SIGTERM, old_term);
-  }
-  InterruptScope(const InterruptScope&) = delete;
-  InterruptScope& operator=(const InterruptScope&) = delete;
-};
-
 // One curriculum stage as this process runs it.
 struct Stage {
   int64_t index;
@@ -557,7 +532,7 @@ void Run::report_passkey(const StageConfig& S) {
 
 bool Run::stop_requested() {
   // Collective: every replica stops after the same step (a signal may reach them at different moments).
-  int64_t interrupted = g_interrupts.load() > 0 ? 1 : 0;
+  int64_t interrupted = interrupt_requested() ? 1 : 0;
   comm_.all_reduce_sum(&interrupted, 1);
   if (interrupted > 0) result_.interrupted = true;
   return (cfg_.max_steps > 0 && at_.global_step >= cfg_.max_steps) || result_.interrupted;

@@ -77,6 +77,7 @@ TEST(Grpo, ClippedLossAndStatsAgainstTheFormula) {
   }
   EXPECT_NEAR(L.kl, kl, 1e-12);
   EXPECT_NEAR(L.loss, pol + 0.1 * kl, 1e-12);
+  EXPECT_NEAR(L.ratio_dev, (0 + (std::exp(0.5) - 1) + (1 - std::exp(-0.5)) + (r1 - 1)) / 4, 1e-12);
   // Clipped tokens carry only the KL gradient; masked rows nothing.
   EXPECT_EQ(L.dlogp[0], 0.0);
   EXPECT_EQ(L.dlogp[5], 0.0);

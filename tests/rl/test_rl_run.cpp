@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <cmath>
 #include <fstream>
 #include <unistd.h>
 
@@ -131,6 +132,24 @@ TEST(RlRun, LogsTrainsAndResumesExactly) {
   // A new run into a folder that holds one is refused, and nothing there changes.
   EXPECT_THROW(run_rl(b, {false, false, true}), Error);
   EXPECT_EQ(weights(io::resolve_checkpoint(b.out) + "/model.safetensors"), weights(ra.checkpoint));
+}
+
+// A second optimiser step on the same rollouts sees ratios away from 1 (the first is on-policy: exactly 1 up to the
+// rollout's and the training forward's rounding, except for tokens sampled before a pause), and the run ends on other
+// weights than the single-epoch one.
+TEST(RlRun, SecondEpochRatiosLeaveOne) {
+  RlConfig one = tiny("epochs1"), two = tiny("epochs2");
+  two.epochs = 2;
+  const RlResult r1 = run_rl(one, {false, false, true}), r2 = run_rl(two, {false, false, true});
+  const auto most = [](const RlResult& r) {
+    double m = 0;
+    for (const auto& row : r.metrics) m = std::max(m, row.value("ratio_dev", 0.0));
+    return m;
+  };
+  EXPECT_LT(most(r1), 1e-2);
+  EXPECT_GT(most(r2), 3 * most(r1));
+  EXPECT_NE(weights(r1.checkpoint), weights(r2.checkpoint));
+  std::printf("mean |ratio - 1|, largest over the iterations: 1 epoch %.2e, 2 epochs %.2e\n", most(r1), most(r2));
 }
 
 TEST(RlRun, ConfigErrorsNameTheField) {
