@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs the Debian (12, bookworm) packages longmoe needs to build, test, sanitize and fuzz.
 #
-#   scripts/deps.sh              build + test dependencies (what scripts/test.sh and .ci/run need)
-#   scripts/deps.sh --with-node  also nodejs + npm, for the data step that needs them
+#   scripts/deps.sh              build + test dependencies (what scripts/test.sh and .ci/run need), nodejs + npm
+#                                included (the corpus download and the OpenAI Node SDK test use them)
+#   scripts/deps.sh --with-node  the same (kept for older callers)
 #   scripts/deps.sh --with-fashion-mnist  also Debian's dataset-fashion-mnist (the vision run's images, 30 MB)
 #
 # Idempotent: when every package is already installed it touches nothing (no apt-get update, no
@@ -58,8 +59,8 @@ longmoe_apt_install() {
 
 longmoe_install_build_deps() { longmoe_apt_install "${LONGMOE_APT_PACKAGES[@]}"; }
 
-# nodejs + npm: only the data-preparation step that runs a Node tool needs these; the build, the
-# tests and CI do not.
+# nodejs + npm: the corpus download (scripts/fetch_brown.sh) and the OpenAI Node SDK test
+# (tests/serve/test_openai_sdk.cpp, which CI requires to run: LONGMOE_REQUIRE_NODE_SDK=1 in .ci/run).
 # A node + npm already on PATH (e.g. NodeSource's nodejs, which bundles npm and conflicts with
 # Debian's npm package) is used as it is.
 longmoe_install_node_deps() {
@@ -71,17 +72,17 @@ longmoe_install_node_deps() {
 }
 
 longmoe_deps_main() {
-  local with_node=0 with_fmnist=0 a
+  local with_fmnist=0 a
   for a in "$@"; do
     case $a in
-      --with-node) with_node=1 ;;
+      --with-node) ;;
       --with-fashion-mnist) with_fmnist=1 ;;
       -h|--help) sed -n '2,11p' "${BASH_SOURCE[0]}"; return 0 ;;
       *) echo "deps: unknown argument '$a'" >&2; return 2 ;;
     esac
   done
   longmoe_install_build_deps
-  if [[ $with_node -eq 1 ]]; then longmoe_install_node_deps; fi
+  longmoe_install_node_deps
   # /usr/share/datasets/fashion-mnist/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz
   if [[ $with_fmnist -eq 1 ]]; then longmoe_apt_install dataset-fashion-mnist; fi
 }

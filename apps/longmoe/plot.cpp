@@ -26,6 +26,7 @@ lm::app::Register reg({"plot", "Render training metrics (JSONL) to a PNG chart",
                  "... Default: loss (with eval_loss points) above maxvio")
       ->allow_extra_args(false);
   sub.add_option("--x", o->plot.x, "Field for the x axis: step or tokens")->capture_default_str();
+  sub.add_flag("--log-x", o->plot.log_x, "Logarithmic x axis (e.g. retrieval accuracy against context length)");
   sub.add_flag("--log-y", o->plot.log_y, "Logarithmic y axis");
   sub.add_option("--smooth", o->plot.smooth, "Centred moving average over N points (raw curve drawn faint)")
       ->check(CLI::NonNegativeNumber);

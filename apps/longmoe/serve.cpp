@@ -158,7 +158,13 @@ app::Register reg({"serve", "OpenAI-compatible HTTP server (completions, chat co
                          ->check(CLI::Range(1e-3, 3600.0));
                      sub.add_option("--keep-alive", so.keep_alive_s, "seconds an idle connection stays open (default 5)")
                          ->check(CLI::Range(1e-3, 3600.0));
-                     return [a, body_mb, inflight_mb, dmt] {
+                     auto slice_ms = std::make_shared<double>(so.prefill_slice_s * 1e3);
+                     sub.add_option("--prefill-slice-ms", *slice_ms,
+                                    "prefill work per scheduler round between decode steps, ms (default 10; whole "
+                                    "--prefill-chunk units, at least one)")
+                         ->check(CLI::Range(0.1, 60000.0));
+                     return [a, body_mb, inflight_mb, dmt, slice_ms] {
+                       a->so.prefill_slice_s = *slice_ms * 1e-3;
                        a->default_max_tokens_given = dmt->count() > 0;
                        a->so.max_body_bytes = static_cast<int64_t>(*body_mb * 1048576.0);
                        a->so.max_inflight_bytes = static_cast<int64_t>(*inflight_mb * 1048576.0);

@@ -7,11 +7,44 @@
 
 #include <fmt/format.h>
 
+#include "apps/longmoe/infer_common.hpp"
 #include "core/error.hpp"
 #include "dist/comm.hpp"
+#include "infer/retrieval_eval.hpp"
+#include "io/file.hpp"
 #include "train/trainer.hpp"
 
 namespace lm::app {
+namespace {
+
+// RunConfig::eval_retrieval: every stage-<i> of the run without a retrieval.jsonl yet is loaded and measured on
+// `device` (so a resumed run measures only what is missing), one JSON line per task and length.
+void eval_stage_retrieval(const train::RunConfig& cfg, const std::string& device) {
+  for (size_t i = 0; i < cfg.stages.size(); ++i) {
+    const std::filesystem::path dir = std::filesystem::path(cfg.out) / fmt::format("stage-{}", i);
+    const std::filesystem::path file = dir / "retrieval.jsonl";
+    if (!std::filesystem::exists(dir / "config.json") || std::filesystem::exists(file)) continue;
+    InferArgs a;
+    a.model = dir.string();
+    a.device = device;
+    a.context = cfg.eval_retrieval.longest();
+    a.prefix_cache_mb = 0;  // (every prompt is new)
+    infer::LoadedModel m = a.load();
+    cfg.eval_retrieval.validate(*m.tokenizer, "eval_retrieval");
+    infer::OwnedEngine engine = a.engine(m);
+    std::string lines;
+    infer::eval_retrieval(*engine, *m.tokenizer, cfg.eval_retrieval, [&](const infer::RetrievalPoint& p) {
+      std::printf("stage %zu: %s\n", i, infer::describe(p, cfg.eval_retrieval.needles).c_str());
+      std::fflush(stdout);
+      io::json row = p.to_json();
+      row["stage"] = i;
+      lines += row.dump() + "\n";
+    });
+    io::write_file_atomic(file.string(), lines);
+  }
+}
+
+}  // namespace
 
 void RunFlags::add(CLI::App& sub) {
   sub.add_flag("--resume", resume, "Continue the run in --out from its latest checkpoint");
@@ -79,6 +112,7 @@ int run_training(const io::json& base, const std::string& ctx, const Overrides& 
       line += fmt::format("; after step 50: median {:.3f}, max {:.3f}", b.median_after, b.max_after);
     std::printf("balance: worst-layer MaxVio %s\n", line.c_str());
   }
+  if (!cfg.eval_retrieval.empty()) eval_stage_retrieval(cfg, f.device);
   return 0;
 }
 

@@ -37,6 +37,7 @@ inline constexpr const char* kNoReexec = "LONGMOE_NO_REEXEC";
 inline constexpr const char* kPeerScript = "LONGMOE_PEER_SCRIPT";
 inline constexpr const char* kGoldenDir = "LONGMOE_GOLDEN_DIR";
 inline constexpr const char* kBrownDir = "LONGMOE_BROWN_DIR";
+inline constexpr const char* kRequireNodeSdk = "LONGMOE_REQUIRE_NODE_SDK";
 
 namespace detail {
 inline const char* raw(const char* name) { return std::getenv(name); }
@@ -130,5 +131,8 @@ inline std::string peer_script(const std::string& fallback) {
 inline std::string golden_dir(const std::string& fallback) { return detail::str_or(kGoldenDir, fallback); }
 // LONGMOE_BROWN_DIR=DIR: the Brown corpus for the tests that read it (tests/io). Unset or empty: `fallback`.
 inline std::string brown_dir(const std::string& fallback) { return detail::str_or(kBrownDir, fallback); }
+// LONGMOE_REQUIRE_NODE_SDK=1: the OpenAI Node SDK test (tests/serve/test_openai_sdk.cpp) fails instead of skipping
+// when node, npm or the SDK is missing (.ci/run sets it). Default: it skips and says why.
+inline bool require_node_sdk() { return detail::first_is(kRequireNodeSdk, '1'); }
 
 }  // namespace lm::env

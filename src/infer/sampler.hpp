@@ -53,6 +53,9 @@ class Sampler {
   int32_t sample(const float* logits, int64_t V, const std::vector<int32_t>& history, TokenLogprobs* lp = nullptr);
   bool is_stop_token(int32_t t) const;
   int64_t drawn() const { return i_; }
+  // Continue as if `i` tokens had been drawn: the draw counter is the sampler's whole state, so a generation
+  // paused after i tokens resumes exactly (RL partial rollouts, rl/rollout.hpp).
+  void seek(int64_t i) { i_ = i; }
 
   // The distribution sample() draws from (after penalty, temperature, top-k, top-p): probabilities [V]
   // with zeros for masked tokens. Greedy gives a one-hot vector. For tests and tools.

@@ -290,8 +290,12 @@ std::vector<float> Session::prefill(Sequence& seq, std::span<const int32_t> toke
   if (all_logits) all_logits->resize(static_cast<size_t>(n * V));
   if (seq.pos() % opt_.prefill_chunk != 0 || has_media) seq.on_grid = false;
   const int64_t end = seq.pos() + (n - off);
-  for (auto& c : seq.layers)
-    if (c.row_width) c.rows.reserve(static_cast<size_t>(std::max<int64_t>(end * c.row_width, c.rows.capacity())));
+  // Room for the whole prompt at once; a prompt arriving in pieces (the server's) grows it by at least 1/16, not by
+  // one piece at a time, which would copy the whole cache per piece.
+  for (auto& c : seq.layers) {
+    const auto need = static_cast<size_t>(end * c.row_width), cap = c.rows.capacity();
+    if (c.row_width && need > cap) c.rows.reserve(std::max(need, cap + cap / 16));
+  }
   // The snapshot worth keeping is the last grid point of this prompt (a later prompt that extends it
   // resumes there); earlier grid points would cost O(T) each.
   const int64_t Cp = opt_.prefill_chunk, snap_at = end / Cp * Cp;

@@ -110,4 +110,52 @@ PasskeyPrompt passkey_prompt(const Tokenizer& tok, int64_t tokens, double depth,
   return p;
 }
 
+namespace {
+// The smallest multi-needle length: the intro, the question and `needles` facts of about 25 tokens each.
+int64_t min_multi_needle(int64_t needles) { return 128 + 25 * needles; }
+}  // namespace
+
+void RetrievalOptions::check(const std::string& ctx) const {
+  LM_CHECK(trials >= 1 && trials <= 100000, "{}: trials must be in [1, 100000], got {}", ctx, trials);
+  LM_CHECK(needles >= 1 && needles <= 64, "{}: needles must be in [1, 64], got {}", ctx, needles);
+  for (int64_t L : passkey)
+    LM_CHECK(L >= 128, "{}: passkey length {} is below 128 tokens", ctx, L);
+  for (int64_t L : multi_needle)
+    LM_CHECK(L >= min_multi_needle(needles), "{}: multi-needle length {} is below {} (128 + 25 per needle)", ctx, L,
+             min_multi_needle(needles));
+}
+
+void RetrievalOptions::validate(const io::Tokenizer& tok, const std::string& ctx) const {
+  check(ctx);
+  const int64_t pmin = io::passkey_min_tokens(tok);
+  for (int64_t L : passkey)
+    LM_CHECK(L >= pmin, "{}: passkey length {} is shorter than the smallest passkey prompt of this tokenizer ({} tokens)",
+             ctx, L, pmin);
+}
+
+int64_t RetrievalOptions::longest() const {
+  int64_t n = 0;
+  for (const auto* v : {&passkey, &multi_needle})
+    for (int64_t t : *v) n = std::max(n, t);
+  return n;
+}
+
+RetrievalOptions RetrievalOptions::from_json(const io::json& j, const std::string& ctx) {
+  io::check_known_fields(j, {"passkey", "multi_needle", "trials", "needles", "seed"}, ctx);
+  RetrievalOptions o;
+  o.passkey = io::get_or<std::vector<int64_t>>(j, "passkey", {}, ctx);
+  o.multi_needle = io::get_or<std::vector<int64_t>>(j, "multi_needle", {}, ctx);
+  o.trials = io::get_or<int64_t>(j, "trials", 10, ctx);
+  o.needles = io::get_or<int64_t>(j, "needles", 4, ctx);
+  o.seed = io::get_or<uint64_t>(j, "seed", 1, ctx);
+  LM_CHECK(!o.empty(), "{}: give passkey and/or multi_needle lengths", ctx);
+  o.check(ctx);
+  return o;
+}
+
+io::json RetrievalOptions::to_json() const {
+  return {{"passkey", passkey}, {"multi_needle", multi_needle}, {"trials", trials}, {"needles", needles},
+          {"seed", seed}};
+}
+
 }  // namespace lm::io

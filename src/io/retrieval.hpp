@@ -18,6 +18,7 @@
 #include <string_view>
 #include <vector>
 
+#include "io/json.hpp"
 #include "io/tokenizer.hpp"
 
 namespace lm::io {
@@ -56,5 +57,25 @@ struct PasskeyPrompt {
 PasskeyPrompt passkey_prompt(const Tokenizer& tok, int64_t tokens, double depth, const std::string& key);
 // ids + answer_ids of a prompt without filler (the smallest passkey prompt with this tokenizer).
 int64_t passkey_min_tokens(const Tokenizer& tok);
+
+// What a retrieval evaluation asks (infer/retrieval_eval.hpp runs it): `longmoe eval --passkey/--multi-needle`
+// and the run config's "eval_retrieval" (the trainer evaluates each curriculum stage's checkpoint).
+struct RetrievalOptions {
+  std::vector<int64_t> passkey;       // context lengths
+  std::vector<int64_t> multi_needle;  // context lengths
+  int64_t trials = 5;                 // prompts per length
+  int64_t needles = 4;                // facts per multi-needle prompt
+  uint64_t seed = 1;
+
+  bool empty() const { return passkey.empty() && multi_needle.empty(); }
+  int64_t longest() const;  // the longest length asked for (0 when empty)
+  // lm::Error naming `ctx` for trials or needles out of range or a length below the smallest prompt;
+  // validate also checks the passkey lengths against what this tokenizer needs.
+  void check(const std::string& ctx) const;
+  void validate(const io::Tokenizer& tok, const std::string& ctx) const;
+  // Run config form: {"passkey": [...], "multi_needle": [...], "trials": N, "needles": N, "seed": N}.
+  static RetrievalOptions from_json(const io::json& j, const std::string& ctx);
+  io::json to_json() const;
+};
 
 }  // namespace lm::io

@@ -401,6 +401,42 @@ typename Model<F>::LossStats Model<F>::loss(const int32_t* ids, const int32_t* t
   return LossStats{st.loss_sum, st.n_valid};
 }
 
+template <class F>
+std::vector<F> Model<F>::target_logprobs(const int32_t* ids, const int32_t* targets, const Seqs& s) {
+  const int64_t rows = s.rows(), d = cfg_.hidden_size, V = cfg_.vocab_size;
+  targets = loss_targets(targets, rows);
+  forward_impl(ids, s, ForwardOptions{}, nullptr, nullptr);
+  std::vector<F> logp(static_cast<size_t>(rows));
+  Timer t(profile.fwd[Profile::LmHead]);
+  ops::cross_entropy_forward(hn_.data(), lm_head_->w(), targets, rows, d, V, static_cast<F*>(nullptr), logp.data());
+  for (auto& v : logp) v = -v;
+  return logp;
+}
+
+template <class F>
+std::vector<F> Model<F>::forward_backward_logp(const int32_t* ids, const int32_t* targets, const Seqs& s,
+                                               const LogpGrad& dloss) {
+  const int64_t rows = s.rows(), d = cfg_.hidden_size, V = cfg_.vocab_size;
+  LM_CHECK(ps_.has_grads(), "forward_backward_logp: gradients are not enabled on this model");
+  targets = loss_targets(targets, rows);
+  forward_impl(ids, s, ForwardOptions{}, nullptr, nullptr);
+  std::vector<F> logp(static_cast<size_t>(rows)), lse(static_cast<size_t>(rows));
+  Buf<F> d_hn(rows * d, F(0));
+  {
+    Timer t(profile.bwd[Profile::LmHead]);
+    ops::cross_entropy_forward(hn_.data(), lm_head_->w(), targets, rows, d, V, lse.data(), logp.data());
+    for (auto& v : logp) v = -v;
+    std::vector<F> scale = dloss(logp);
+    LM_CHECK(static_cast<int64_t>(scale.size()) == rows, "forward_backward_logp: {} gradients for {} rows",
+             scale.size(), rows);
+    for (auto& v : scale) v = -v;
+    ops::cross_entropy_backward(hn_.data(), lm_head_->w(), targets, lse.data(), rows, d, V, F(1), d_hn.data(),
+                                lm_head_->g(), ops::CeOptions{}, scale.data());
+  }
+  backward_impl(d_hn, s);
+  return logp;
+}
+
 template class Model<float>;
 template class Model<double>;
 

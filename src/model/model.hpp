@@ -8,6 +8,7 @@
 //
 // Legend: rows = tokens in the batch, d hidden, V vocabulary, L layers, N AttnRes sources, M feature rows.
 #include <array>
+#include <functional>
 #include <memory>
 #include <string>
 #include <variant>
@@ -86,6 +87,15 @@ class Model {
                              const Media<F>* media = nullptr);
   // Loss only (evaluation): no activations kept beyond what forward needs.
   LossStats loss(const int32_t* ids, const int32_t* targets, const Seqs& s, const Media<F>* media = nullptr);
+  // RL (rl/grpo.hpp): log p(target_t | tokens <= t) per row [rows] (0 where the target is < 0), no activations kept
+  // for a backward.
+  std::vector<F> target_logprobs(const int32_t* ids, const int32_t* targets, const Seqs& s);
+  // One forward, then `dloss` turns the rows' log-probs [rows] into dL/dlogp_t [rows] (0 where the target is < 0;
+  // e.g. the clipped policy-gradient loss), and the backward accumulates dL/dparams = sum_t dL/dlogp_t dlogp_t/dparams
+  // into the gradients (the cross-entropy op with per-row scales -dL/dlogp_t, since loss_t = -logp_t). Returns the
+  // log-probs.
+  using LogpGrad = std::function<std::vector<F>(const std::vector<F>& logp)>;
+  std::vector<F> forward_backward_logp(const int32_t* ids, const int32_t* targets, const Seqs& s, const LogpGrad& dloss);
   // The targets of [rows] that carry loss: >= 0 and not the media placeholder (SPEC §9: an image's rows are
   // inputs, never predicted; HF's labels mask the placeholder positions, and our targets are those labels
   // shifted by one, so the last placeholder of an image still predicts the text after it).

@@ -91,8 +91,8 @@ void make_ticks(Axis& a, int target) {
   const int stride = std::max(1, static_cast<int>(std::ceil(decades / std::max(1, target))));
   for (int k = k0; k <= k1; ++k) {
     for (double m : {1.0, 2.0, 5.0}) {
-      if (m != 1.0 && decades > 2.0) continue;
-      if (m == 1.0 && decades > 2.0 && (k - k0) % stride != 0) continue;
+      if (m != 1.0 && decades > 3.0) continue;  // (1-2-5 up to three decades: at least three labels)
+      if (m == 1.0 && decades > 3.0 && (k - k0) % stride != 0) continue;
       const double v = m * std::pow(10.0, k), l = std::log10(v);
       if (l >= a.lo - 1e-9 && l <= a.hi + 1e-9) vals.push_back(v);
     }
@@ -123,17 +123,18 @@ void draw_panel(Canvas& cv, const Panel& p, int x0, int y0, int w, int h) {
   double xlo = INFINITY, xhi = -INFINITY, ylo = INFINITY, yhi = -INFINITY;
   for (const Series& s : p.series)
     for (size_t i = 0; i < s.x.size() && i < s.y.size(); ++i) {
-      const double y = plotted(s.y[i], p.log_y);
-      if (!std::isfinite(s.x[i]) || !std::isfinite(y)) continue;
-      xlo = std::min(xlo, s.x[i]), xhi = std::max(xhi, s.x[i]);
+      const double x = plotted(s.x[i], p.log_x), y = plotted(s.y[i], p.log_y);
+      if (!std::isfinite(x) || !std::isfinite(y)) continue;
+      xlo = std::min(xlo, x), xhi = std::max(xhi, x);
       ylo = std::min(ylo, y), yhi = std::max(yhi, y);
     }
   const bool has_data = xlo <= xhi;
   const int T = y0 + kCharH + 16, B = y0 + h - (2 * kCharH + 26);
   Axis ax, ay;
+  ax.log = p.log_x;
   ay.log = p.log_y;
   if (has_data) {
-    if (xlo == xhi) xlo -= 1, xhi += 1;
+    if (xlo == xhi) xlo -= p.log_x ? 0.1 : 1, xhi += p.log_x ? 0.1 : 1;
     ax.lo = xlo, ax.hi = xhi;
     // markers (eval points) often sit on the last step: a little room keeps them whole
     if (std::any_of(p.series.begin(), p.series.end(), [](const Series& s) { return s.markers; })) {
@@ -172,12 +173,13 @@ void draw_panel(Canvas& cv, const Panel& p, int x0, int y0, int w, int h) {
     for (const auto& l : ax.labels) total += text_width(l, kScale) + 24;
     if (total <= R - L) break;
   }
-  auto X = [&](double x) { return L + (x - ax.lo) / (ax.hi - ax.lo) * (R - L); };
+  auto Xp = [&](double t) { return L + (t - ax.lo) / (ax.hi - ax.lo) * (R - L); };  // plotted units
+  auto X = [&](double x) { return Xp(plotted(x, p.log_x)); };
   auto Y = [&](double y) { return B - (plotted(y, p.log_y) - ay.lo) / (ay.hi - ay.lo) * (B - T); };
   auto Yp = [&](double t) { return B - (t - ay.lo) / (ay.hi - ay.lo) * (B - T); };  // plotted units
 
   for (size_t i = 0; i < ax.ticks.size(); ++i) {
-    const int x = static_cast<int>(std::lround(X(ax.ticks[i])));
+    const int x = static_cast<int>(std::lround(Xp(ax.ticks[i])));
     cv.fill(x, T + 1, x, B - 1, kGrid);
     cv.fill(x, B, x, B + 5, kBlack);
     cv.text(x - text_width(ax.labels[i], kScale) / 2, B + 9, ax.labels[i], kAxisText, kScale);
@@ -200,14 +202,14 @@ void draw_panel(Canvas& cv, const Panel& p, int x0, int y0, int w, int h) {
     const size_t n = std::min(s.x.size(), s.y.size());
     if (s.markers) {
       for (size_t i = 0; i < n; ++i)
-        if (std::isfinite(s.x[i]) && std::isfinite(plotted(s.y[i], p.log_y))) cv.disc(X(s.x[i]), Y(s.y[i]), 4, s.color);
+        if (std::isfinite(plotted(s.x[i], p.log_x)) && std::isfinite(plotted(s.y[i], p.log_y))) cv.disc(X(s.x[i]), Y(s.y[i]), 4, s.color);
       continue;
     }
     double dash = 0;
     bool prev = false;
     double px = 0, py = 0;
     for (size_t i = 0; i < n; ++i) {
-      const bool ok = std::isfinite(s.x[i]) && std::isfinite(plotted(s.y[i], p.log_y));
+      const bool ok = std::isfinite(plotted(s.x[i], p.log_x)) && std::isfinite(plotted(s.y[i], p.log_y));
       if (!ok) {
         prev = false;
         continue;
@@ -228,7 +230,7 @@ void draw_panel(Canvas& cv, const Panel& p, int x0, int y0, int w, int h) {
     if (!s.in_legend) continue;
     bool any = false;
     for (size_t i = 0; i < s.x.size() && i < s.y.size() && !any; ++i)
-      any = std::isfinite(s.x[i]) && std::isfinite(plotted(s.y[i], p.log_y));
+      any = std::isfinite(plotted(s.x[i], p.log_x)) && std::isfinite(plotted(s.y[i], p.log_y));
     if (any) entries.push_back(&s);
   }
   if (entries.empty()) return;

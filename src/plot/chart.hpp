@@ -31,7 +31,7 @@ struct Series {
 
 struct Panel {
   std::string title, x_label, y_label;
-  bool log_y = false;
+  bool log_x = false, log_y = false;  // log axes leave out values <= 0
   std::optional<double> y_min, y_max;  // fixed limits (else from the data)
   std::vector<Series> series;
   std::vector<double> vlines;  // x positions of dashed vertical markers (curriculum stage changes)

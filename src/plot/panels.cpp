@@ -232,6 +232,7 @@ std::vector<Panel> build_panels(const std::vector<MetricsLog>& logs, const PlotO
     p.title = pretty_title(key);
     p.x_label = o.x;
     p.y_label = key;
+    p.log_x = o.log_x;
     p.log_y = o.log_y;
     p.y_min = o.y_min, p.y_max = o.y_max;
     p.vlines.assign(stage_x.begin(), stage_x.end());

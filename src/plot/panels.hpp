@@ -40,7 +40,7 @@ MetricsLog read_metrics(const std::string& path);
 struct PlotOptions {
   std::vector<std::string> ys;  // one panel per field; empty: loss (+ eval_loss) and maxvio
   std::string x = "step";       // x field: "step" or "tokens" (any numeric field)
-  bool log_y = false;
+  bool log_x = false, log_y = false;
   int smooth = 0;               // centred moving average over N points (even N: N + 1; 0/1: none)
   std::string layers = "auto";  // array fields: "all" (one series per entry), "median", "max",
                                 // "mean", "median+max"; auto: all for ≤ 8 entries and one file

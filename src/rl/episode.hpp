@@ -42,4 +42,10 @@ using Policy = std::function<Reply(const Task&, const std::vector<Turn>&)>;
 
 Episode run_episode(const Task& task, const Policy& policy, const Budget& budget = {});
 
+// One assistant turn `r` of episode `e` (what run_episode does per turn, for callers that drive many episodes at
+// once, e.g. rl/rollout.hpp): appends the turn and, unless the episode ends, the tool turn answering it. Returns
+// true when the episode has ended (e.end and e.reward set).
+bool episode_turn(const Task& task, const Toolbox& tools, const Budget& b, const Reply& r, Episode& e);
+void check_budget(const Budget& b);  // lm::Error unless every budget is positive
+
 }  // namespace lm::rl

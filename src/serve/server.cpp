@@ -446,6 +446,8 @@ void ServerOptions::validate() const {
            "header timeout {} s is outside (0, 3600]", header_timeout_s);
   LM_CHECK(std::isfinite(keep_alive_s) && keep_alive_s > 0 && keep_alive_s <= 3600, "keep-alive {} s is outside (0, 3600]",
            keep_alive_s);
+  LM_CHECK(std::isfinite(prefill_slice_s) && prefill_slice_s > 0 && prefill_slice_s <= 60,
+           "prefill slice {} s is outside (0, 60]", prefill_slice_s);
   for (const char c : api_key)
     LM_CHECK(c > ' ' && c < 127, "the API key must be printable ASCII without spaces");
   for (const auto& o : cors_origins)
@@ -489,6 +491,7 @@ struct Request {
   int32_t next_token = -1;
   int64_t skipped = 0;  // scheduler iterations this prefill was passed over (ageing)
   int64_t prefill_pieces = 0;  // prefill pieces done
+  double s_per_token = 0;      // seconds per token of its last prefill piece
 };
 
 struct Server::Impl {
@@ -1178,12 +1181,18 @@ struct Server::Impl {
     r.media.clear();
   }
 
-  // One prefill chunk's worth of prompt tokens: pieces that end on the engine's grid, shortest remaining
-  // prompt first (a prefill passed over moves up by one chunk per iteration), at least one piece.
-  // While sequences are decoding, a prompt that has had its first piece continues only when the decode
-  // steps since have taken as long as its pieces did (prefill_debt_s): running streams keep at least half
-  // of the time, a new request's first piece (all of a short prompt) never waits.
-  void prefill_round() {
+  // One round of prefill, bounded in time by prefill_slice_s: pieces of whole grid units (they end on the engine's
+  // grid, so the caches equal one prefill call's), sized from the seconds per token each prompt's last piece took.
+  // A new request's first piece (one unit: all of a short prompt) never waits: those run before the round's decode
+  // step, the continued pieces after it. Prompts past their first piece go shortest remaining first (ageing by one unit per round passed over); one passed over twice
+  // goes first (the most passed over first), so a flood of short prompts cannot hold a long one back. The first of
+  // them runs at least one unit; later ones only while the slice has room for a unit. While sequences are decoding,
+  // a prompt past its first piece continues only when the decode steps since have taken as long as its pieces did
+  // (prefill_debt_s): running streams keep at least half of the time. A new request thus waits for at most one
+  // slice (or one unit, when a unit takes longer) of another prompt's prefill.
+  // `fresh`: only new requests' first pieces (they run before the round's decode step, so a short request's first
+  // tokens never wait behind another prompt's continued piece); else only continued pieces.
+  void prefill_round(bool fresh) {
     if (prefilling.empty()) return;
     if (active.empty()) prefill_debt_s = 0;
     const int64_t Cp = engine.prefill_chunk();
@@ -1191,36 +1200,52 @@ struct Server::Impl {
       return static_cast<int64_t>(r.prompt.size()) - engine.pos(r.seq) - r.skipped * Cp;
     };
     std::vector<std::shared_ptr<Request>> order = prefilling;
-    std::stable_sort(order.begin(), order.end(), [&](const auto& a, const auto& b) { return key(*a) < key(*b); });
-    int64_t room = Cp;
-    bool first = true;
+    std::stable_sort(order.begin(), order.end(), [&](const auto& a, const auto& b) {
+      const bool na = a->prefill_pieces == 0, nb = b->prefill_pieces == 0;
+      if (na != nb) return na;
+      const bool fa = a->skipped >= 2, fb = b->skipped >= 2;
+      if (fa != fb) return fa;
+      return fa ? a->skipped > b->skipped : key(*a) < key(*b);
+    });
+    const auto round0 = Clock::now();
+    bool first = true;  // no continued piece has run in this round yet
     std::vector<Request*> ended;
     for (auto& rp : order) {
       Request& r = *rp;
       const int64_t n = static_cast<int64_t>(r.prompt.size()), p = engine.pos(r.seq);
-      const int64_t piece = std::min(n - p, Cp - p % Cp);
-      if (r.prefill_pieces > 0 && prefill_debt_s > 0) continue;
-      if (!first && piece > room) {
-        ++r.skipped;
-        continue;
+      const int64_t unit = std::min(n - p, Cp - p % Cp);  // to the next grid point
+      int64_t piece = unit;
+      if ((r.prefill_pieces == 0) != fresh) continue;
+      if (r.prefill_pieces > 0) {
+        if (prefill_debt_s > 0) continue;
+        const double room = o.prefill_slice_s - std::chrono::duration<double>(Clock::now() - round0).count();
+        const double unit_s = r.s_per_token * static_cast<double>(Cp);
+        if (!first && r.skipped < 2 && room < unit_s) {
+          ++r.skipped;
+          continue;
+        }
+        first = false;
+        const auto more = static_cast<int64_t>(std::max(0.0, room / std::max(unit_s, 1e-9) - 1));
+        piece = std::min(n - p, unit + std::min<int64_t>(more, n) * Cp);
       }
-      first = false;
-      room -= piece;
+      r.skipped = 0;
       const auto t0 = Clock::now();
       try {
         // Only the prompt's last grid point is worth a prefix-cache snapshot (as in one prefill call).
-        const bool store = p + piece == n / Cp * Cp;
+        const bool store = p + piece >= n / Cp * Cp;
         const std::vector<float> logits =
             engine.prefill(r.seq, std::span<const int32_t>(r.prompt).subspan(static_cast<size_t>(p),
                                                                               static_cast<size_t>(piece)),
                             nullptr, store);
+        const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+        r.s_per_token = took / static_cast<double>(piece);
         {
           std::lock_guard<std::mutex> lk(smu);
           ++st.prefill_chunks;
-          st.prefill_s += std::chrono::duration<double>(Clock::now() - t0).count();
+          st.prefill_s += took;
           st.prefix = engine.prefix_stats();
         }
-        if (r.prefill_pieces++ > 0 && !active.empty()) prefill_debt_s += std::chrono::duration<double>(Clock::now() - t0).count();
+        if (r.prefill_pieces++ > 0 && !active.empty()) prefill_debt_s += took;
         if (engine.pos(r.seq) == n) {
           count(&ServerStats::prompt_tokens, n);
           r.gen = std::make_unique<infer::Generation>(&tok, r.sp, r.prompt, r.id);
@@ -1305,8 +1330,9 @@ struct Server::Impl {
       const auto now = Clock::now();
       std::erase_if(prefilling, [&](const std::shared_ptr<Request>& r) { return expired(*r, now); });
       std::erase_if(active, [&](const std::shared_ptr<Request>& r) { return expired(*r, now); });
-      prefill_round();
+      prefill_round(true);
       decode_round();
+      prefill_round(false);
       n_active = static_cast<int64_t>(active.size());
       n_prefilling = static_cast<int64_t>(prefilling.size());
     }

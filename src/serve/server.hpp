@@ -88,6 +88,7 @@ struct ServerOptions {
   int64_t max_inflight_bytes = int64_t(512) << 20;  // bodies, parsing and prompts of all requests together
   double header_timeout_s = 10;    // a request's line, headers and body must arrive within this, in all
   double keep_alive_s = 5;         // an idle keep-alive connection closes after this
+  double prefill_slice_s = 0.01;   // prefill work per scheduler round (whole grid units; at least one)
   std::string api_key;             // non-empty: required as "Authorization: Bearer <key>" (not for /health)
   std::vector<std::string> cors_origins;   // browser origins allowed ("*": any); empty: none
   std::vector<std::string> allowed_hosts;  // Host names accepted besides the loopback names

@@ -135,6 +135,7 @@ std::string save_checkpoint(const fs::path& out, const CheckpointContent& c, con
   }
   // Test hook: die in the middle of a save (after the weights, before the rename), as a kill would.
   if (env::crash_in_save_at_step() == st.global_step) std::abort();
+  for (const auto& [file, bytes] : c.extra_files) io::write_file_atomic((tmp / file).string(), bytes);
   io::write_file_atomic((tmp / "trainer_state.json").string(), state_json(st).dump(2) + "\n");
   // Replacing a checkpoint of the same step (a save after a resume): rename it aside, then the new one into
   // place, so a kill at any moment leaves a complete folder of that name or its predecessor under .old-.
@@ -143,14 +144,41 @@ std::string save_checkpoint(const fs::path& out, const CheckpointContent& c, con
   io::fsync_dir(ck.string());  // the rename is durable before `latest` names it
   io::write_file_atomic((out / "latest").string(), "ckpt/" + name + "\n");
   fs::remove_all(old);
-  if (!also_as.empty()) {  // stage-end checkpoints stay; hard links cost no space
-    const fs::path sd = out / also_as;
-    fs::remove_all(sd);
-    fs::create_directories(sd);
-    for (const auto& e : fs::directory_iterator(dst)) fs::create_hard_link(e.path(), sd / e.path().filename());
-  }
+  if (!also_as.empty()) link_checkpoint(out, dst, also_as);
   prune_checkpoints(ck, keep, dst);
   return dst.string();
+}
+
+void link_checkpoint(const fs::path& out, const fs::path& ckpt, const std::string& as) {
+  const fs::path sd = out / as, tmp = out / (".tmp-" + as), old = out / (".old-" + as);
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  for (const auto& e : fs::directory_iterator(ckpt)) fs::create_hard_link(e.path(), tmp / e.path().filename());
+  io::fsync_dir(tmp.string());
+  fs::remove_all(old);
+  if (fs::exists(sd)) fs::rename(sd, old);
+  fs::rename(tmp, sd);
+  io::fsync_dir(out.string());
+  fs::remove_all(old);
+}
+
+bool relink_stage_if_needed(const fs::path& out, const fs::path& ckpt, const std::string& as) {
+  const fs::path state = out / as / "trainer_state.json";
+  const auto global_step = [](const fs::path& f) {
+    return io::get_required<int64_t>(io::load_json_file(f.string()), "global_step", f.string());
+  };
+  bool ok = fs::is_regular_file(state);
+  if (ok) {
+    try {
+      ok = global_step(state) == global_step(ckpt / "trainer_state.json");
+    } catch (const Error&) {
+      ok = false;  // a torn or foreign file: make the link again
+    }
+  }
+  if (!ok) link_checkpoint(out, ckpt, as);
+  fs::remove_all(out / (".tmp-" + as));
+  fs::remove_all(out / (".old-" + as));
+  return !ok;
 }
 
 std::vector<std::string> optimizer_files(const fs::path& dir) {
@@ -195,6 +223,15 @@ MetricsLog::MetricsLog(const fs::path& path, bool resume, int64_t global_step) {
 }
 
 void MetricsLog::write(const json& row) { f_ << row.dump() << "\n" << std::flush; }
+
+bool summary_of_step(const fs::path& out, int64_t global_step) {
+  try {
+    const std::string f = (out / "summary.json").string();
+    return io::get_or<int64_t>(io::load_json_file(f), "steps", -1, f) == global_step;
+  } catch (const std::exception&) {
+    return false;  // none (or not readable): the run's summary is still to be written
+  }
+}
 
 void write_summary(const fs::path& out, const RunConfig& cfg, const TrainResult& r) {
   json sj = {{"steps", r.steps},

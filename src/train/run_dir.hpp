@@ -50,6 +50,9 @@ struct CheckpointContent {
   const Optimizer& optim;
   dist::Comm* comm = nullptr;  // the job's replicas (null: one process); rank 0 writes the checkpoint
   bool sharded = false;        // the optimiser is sharded over comm (ZeRO-1): every rank writes its shard
+  // More files of the checkpoint, name -> contents (e.g. the RL loop's rl_state.json), written into the temporary
+  // folder with the rest, so they appear with the checkpoint or not at all.
+  std::vector<std::pair<std::string, std::string>> extra_files = {};
 };
 
 // Writes out/ckpt/step-<global_step> (config.json, tokenizer.model, model.safetensors, the optimiser state,
@@ -60,6 +63,15 @@ struct CheckpointContent {
 // two barriers) listed by optimizer.index.json. Collective when comm has several ranks: every rank calls it.
 std::string save_checkpoint(const std::filesystem::path& out, const CheckpointContent& c, const TrainerState& st,
                             int64_t keep, const std::string& also_as);
+
+// Hard-links the files of checkpoint folder `ckpt` as out/<as> (a stage-end checkpoint that pruning never removes),
+// atomically: built in out/.tmp-<as>, renamed into place (a previous out/<as> renamed aside first), folder fsynced.
+void link_checkpoint(const std::filesystem::path& out, const std::filesystem::path& ckpt, const std::string& as);
+// On resume from the stage-end checkpoint `ckpt`: makes out/<as> again unless it holds that checkpoint (its
+// trainer_state.json names the same global step), and removes what a killed link left (.tmp-<as>, .old-<as>).
+// Returns whether it relinked.
+bool relink_stage_if_needed(const std::filesystem::path& out, const std::filesystem::path& ckpt,
+                            const std::string& as);
 
 // The optimiser state files of checkpoint folder `dir`: optimizer.safetensors, or the shards optimizer.index.json
 // lists (any world size reads them: Optimizer::load_state takes its own parameters' tensors from them). lm::Error
@@ -78,6 +90,9 @@ class MetricsLog {
   std::ofstream f_;
 };
 
+// Whether out/summary.json is the summary of the run at `global_step` (a run stopped early by max_steps writes one
+// too, which a longer continuation replaces).
+bool summary_of_step(const std::filesystem::path& out, int64_t global_step);
 // out/summary.json: the headline figures of a finished (not interrupted) run, for people and scripts
 // (docs/experiments.md).
 void write_summary(const std::filesystem::path& out, const RunConfig& cfg, const TrainResult& r);

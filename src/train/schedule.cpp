@@ -10,13 +10,14 @@
 namespace lm::train {
 
 ScheduleConfig ScheduleConfig::from_json(const io::json& j, const std::string& ctx) {
-  io::check_known_fields(j, {"kind", "warmup", "min_lr_ratio", "decay_fraction", "decay_shape"}, ctx);
+  io::check_known_fields(j, {"kind", "warmup", "min_lr_ratio", "decay_fraction", "decay_shape", "peak"}, ctx);
   ScheduleConfig c;
   c.kind = io::get_or<std::string>(j, "kind", c.kind, ctx);
   c.warmup = io::get_or(j, "warmup", c.warmup, ctx);
   c.min_lr_ratio = io::get_or(j, "min_lr_ratio", c.min_lr_ratio, ctx);
   c.decay_fraction = io::get_or(j, "decay_fraction", c.decay_fraction, ctx);
   c.decay_shape = io::get_or<std::string>(j, "decay_shape", c.decay_shape, ctx);
+  c.peak = io::get_or(j, "peak", c.peak, ctx);
   c.validate(ctx);
   return c;
 }
@@ -27,6 +28,7 @@ io::json ScheduleConfig::to_json() const {
     j["decay_fraction"] = decay_fraction;
     j["decay_shape"] = decay_shape;
   }
+  if (peak != 1.0) j["peak"] = peak;
   return j;
 }
 
@@ -41,6 +43,7 @@ void ScheduleConfig::validate(const std::string& ctx) const {
            decay_fraction);
   LM_CHECK(decay_shape == "linear" || decay_shape == "1-sqrt" || decay_shape == "cosine",
            "{}: decay_shape must be \"linear\", \"1-sqrt\" or \"cosine\", got \"{}\"", ctx, decay_shape);
+  LM_CHECK(std::isfinite(peak) && peak > 0 && peak <= 1, "{}: peak must be in (0, 1], got {}", ctx, peak);
 }
 
 Schedule::Schedule(const ScheduleConfig& c, int64_t total_steps, double peak_lr)
@@ -66,7 +69,9 @@ Schedule::Schedule(const ScheduleConfig& c, int64_t total_steps, double peak_lr)
   }
 }
 
-double Schedule::factor_at(int64_t step) const {
+double Schedule::factor_at(int64_t step) const { return c_.peak * shape_at(step); }
+
+double Schedule::shape_at(int64_t step) const {
   LM_CHECK(step >= 0, "schedule: step must be >= 0, got {}", step);
   if (step < warmup_) return static_cast<double>(step + 1) / static_cast<double>(warmup_);
   if (c_.kind == "constant" || step < decay_start_) return 1.0;

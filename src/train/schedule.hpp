@@ -9,10 +9,12 @@
 //             linear 1 − (1 − r)p, 1-sqrt r + (1 − r)(1 − √p), or cosine as above
 //   constant  1 after warm-up
 // Every decaying schedule reaches r exactly at the last step s = T − 1 and stays there afterwards.
+// peak q (default 1) scales the whole curve: a stage that extends the context of a trained model
+// continues at a fraction of the optimiser's learning rate instead of warming up to all of it again.
 // K3's recipe: cosine, 1% warm-up, (weight decay 0.1 lives in OptimConfig).
 //
 // JSON: {"kind": "cosine" | "wsd" | "constant", "warmup": 0.01, "min_lr_ratio": 0.1,
-//        "decay_fraction": 0.2, "decay_shape": "linear" | "1-sqrt" | "cosine"}
+//        "decay_fraction": 0.2, "decay_shape": "linear" | "1-sqrt" | "cosine", "peak": 1}
 // "warmup" below 1 is a fraction of T; 1 or more is a whole number of steps.
 #include <cstdint>
 #include <string>
@@ -27,6 +29,7 @@ struct ScheduleConfig {
   double min_lr_ratio = 0.1;
   double decay_fraction = 0.2;       // wsd only
   std::string decay_shape = "linear";  // wsd only
+  double peak = 1.0;                   // q in (0, 1]
 
   // Strict: unknown fields and out-of-range values are errors naming `ctx` and the field.
   static ScheduleConfig from_json(const io::json& j, const std::string& ctx);
@@ -39,7 +42,7 @@ class Schedule {
   // `total_steps` optimiser steps; `peak_lr` only scales lr_at().
   Schedule(const ScheduleConfig& c, int64_t total_steps, double peak_lr = 1.0);
 
-  double factor_at(int64_t step) const;  // in [0, 1]
+  double factor_at(int64_t step) const;  // in [0, q]
   double lr_at(int64_t step) const { return peak_lr_ * factor_at(step); }
 
   int64_t warmup_steps() const { return warmup_; }
@@ -48,6 +51,8 @@ class Schedule {
   const ScheduleConfig& config() const { return c_; }
 
  private:
+  double shape_at(int64_t step) const;  // the curve before q, in [0, 1]
+
   ScheduleConfig c_;
   int64_t total_ = 0, warmup_ = 0, decay_start_ = 0;
   double peak_lr_ = 1.0;

@@ -69,7 +69,8 @@ const char* balance_name(Balance b) {
 RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   io::check_known_fields(j,
               {"model", "init", "data", "tokenizer", "out", "seed", "optimizer", "balance", "stages", "log_every",
-               "eval_every", "eval_batches", "save_every", "keep_checkpoints", "max_steps", "parallel", "comment"},
+               "eval_every", "eval_batches", "save_every", "keep_checkpoints", "max_steps", "parallel", "eval_retrieval",
+               "comment"},
               ctx);
   RunConfig c;
   c.init = io::get_or<std::string>(j, "init", "", ctx);
@@ -140,6 +141,8 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   c.save_every = io::get_or<int64_t>(j, "save_every", 500, ctx);
   c.keep_checkpoints = io::get_or<int64_t>(j, "keep_checkpoints", 2, ctx);
   c.max_steps = io::get_or<int64_t>(j, "max_steps", 0, ctx);
+  if (j.contains("eval_retrieval"))
+    c.eval_retrieval = io::RetrievalOptions::from_json(j["eval_retrieval"], ctx + " eval_retrieval");
   if (j.contains("parallel")) {
     const json& p = j["parallel"];
     io::check_known_fields(p, {"dp", "ep", "cp", "zero"}, ctx + " parallel");
@@ -200,6 +203,7 @@ json RunConfig::to_json() const {
   j["max_steps"] = max_steps;
   if (parallel.dp != 1 || parallel.ep != 1 || parallel.zero != 1)
     j["parallel"] = {{"dp", parallel.dp}, {"ep", parallel.ep}, {"zero", parallel.zero}};
+  if (!eval_retrieval.empty()) j["eval_retrieval"] = eval_retrieval.to_json();
   return j;
 }
 
@@ -415,8 +419,12 @@ Run::Run(const RunConfig& cfg, const TrainOptions& opt, Clock::time_point t_star
   else
     at_ = read_trainer_state(state, resume_dir_ + "/trainer_state.json", cfg.stage_steps(),
                              [this](int64_t si) { return data_->stage_fingerprint(si); },
-                             !fs::exists(out_ / "summary.json"));
+                             !summary_of_step(out_, io::get_or<int64_t>(state, "global_step", -1, "trainer state")));
   start_ = at_;
+  // A stage-end checkpoint (the next stage's step 0): a kill during its stage link may have left the link half made.
+  if (writer_ && !resume_dir_.empty() && at_.stage > 0 && at_.step_in_stage == 0 &&
+      relink_stage_if_needed(out_, resume_dir_, fmt::format("stage-{}", at_.stage - 1)))
+    say(fmt::format("relinked stage-{} (its link was not complete)", at_.stage - 1));
   // (a finished run resumed for its summary stands past the last stage: the loader is never read then)
   const size_t ls = std::min(static_cast<size_t>(at_.stage), cfg.stages.size() - 1);
   loader_ = std::make_unique<Loader>(data_->train, cfg.stages[ls].seq_len, cfg.seed, at_.position,

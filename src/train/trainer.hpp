@@ -21,6 +21,7 @@
 #include "dist/comm.hpp"
 #include "io/checkpoint.hpp"
 #include "io/json.hpp"
+#include "io/retrieval.hpp"
 #include "ops/moe/balance.hpp"
 #include "train/optim.hpp"
 #include "train/schedule.hpp"
@@ -100,6 +101,8 @@ struct RunConfig {
   int64_t keep_checkpoints = 2;
   int64_t max_steps = 0;                  // stop after this many steps in total (tests, experiments)
   ParallelConfig parallel;
+  // Retrieval measured on each stage's checkpoint (stage-<i>/retrieval.jsonl) once training ends; empty: none.
+  io::RetrievalOptions eval_retrieval;
 
   static RunConfig from_json(const io::json& j, const std::string& ctx);
   static RunConfig load(const std::string& path);

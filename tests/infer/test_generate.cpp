@@ -1,6 +1,7 @@
 // Generation helpers: checkpoint directories (config.json + model.safetensors + tokenizer.model),
 // stop tokens / stop strings / max_tokens, and generate() == a hand-written decode loop.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -8,6 +9,8 @@
 
 #include "infer/generate.hpp"
 #include "io/checkpoint.hpp"
+#include "io/file.hpp"
+#include "io/safetensors.hpp"
 #include "testing.hpp"
 
 using namespace lm;
@@ -75,6 +78,50 @@ TEST(Generate, CheckpointDirectoryRoundTrip) {
   EXPECT_THROW(load_model_dir(dir), Error);
   EXPECT_NO_THROW(load_model_dir(dir, false));
   EXPECT_THROW(load_model_dir(dir + "/missing"), Error);
+}
+
+// A checkpoint laid out as HF transformers shards one (model-0000k-of-00002.safetensors and model.safetensors.index.json
+// written here by hand: its "metadata" and "weight_map", tensors spread over the files out of order) loads as the
+// model it holds.
+TEST(Generate, HfShardedCheckpointLoads) {
+  const auto& tok = tokenizer();
+  const auto cfg = config(tok.vocab_size());
+  model::Model<float> m(cfg);
+  m.params().init(6);
+  const std::string dir = tmpdir("hf_sharded");
+  const io::NamedTensors all = m.params().named();
+  io::NamedTensors shard[2];
+  io::json map = io::json::object();
+  uint64_t total = 0;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const std::string file = i % 2 ? "model-00002-of-00002.safetensors" : "model-00001-of-00002.safetensors";
+    shard[i % 2].push_back(all[i]);
+    map[all[i].first] = file;
+    total += all[i].second.nbytes();
+  }
+  ASSERT_GT(shard[1].size(), 2u);
+  io::save_safetensors(dir + "/model-00001-of-00002.safetensors", shard[0]);
+  io::save_safetensors(dir + "/model-00002-of-00002.safetensors", shard[1]);
+  io::write_file_atomic(dir + "/model.safetensors.index.json",
+                        io::json{{"metadata", {{"total_size", total}}}, {"weight_map", map}}.dump(2));
+  cfg.save(dir + "/config.json");
+  io::write_file_atomic(dir + "/tokenizer.model", tok.model_bytes());
+  ASSERT_FALSE(std::filesystem::exists(dir + "/model.safetensors"));
+  LoadedModel lm = load_model_dir(dir);
+  const auto ids = tok.encode("hello world river");
+  Session a(m, SessionOptions{64, 0, 0}), b(*lm.model, SessionOptions{64, 0, 0});
+  Sequence sa = a.new_sequence(), sb = b.new_sequence();
+  EXPECT_EQ(a.prefill(sa, ids), b.prefill(sb, ids));
+  // A tensor the index names in a shard that lacks it is an error naming it.
+  map[all[0].first] = "model-00002-of-00002.safetensors";
+  io::write_file_atomic(dir + "/model.safetensors.index.json",
+                        io::json{{"metadata", {{"total_size", total}}}, {"weight_map", map}}.dump(2));
+  try {
+    load_model_dir(dir);
+    ADD_FAILURE() << "an index naming the wrong shard loaded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(all[0].first), std::string::npos) << e.what();
+  }
 }
 
 // A training run folder (config.json at its root, checkpoints under ckpt/, `latest` naming the newest)
@@ -220,5 +267,40 @@ TEST(Generate, ConfigThatDisagreesWithTheWeightsFailsBeforeAllocating) {
   } catch (const Error& e) {
     const std::string what = e.what();
     EXPECT_NE(what.find("GiB of host memory, more than this machine's"), std::string::npos) << what;
+  }
+}
+
+// vocab_size 2^24 or intermediate_size 2^24 in config.json (each alone: a model of a few GB, which a machine may hold)
+// is refused from the safetensors headers with the tensor's shape, before anything of that size is allocated.
+TEST(Generate, HugeVocabOrIntermediateSizeIsRefusedBeforeAllocating) {
+  const auto& tok = tokenizer();
+  const auto cfg = config(tok.vocab_size());
+  model::Model<float> m(cfg);
+  m.params().init(4);
+  const std::string dir = tmpdir("huge");
+  io::save_checkpoint(dir, m.params().named(), uint64_t(1) << 30);
+  {
+    std::ofstream f(dir + "/tokenizer.model", std::ios::binary);
+    f << tok.model_bytes();
+  }
+  for (const char* field : {"vocab_size", "intermediate_size"}) {
+    io::json j = cfg.to_json();
+    j[field] = 1 << 24;
+    io::write_file_atomic(dir + "/config.json", j.dump(2));
+    auto peak_bytes = [] {
+      rusage u{};
+      getrusage(RUSAGE_SELF, &u);
+      return int64_t{u.ru_maxrss} << 10;
+    };
+    const int64_t peak = peak_bytes();
+    try {
+      load_model_dir(dir);
+      ADD_FAILURE() << field << " 2^24 loaded";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("has shape"), std::string::npos) << field << ": " << what;
+      EXPECT_NE(what.find("16777216"), std::string::npos) << field << ": " << what;
+    }
+    EXPECT_LT(peak_bytes() - peak, int64_t(256) << 20) << field;
   }
 }

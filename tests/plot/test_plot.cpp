@@ -176,6 +176,40 @@ TEST(Plot, WritesAValidPngWithTheSeriesColours) {
   EXPECT_GT(std::filesystem::file_size(out), 1000u);
 }
 
+TEST(Plot, LogXPlacesDecadesEvenly) {
+  Panel p;
+  p.x_label = "length";
+  Series s;
+  s.label = "passkey";
+  s.color = {200, 0, 200};
+  s.markers = true;
+  s.x = {10, 100, 1000, 0};  // (0 has no place on a log axis: left out)
+  s.y = {0.5, 0.7, 0.9, 1.0};
+  p.series.push_back(s);
+  const auto centres = [&](const Panel& panel) {  // mean x of the colour in each run of columns
+    const Image img = render({panel}, 600, 300);
+    std::vector<double> c;
+    double sum = 0;
+    int n = 0;
+    for (int x = 0; x <= img.width; ++x) {
+      bool any = false;
+      for (int y = 0; y < img.height && x < img.width; ++y) any = any || img.at(x, y) == s.color;
+      if (any) sum += x, ++n;
+      else if (n) c.push_back(sum / n), sum = 0, n = 0;
+    }
+    return c;
+  };
+  p.series[0].in_legend = false;
+  p.log_x = true;
+  const auto logc = centres(p);
+  ASSERT_EQ(logc.size(), 3u);
+  EXPECT_NEAR(logc[1] - logc[0], logc[2] - logc[1], 2.0);
+  p.log_x = false;
+  const auto lin = centres(p);
+  ASSERT_GE(lin.size(), 3u);
+  EXPECT_GT(lin.back() - lin[lin.size() - 2], 5 * (lin[lin.size() - 2] - lin[0]));
+}
+
 TEST(Plot, RendererDrawsLinesTextAndHandlesDegenerateData) {
   Panel p;
   p.title = "flat";

@@ -1,13 +1,17 @@
 // Issue 24: the `serve` verb's values are range-checked with clear errors (never a libgomp segfault or a
 // silently different value): --threads, --context, --port, --http-threads, --default-max-tokens, ...; and
-// a busy port is an error. Runs the longmoe binary beside the tests (skips when it is not built).
+// a busy port is an error; SIGTERM while loading ends the process. Runs the longmoe binary beside the tests (skips when it is not built).
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
+#include "io/file.hpp"
 #include "model/cuda/gpu_model.hpp"
 #include "tests/serve/harness.hpp"
 
@@ -103,4 +107,52 @@ TEST(ServeCli, InferenceVerbsOnTheGpuWithoutOne) {
     EXPECT_LT(r.rc, 128) << verb << " crashed:\n" << r.out;
     EXPECT_NE(r.out.find("no usable CUDA device"), std::string::npos) << verb << ":\n" << r.out;
   }
+}
+
+// SIGTERM while the model loads ends the process at once (it once waited for the load, then served): the model here
+// (a dense FFN of 2^20 hidden units, 100M parameters) takes seconds to initialise; the signal goes out as soon as the
+// process blocks SIGTERM for its signal thread, the first thing `serve` does.
+TEST(ServeCli, SigtermWhileLoadingEndsTheProcess) {
+  if (!fs::exists(LONGMOE_BINARY)) GTEST_SKIP() << LONGMOE_BINARY << " is not built";
+  Files f;
+  io::json big = small_config(tokenizer().vocab_size()).to_json();
+  big["intermediate_size"] = 1 << 20;
+  std::ofstream(f.cfg) << big.dump();
+  const std::string log = (f.dir / "serve.log").string();
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const std::string cmd = "LONGMOE_NO_REEXEC=1 exec '" + std::string(LONGMOE_BINARY) + "' serve --port 0 " +
+                            f.model() + " > '" + log + "' 2>&1";
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  // SigBlk of /proc/<pid>/status is a hex mask: SIGTERM (15) is bit 14.
+  auto blocks_sigterm = [&] {
+    std::ifstream st("/proc/" + std::to_string(pid) + "/status");
+    for (std::string line; std::getline(st, line);)
+      if (line.rfind("SigBlk:", 0) == 0) return (std::stoull(line.substr(7), nullptr, 16) >> 14) & 1;
+    return 0ull;
+  };
+  const auto t0 = Clock::now();
+  while (!blocks_sigterm() && Clock::now() - t0 < std::chrono::seconds(20))
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ::kill(pid, SIGTERM);
+  const auto t1 = Clock::now();
+  int status = 0;
+  pid_t done = 0;
+  while ((done = waitpid(pid, &status, WNOHANG)) == 0 && Clock::now() - t1 < std::chrono::seconds(10))
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  if (done == 0) {
+    ::kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+  }
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t1).count();
+  const std::string out = io::read_file(log);
+  std::printf("[ measure  ] SIGTERM while loading: exit after %.0f ms\n", ms);
+  ASSERT_EQ(done, pid) << "still running 10 s after SIGTERM:\n" << out;
+  EXPECT_LT(ms, 2000);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << out;
+  EXPECT_NE(out.find("while loading"), std::string::npos) << out;
+  EXPECT_EQ(out.find("http://"), std::string::npos) << out;  // it never served
 }

@@ -8,6 +8,7 @@
 #include <httplib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <numeric>
 #include <thread>
@@ -305,8 +306,11 @@ TEST(Limits, ChunkedPrefillEqualsOneCall) {
   ASSERT_EQ(a.layers.size(), b.layers.size());
   for (size_t l = 0; l < a.layers.size(); ++l) EXPECT_TRUE(a.layers[l] == b.layers[l]) << "layer " << l;
   EXPECT_EQ(a.tokens, b.tokens);
-  // And through the server (pieces of 16 with other requests around): the engine's own answer.
-  Harness h(opts(), 1024, 16);
+  // And through the server (pieces of one 16-token unit: a slice shorter than any unit; other requests around): the
+  // engine's own answer.
+  serve::ServerOptions o = opts();
+  o.prefill_slice_s = 1e-6;
+  Harness h(o, 1024, 16);
   const std::string prompt = corpus_text(5).substr(0, 900);
   const std::string expect = direct_completion(h, prompt, 8, 1024);
   std::vector<std::thread> others;
@@ -361,6 +365,103 @@ TEST(Limits, LongPromptDoesNotStallShortRequests) {
               n, chunked.short_ms, one.short_ms, chunked.unloaded_ms, one.unloaded_ms, chunked.long_ms, one.long_ms);
   EXPECT_TRUE(chunked.long_still_prefilling);  // the short one finished in between
   EXPECT_LT(chunked.short_ms, chunked.long_ms / 3);
+}
+
+// A flood of short prompts does not hold a long one back: a prompt passed over twice goes first once. Each short
+// prompt (20 tokens, more than half of a 32-token chunk) fills a scheduler iteration by itself, and 8 clients keep
+// several waiting at every iteration, so without that rule the long prompt would wait until its remaining length,
+// aged by one chunk per iteration passed over, fell below theirs (~500 iterations). Its pieces are counted exactly:
+// every prefill chunk is the long prompt's or one whole short prompt (counted in prompt_tokens when it ends).
+TEST(Limits, AFloodOfShortRequestsAndALongPromptShareTheScheduler) {
+  serve::ServerOptions o = opts();
+  o.max_batch = 16;
+  Harness h(o, 16384, 32);
+  const int64_t short_len = 20;
+  std::vector<int32_t> short_ids(static_cast<size_t>(short_len), tokenizer().special("<|end|>") + 1);
+  const std::string short_body = json{{"prompt", short_ids}, {"max_tokens", 1}}.dump();
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> done{0}, failed{0};
+  std::vector<std::thread> flood;
+  for (int c = 0; c < 8; ++c)
+    flood.emplace_back([&] {
+      while (!stop) {
+        auto r = h.post("/v1/completions", short_body);
+        (r && r->status == 200 ? done : failed)++;
+      }
+    });
+  auto long_pieces = [&] {
+    const serve::ServerStats s = h.server.stats();
+    return s.prefill_chunks - s.prompt_tokens / short_len;  // (+1 when sampled between the two counts)
+  };
+  auto wait_done = [&](int64_t n) {
+    const auto t0 = Clock::now();
+    while (done < n && failed == 0 && ms_since(t0) < 20000) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  wait_done(30);
+  ASSERT_LE(long_pieces(), 1);  // only short prompts so far
+  Raw big(h.port);  // leaves at the end, which cancels its prefill
+  ASSERT_TRUE(big.ok());
+  big.send(http_request("POST", "/v1/completions", "Content-Type: application/json\r\n",
+                        json{{"prompt", long_prompt_ids(16000)}, {"max_tokens", 1}}.dump()));
+  const int64_t requests = h.server.stats().requests;
+  for (int i = 0; i < 5000 && h.server.stats().requests == requests; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const int64_t at = done;
+  wait_done(at + 150);
+  const int64_t pieces = long_pieces(), shorts = done - at;
+  stop = true;
+  for (auto& t : flood) t.join();
+  big.close();
+  std::printf("[ measure  ] %lld short prompts and %lld pieces of the long one while the flood ran\n",
+              static_cast<long long>(shorts), static_cast<long long>(pieces));
+  EXPECT_EQ(failed, 0);
+  EXPECT_GE(shorts, 150);
+  EXPECT_GE(pieces, 8);  // (about one in nine: the long prompt takes its turn among the waiting short ones)
+}
+
+// Prefill rounds are bounded in time: a prompt's pieces are as many grid units as its measured speed fits into the
+// slice (at least one). A slice far longer than the whole prompt takes gives two pieces (the first unit, which gives the
+// speed, then the rest); one shorter than any unit gives one unit per piece.
+TEST(Limits, PrefillPiecesFollowTheTimeSlice) {
+  const std::string body = json{{"prompt", long_prompt_ids(4000)}, {"max_tokens", 1}}.dump();
+  for (const double slice : {60.0, 1e-6}) {
+    serve::ServerOptions o = opts();
+    o.prefill_slice_s = slice;
+    Harness h(o, 8192, 16);
+    auto r = h.post("/v1/completions", body);
+    ASSERT_TRUE(r && r->status == 200);
+    EXPECT_EQ(h.server.stats().prefill_chunks, slice > 1 ? 2 : 250) << "slice " << slice << " s";
+  }
+}
+
+// The interleaving itself, without a timing threshold: short requests sent while a long prompt is being prefilled
+// (one 16-token unit per round here: 1000 rounds) are answered while that prefill is still in progress, and the long
+// prompt then completes. A server that prefilled the prompt in one call would answer them only after it.
+TEST(Limits, ShortRequestsFinishWhileALongPrefillGoesOn) {
+  serve::ServerOptions o = opts();
+  o.prefill_slice_s = 1e-6;
+  Harness h(o, 16384, 16);
+  std::atomic<bool> long_done{false};
+  int long_status = 0;
+  std::thread big([&] {
+    auto r = h.post("/v1/completions", json{{"prompt", long_prompt_ids(16000)}, {"max_tokens", 1}}.dump());
+    long_status = r ? r->status : 0;
+    long_done = true;
+  });
+  const auto t0 = Clock::now();
+  while (h.server.stats().prefill_chunks < 3 && ms_since(t0) < 20000)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  int answered_during = 0;
+  for (int i = 0; i < 3; ++i) {
+    auto r = h.post("/v1/completions", R"({"prompt": "alpha", "max_tokens": 2})");
+    EXPECT_TRUE(r && r->status == 200);
+    answered_during += !long_done && h.server.stats().prefilling >= 1;
+  }
+  const int64_t chunks_after_shorts = h.server.stats().prefill_chunks;
+  big.join();
+  EXPECT_EQ(long_status, 200);
+  EXPECT_EQ(answered_during, 3);
+  EXPECT_GT(h.server.stats().prefill_chunks, chunks_after_shorts);  // the long prefill went on after them
 }
 
 TEST(Limits, TimeoutInterruptsALongPrefill) {

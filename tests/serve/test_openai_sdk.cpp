@@ -1,6 +1,7 @@
 // Issue 24: the server through the official OpenAI Node SDK (tests/serve/openai_sdk.mjs) on 127.0.0.1.
 // The SDK (npm `openai`, major 6, which runs on Node 20) is installed once into <build>/openai-sdk (git-ignored);
-// without node, npm or the registry the test skips and says why.
+// without node, npm or the registry the test skips and says why, or fails with LONGMOE_REQUIRE_NODE_SDK=1 (CI, where
+// scripts/deps.sh installs node and npm).
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -9,6 +10,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/env.hpp"
 #include "tests/serve/harness.hpp"
 
 using namespace lm;
@@ -28,9 +30,16 @@ std::string slurp(const fs::path& p) {
 }
 }  // namespace
 
+// Skips, or fails when CI requires the test to run.
+#define SDK_MISSING(why)                                                          \
+  do {                                                                            \
+    if (env::require_node_sdk()) FAIL() << why << " (LONGMOE_REQUIRE_NODE_SDK=1)"; \
+    GTEST_SKIP() << why;                                                          \
+  } while (0)
+
 TEST(OpenAISdk, OfficialNodeClient) {
   if (shell("command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1") != 0)
-    GTEST_SKIP() << "node and npm are not installed: the OpenAI Node SDK test needs them";
+    SDK_MISSING("node and npm are not installed: the OpenAI Node SDK test needs them (scripts/deps.sh)");
   const fs::path dir = fs::path(LONGMOE_BINARY).parent_path() / "openai-sdk";
   fs::create_directories(dir);
   if (!fs::exists(dir / "node_modules" / "openai" / "package.json")) {
@@ -39,9 +48,9 @@ TEST(OpenAISdk, OfficialNodeClient) {
                             "' && timeout 300 npm install --no-audit --no-fund --loglevel=error openai@6 "
                             "> npm-install.log 2>&1";
     if (shell(cmd) != 0)
-      GTEST_SKIP() << "npm could not install the openai package (offline?): " << slurp(dir / "npm-install.log");
+      SDK_MISSING("npm could not install the openai package (offline?): " << slurp(dir / "npm-install.log"));
   }
-  fs::copy_file(fs::path(__FILE__).parent_path() / "openai_sdk.mjs", dir / "openai_sdk.mjs",
+  fs::copy_file(fs::path(LONGMOE_SOURCE_DIR) / "tests" / "serve" / "openai_sdk.mjs", dir / "openai_sdk.mjs",
                 fs::copy_options::overwrite_existing);
   serve::ServerOptions o = opts();
   o.api_key = "sk-longmoe-sdk-test";

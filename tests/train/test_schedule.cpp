@@ -92,5 +92,21 @@ TEST(Schedule, Errors) {
   EXPECT_EQ(d.warmup, 5);
 }
 
+TEST(Schedule, PeakScalesTheWholeCurve) {
+  const Schedule full(cfg(R"({"kind": "cosine", "warmup": 3, "min_lr_ratio": 0.2})"), 20);
+  const Schedule tenth(cfg(R"({"kind": "cosine", "warmup": 3, "min_lr_ratio": 0.2, "peak": 0.1})"), 20);
+  for (int64_t s = 0; s < 25; ++s) EXPECT_DOUBLE_EQ(tenth.factor_at(s), 0.1 * full.factor_at(s)) << s;
+  EXPECT_DOUBLE_EQ(tenth.factor_at(19), 0.02);
+  EXPECT_EQ(ScheduleConfig::from_json(tenth.config().to_json(), "rt").peak, 0.1);
+  for (const char* bad : {R"({"peak": 0})", R"({"peak": 1.5})", R"({"peak": -0.1})"}) {
+    try {
+      cfg(bad);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("peak"), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace lm::train

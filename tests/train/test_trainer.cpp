@@ -6,9 +6,12 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <initializer_list>
 #include <map>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "core/rng.hpp"
 #include "core/error.hpp"
@@ -217,10 +220,119 @@ TEST(Trainer, KillDuringSaveKeepsThePreviousCheckpoint) {
   EXPECT_FALSE(fs::exists(root / "run" / "ckpt" / ".tmp-step-00000008"));  // the next save removed it
 }
 
-// A kill at every file-changing syscall of a save never leaves a run that cannot resume: strace's fault injection
-// SIGKILLs `longmoe train --resume` at the Nth call of each such syscall, for every N from the first call inside the
-// save of step 5 (a one-step continuation of a run saved at step 4) to the last call of the run; each killed run is
-// then resumed, and must finish with the weights and optimiser state of an uninterrupted one, bit for bit.
+// "eval_retrieval": when training ends, each stage's checkpoint is measured and its results written beside it
+// (stage-<i>/retrieval.jsonl); a resumed run measures only the stages that have none yet.
+TEST(Trainer, RetrievalOfEveryStageIsWrittenBesideIt) {
+  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_retrieval";
+  fs::remove_all(root);
+  RunConfig cfg = tiny_run(root, (root / "run").string());
+  io::json j = cfg.to_json();
+  j["eval_retrieval"] = {{"passkey", {512}}, {"multi_needle", {512}}, {"trials", 2}, {"needles", 2}};
+  io::write_file_atomic((root / "run.json").string(), j.dump());
+  const std::string train = std::string(LONGMOE_BINARY) + " train --quiet --config " + (root / "run.json").string();
+  const auto rows = [&](int stage) {
+    std::vector<io::json> r;
+    std::ifstream f(root / "run" / ("stage-" + std::to_string(stage)) / "retrieval.jsonl");
+    for (std::string line; std::getline(f, line);) r.push_back(io::json::parse(line));
+    return r;
+  };
+  const int64_t first_stage_steps = cfg.stage_steps()[0];
+  ASSERT_EQ(std::system((train + " --max-steps " + std::to_string(first_stage_steps) + " > /dev/null 2>&1").c_str()), 0);
+  ASSERT_EQ(rows(0).size(), 2u);
+  EXPECT_FALSE(fs::exists(root / "run" / "stage-1"));
+  const fs::path zero = root / "run" / "stage-0" / "retrieval.jsonl";
+  const auto kept = fs::last_write_time(zero);
+  ASSERT_EQ(std::system((train + " --resume > /dev/null 2>&1").c_str()), 0);
+  EXPECT_EQ(fs::last_write_time(zero), kept);  // measured once
+  for (int stage : {0, 1}) {
+    const auto r = rows(stage);
+    ASSERT_EQ(r.size(), 2u) << "stage " << stage;
+    EXPECT_EQ(r[0]["stage"], stage);
+    EXPECT_EQ(r[0]["length"], 512);
+    EXPECT_EQ(r[0]["trials"], 2);
+    EXPECT_TRUE(r[0].contains("passkey") && r[1].contains("multi_needle")) << r[0] << r[1];
+    EXPECT_EQ(r[0]["passkey"].get<double>(), r[0]["passkey_correct"].get<double>() / 2);
+  }
+
+  // A length no prompt fits is refused with the config, before the run starts.
+  j["eval_retrieval"] = {{"passkey", {64}}};
+  try {
+    RunConfig::from_json(j, "bad run");
+    ADD_FAILURE() << "passkey length 64 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("eval_retrieval"), std::string::npos) << e.what();
+  }
+}
+
+namespace {
+
+// The files `f` of folder `dir` concatenated ("" when one is missing).
+std::string contents(const fs::path& dir, std::initializer_list<const char*> f) {
+  std::string r;
+  for (const char* n : f) {
+    if (!fs::is_regular_file(dir / n)) return "";
+    r += io::read_file((dir / n).string());
+  }
+  return r;
+}
+
+// strace's fault injection SIGKILLs `cmd` at the Nth call of each file-changing syscall, for every N from the first
+// call whose trace line contains `from` to the last call of the run. Before each run restore() puts the run folder
+// back; after each kill recover() (its exit status) must bring the run to the end that an uninterrupted `cmd` gives:
+// the same result(). Returns {kills, kills that ended the process, runs that did not recover}.
+struct Kills {
+  int64_t trials = 0, killed = 0, bad = 0;
+};
+Kills kill_at_every_syscall(const fs::path& root, const std::string& cmd, const std::string& from,
+                            const std::function<void()>& restore, const std::function<int()>& recover,
+                            const std::function<std::string()>& result) {
+  const std::string syscalls =
+      "openat,creat,write,pwrite64,writev,ftruncate,fsync,fdatasync,rename,renameat,renameat2,mkdir,mkdirat,unlink,"
+      "unlinkat,rmdir,link,linkat,symlink,copy_file_range,sendfile";
+  // The uninterrupted run, traced: which calls of each syscall come from `from` on.
+  restore();
+  const fs::path trace = root / "trace.txt";
+  EXPECT_EQ(std::system(("OMP_NUM_THREADS=1 strace -f -qq -o " + trace.string() + " -e trace=" + syscalls + " " + cmd +
+                         " > /dev/null 2>&1").c_str()), 0);
+  const std::string ref = result();
+  EXPECT_FALSE(ref.empty()) << "the uninterrupted run left no result";
+  std::map<std::string, int64_t> before, total;
+  bool in = false;
+  std::istringstream lines(io::read_file(trace.string()));
+  for (std::string line; std::getline(lines, line);) {
+    // "<pid> name(args) = ret"; resumed halves of interrupted calls ("<... name resumed>") are not calls
+    const size_t sp = line.find(' '), par = line.find('(');
+    if (sp == std::string::npos || par == std::string::npos || par < sp || line.find("resumed>") != std::string::npos)
+      continue;
+    const std::string name = line.substr(sp + 1, par - sp - 1);
+    in = in || line.find(from) != std::string::npos;
+    ++total[name];
+    if (!in) ++before[name];
+  }
+  EXPECT_TRUE(in) << "the trace never touched " << from;
+  Kills k;
+  for (const auto& [name, n] : total)
+    for (int64_t i = before[name] + 1; i <= n; ++i) {
+      restore();
+      const int rc = std::system(("OMP_NUM_THREADS=1 strace -f -qq -o /dev/null -e trace=" + name + " -e inject=" + name +
+                                  ":signal=SIGKILL:when=" + std::to_string(i) + " " + cmd + " > /dev/null 2>&1")
+                                     .c_str());
+      ++k.trials, k.killed += rc != 0;
+      const int rc2 = recover();
+      const bool ok = rc2 == 0 && result() == ref;
+      if (!ok) ADD_FAILURE() << "a kill at " << name << " call " << i << " left a run that does not recover exactly";
+      k.bad += !ok;
+    }
+  return k;
+}
+
+int run_quiet(const std::string& cmd) { return std::system(("OMP_NUM_THREADS=1 " + cmd + " > /dev/null 2>&1").c_str()); }
+
+}  // namespace
+
+// A kill at every file-changing syscall of a save never leaves a run that cannot resume: every call from the first
+// inside the save of step 5 (a one-step continuation of a run saved at step 4) to the last of the run; each killed
+// run is then resumed, and must finish with the weights and optimiser state of an uninterrupted one, bit for bit.
 TEST(Trainer, AKillAtEverySyscallOfASaveResumes) {
 #if defined(__SANITIZE_ADDRESS__)
   GTEST_SKIP() << "too slow under the sanitizers (one process pair per syscall)";
@@ -237,53 +349,69 @@ TEST(Trainer, AKillAtEverySyscallOfASaveResumes) {
   cfg.max_steps = 5;
   io::write_file_atomic((root / "run.json").string(), cfg.to_json().dump());
   const std::string bin = std::string(LONGMOE_BINARY) + " train --quiet --resume --config " + (root / "run.json").string();
-  auto restore = [&] {
-    fs::remove_all(root / "run");
-    fs::copy(root / "base", root / "run", fs::copy_options::recursive);
-  };
-  const fs::path last = root / "run" / "ckpt" / "step-00000005";
-  auto files = [&] {
-    return io::read_file((last / "model.safetensors").string()) + io::read_file((last / "optimizer.safetensors").string());
-  };
-  const std::string syscalls =
-      "openat,creat,write,pwrite64,writev,ftruncate,fsync,fdatasync,rename,renameat,renameat2,mkdir,mkdirat,unlink,"
-      "unlinkat,rmdir,link,linkat,symlink,copy_file_range,sendfile";
-  // The uninterrupted continuation, traced: which calls of each syscall fall inside the save.
-  restore();
-  const fs::path trace = root / "trace.txt";
-  ASSERT_EQ(std::system(("OMP_NUM_THREADS=1 strace -f -qq -o " + trace.string() + " -e trace=" + syscalls + " " + bin +
-                         " > /dev/null 2>&1").c_str()), 0);
-  const std::string ref = files();
-  std::map<std::string, int64_t> before, total;
-  bool in_save = false;
-  std::istringstream lines(io::read_file(trace.string()));
-  for (std::string line; std::getline(lines, line);) {
-    // "<pid> name(args) = ret"; resumed halves of interrupted calls ("<... name resumed>") are not calls
-    const size_t sp = line.find(' '), par = line.find('(');
-    if (sp == std::string::npos || par == std::string::npos || par < sp || line.find("resumed>") != std::string::npos)
-      continue;
-    const std::string name = line.substr(sp + 1, par - sp - 1);
-    in_save = in_save || line.find(".tmp-step-00000005") != std::string::npos;
-    ++total[name];
-    if (!in_save) ++before[name];
-  }
-  ASSERT_TRUE(in_save) << "the trace never touched the save's folder";
-  int64_t trials = 0, killed = 0, bad = 0;
-  for (const auto& [name, n] : total)
-    for (int64_t k = before[name] + 1; k <= n; ++k) {
-      restore();
-      const int rc = std::system(("OMP_NUM_THREADS=1 strace -f -qq -o /dev/null -e trace=" + name + " -e inject=" + name +
-                                  ":signal=SIGKILL:when=" + std::to_string(k) + " " + bin + " > /dev/null 2>&1")
-                                     .c_str());
-      ++trials, killed += rc != 0;
-      const int rc2 = std::system(("OMP_NUM_THREADS=1 " + bin + " > /dev/null 2>&1").c_str());
-      const bool ok = rc2 == 0 && fs::exists(last / "model.safetensors") && files() == ref;
-      if (!ok) ADD_FAILURE() << "a kill at " << name << " call " << k << " left a run that does not resume exactly";
-      bad += !ok;
-    }
+  const Kills k = kill_at_every_syscall(
+      root, bin, ".tmp-step-00000005",
+      [&] {
+        fs::remove_all(root / "run");
+        fs::copy(root / "base", root / "run", fs::copy_options::recursive);
+      },
+      [&] { return run_quiet(bin); },
+      [&] { return contents(root / "run" / "ckpt" / "step-00000005", {"model.safetensors", "optimizer.safetensors"}); });
   std::printf("[ measure  ] %lld kills inside a save (%lld of them ended the process), %lld runs that did not resume "
-              "exactly\n", static_cast<long long>(trials), static_cast<long long>(killed), static_cast<long long>(bad));
-  EXPECT_GT(killed, 10);
+              "exactly\n", static_cast<long long>(k.trials), static_cast<long long>(k.killed),
+              static_cast<long long>(k.bad));
+  EXPECT_GT(k.killed, 10);
+}
+
+// The two saves around the ends of a run: a kill anywhere in the first save of a new run (a folder with a complete
+// step folder but no `latest`, or only a torn .tmp- one) is recovered by --resume when the folder holds a checkpoint,
+// else by starting again, as scripts/run.sh does; a kill anywhere from the last stage's link (out/stage-1, hard links
+// of the final checkpoint) to the end is recovered by --resume, which relinks the stage and writes the summary.
+TEST(Trainer, AKillInTheFirstSaveOrInTheLastStagesLinksResumes) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "too slow under the sanitizers (one process pair per syscall)";
+#endif
+  if (std::system("strace -V > /dev/null 2>&1") != 0) GTEST_SKIP() << "strace is not installed (scripts/deps.sh)";
+  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_strace_ends";
+  fs::remove_all(root);
+  const fs::path run = root / "run";
+  RunConfig cfg = tiny_run(root, run.string());
+  const std::string train = std::string(LONGMOE_BINARY) + " train --quiet --config " + (root / "run.json").string();
+  // The first save: a new run of 4 steps, saved at step 4.
+  cfg.max_steps = 4;
+  io::write_file_atomic((root / "run.json").string(), cfg.to_json().dump());
+  const Kills first = kill_at_every_syscall(
+      root, train, ".tmp-step-00000004", [&] { fs::remove_all(run); },
+      [&] { return run_quiet(train + (run_markers(run).empty() ? "" : " --resume")); },
+      [&] { return contents(run / "ckpt" / "step-00000004", {"model.safetensors", "optimizer.safetensors"}); });
+  // The last stage's link: from a run stopped at step 19 (by max_steps, so it has a summary of step 19), the last
+  // step, the stage end, its checkpoint and link, pruning, the summary.
+  cfg.max_steps = 19;
+  io::write_file_atomic((root / "run.json").string(), cfg.to_json().dump());
+  fs::remove_all(run);
+  ASSERT_EQ(run_quiet(train), 0);
+  fs::remove_all(root / "base");
+  fs::copy(run, root / "base", fs::copy_options::recursive);
+  cfg.max_steps = 0;
+  io::write_file_atomic((root / "run.json").string(), cfg.to_json().dump());
+  const Kills last = kill_at_every_syscall(
+      root, train + " --resume", "stage-1",
+      [&] {
+        fs::remove_all(run);
+        fs::copy(root / "base", run, fs::copy_options::recursive);
+      },
+      [&] { return summary_of_step(run, 20) ? 0 : run_quiet(train + " --resume"); },
+      [&] {
+        const std::string s = contents(run / "stage-1", {"model.safetensors", "optimizer.safetensors", "config.json"});
+        return summary_of_step(run, 20) ? s : std::string();
+      });
+  std::printf("[ measure  ] first save: %lld kills (%lld ended the process), %lld not recovered; last stage's link: "
+              "%lld kills (%lld ended the process), %lld not recovered\n",
+              static_cast<long long>(first.trials), static_cast<long long>(first.killed),
+              static_cast<long long>(first.bad), static_cast<long long>(last.trials),
+              static_cast<long long>(last.killed), static_cast<long long>(last.bad));
+  EXPECT_GT(first.killed, 10);
+  EXPECT_GT(last.killed, 5);
 }
 
 // A run folder belongs to one run (the older run's step numbers sorted after the new ones, so pruning by name once
@@ -312,6 +440,34 @@ TEST(Trainer, AnOlderRunsFolderIsRefusedOrOverwritten) {
   EXPECT_EQ(resolve_checkpoint((root / "run").string()), (root / "run" / "ckpt" / "step-00000009").string());
   EXPECT_TRUE(fs::exists(root / "run" / "ckpt" / "step-00000009" / "trainer_state.json"));
   EXPECT_FALSE(fs::exists(root / "run" / "ckpt" / "step-00000200"));
+}
+
+// Pruning keeps the newest keep_checkpoints step folders by name, and never the one just written, which `latest`
+// names: step folders an older run left with later numbers (here beside a resumed run) once made every new
+// checkpoint vanish right after its save, leaving `latest` dangling.
+TEST(Trainer, PruningNeverRemovesTheCheckpointJustWritten) {
+  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_prune";
+  fs::remove_all(root);
+  RunConfig cfg = tiny_run(root, (root / "run").string());
+  cfg.max_steps = 4;
+  TrainOptions o;
+  o.quiet = true;
+  lm::train::train(cfg, o);
+  for (const char* older : {"step-00000100", "step-00000200"}) {
+    fs::create_directories(root / "run" / "ckpt" / older);
+    io::write_file_atomic((root / "run" / "ckpt" / older / "note").string(), "an older run's\n");
+  }
+  cfg.max_steps = 9;  // saves at steps 8 and 9
+  o.resume = true;
+  lm::train::train(cfg, o);
+  const fs::path last = root / "run" / "ckpt" / "step-00000009";
+  EXPECT_EQ(resolve_checkpoint((root / "run").string()), last.string());
+  EXPECT_TRUE(fs::exists(last / "trainer_state.json"));
+  EXPECT_TRUE(fs::exists(last / "model.safetensors"));
+  EXPECT_EQ(io::read_file((root / "run" / "latest").string()), "ckpt/step-00000009\n");
+  EXPECT_FALSE(fs::exists(root / "run" / "ckpt" / "step-00000004"));  // pruned: keep 2 = the newest other + step 9
+  EXPECT_FALSE(fs::exists(root / "run" / "ckpt" / "step-00000008"));
+  EXPECT_TRUE(fs::exists(root / "run" / "ckpt" / "step-00000200"));
 }
 
 TEST(Trainer, BadRunConfigsAreClearErrors) {

@@ -191,13 +191,14 @@ void fused_block(const F* h, const F* W, const int32_t* targets, int64_t ts, int
 // Backward over tokens [ts, te): dh rows written; dW accumulated when non-null.
 template <class F>
 void backward_block(const F* h, const F* W, const int32_t* targets, const F* lse, int64_t ts, int64_t te, int64_t d,
-                    int64_t V, int64_t Vc, F scale, F* tile, F* dh, F* dW, bool par_rows) {
+                    int64_t V, int64_t Vc, F scale, const F* row_scale, F* tile, F* dh, F* dW, bool par_rows) {
   const int64_t nt = te - ts;
   for (int64_t c0 = 0; c0 < V; c0 += Vc) {
     const int64_t vc = std::min(Vc, V - c0);
     tile_logits(h, W, ts, nt, c0, vc, d, tile);
-    for_rows(nt, vc, par_rows,
-             [&](int64_t r) { grad_row(tile + r * vc, vc, c0, targets[ts + r], lse[ts + r], scale); });
+    for_rows(nt, vc, par_rows, [&](int64_t r) {
+      grad_row(tile + r * vc, vc, c0, targets[ts + r], lse[ts + r], row_scale ? scale * row_scale[ts + r] : scale);
+    });
     gemm(false, false, nt, d, vc, F(1), tile, vc, W + c0 * d, d, c0 == 0 ? F(0) : F(1), dh + ts * d, d);
     if (dW) gemm(true, false, vc, d, nt, F(1), tile, vc, h + ts * d, d, F(1), dW + c0 * d, d);
   }
@@ -206,7 +207,7 @@ void backward_block(const F* h, const F* W, const int32_t* targets, const F* lse
 // dW pass of TokenBlocks mode: vocabulary chunks in parallel (each owns its dW rows), token blocks in order.
 template <class F>
 void dw_pass(const F* h, const F* W, const int32_t* targets, const F* lse, int64_t T, int64_t d, int64_t V,
-             const Plan& p, F scale, F* dW) {
+             const Plan& p, F scale, const F* row_scale, F* dW) {
   const int64_t nblocks = (T + p.Bt - 1) / p.Bt;
   // At least two chunks per thread for balance: narrower chunks (multiples of 64 rows) when V / Vc is small.
   int64_t Vc = p.Vc;
@@ -219,7 +220,9 @@ void dw_pass(const F* h, const F* W, const int32_t* targets, const F* lse, int64
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t ts = b * p.Bt, nt = std::min(T, ts + p.Bt) - ts;
       tile_logits(h, W, ts, nt, c0, vc, d, tile.data());
-      for (int64_t r = 0; r < nt; ++r) grad_row(tile.data() + r * vc, vc, c0, targets[ts + r], lse[ts + r], scale);
+      for (int64_t r = 0; r < nt; ++r)
+        grad_row(tile.data() + r * vc, vc, c0, targets[ts + r], lse[ts + r],
+                 row_scale ? scale * row_scale[ts + r] : scale);
       gemm(true, false, vc, d, nt, F(1), tile.data(), vc, h + ts * d, d, F(1), dW + c0 * d, d);
     }
   });
@@ -271,7 +274,7 @@ CeStats cross_entropy_forward(const F* h, const F* W, const int32_t* targets, in
 
 template <class F>
 void cross_entropy_backward(const F* h, const F* W, const int32_t* targets, const F* lse, int64_t T, int64_t d,
-                            int64_t V, F grad_scale, F* dh, F* dW, const CeOptions& opt) {
+                            int64_t V, F grad_scale, F* dh, F* dW, const CeOptions& opt, const F* row_scale) {
   const Plan p = make_plan("cross_entropy_backward", T, d, V, opt, CeParallel::Blas);
   check_targets("cross_entropy_backward", targets, T, V);
   if (T == 0) return;
@@ -280,7 +283,7 @@ void cross_entropy_backward(const F* h, const F* W, const int32_t* targets, cons
     std::vector<F> tile(static_cast<size_t>(p.Bt * p.Vc));
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t ts = b * p.Bt, te = std::min(T, ts + p.Bt);
-      backward_block(h, W, targets, lse, ts, te, d, V, p.Vc, grad_scale, tile.data(), dh, dW, true);
+      backward_block(h, W, targets, lse, ts, te, d, V, p.Vc, grad_scale, row_scale, tile.data(), dh, dW, true);
     }
     return;
   }
@@ -288,10 +291,10 @@ void cross_entropy_backward(const F* h, const F* W, const int32_t* targets, cons
   blocks_for(nblocks, p.small, [&](int64_t b) {
     const int64_t ts = b * p.Bt, te = std::min(T, ts + p.Bt);
     std::vector<F> tile(static_cast<size_t>((te - ts) * p.Vc));
-    backward_block(h, W, targets, lse, ts, te, d, V, p.Vc, grad_scale, tile.data(), dh, static_cast<F*>(nullptr),
-                   false);
+    backward_block(h, W, targets, lse, ts, te, d, V, p.Vc, grad_scale, row_scale, tile.data(), dh,
+                   static_cast<F*>(nullptr), false);
   });
-  if (dW) dw_pass(h, W, targets, lse, T, d, V, p, grad_scale, dW);
+  if (dW) dw_pass(h, W, targets, lse, T, d, V, p, grad_scale, row_scale, dW);
 }
 
 template <class F>
@@ -320,7 +323,7 @@ CeStats cross_entropy_forward_backward(const F* h, const F* W, const int32_t* ta
     fused_block(h, W, targets, ts, te, d, V, p.Vc, grad_scale, tile.data(), m.data(), s.data(), tgt.data(), dh);
   });
   const CeStats st = finish_forward(targets, T, m, s, tgt, n_valid, lse_out, token_loss);
-  if (dW) dw_pass(h, W, targets, lse_out, T, d, V, p, grad_scale, dW);
+  if (dW) dw_pass(h, W, targets, lse_out, T, d, V, p, grad_scale, static_cast<const F*>(nullptr), dW);
   return st;
 }
 
@@ -349,7 +352,7 @@ void lm_head_logits(const F* h, const F* W, int64_t rows, int64_t d, int64_t V, 
   template CeStats cross_entropy_forward<F>(const F*, const F*, const int32_t*, int64_t, int64_t, int64_t, F*, F*,     \
                                             const CeOptions&);                                                         \
   template void cross_entropy_backward<F>(const F*, const F*, const int32_t*, const F*, int64_t, int64_t, int64_t, F,  \
-                                          F*, F*, const CeOptions&);                                                   \
+                                          F*, F*, const CeOptions&, const F*);                                         \
   template CeStats cross_entropy_forward_backward<F>(const F*, const F*, const int32_t*, int64_t, int64_t, int64_t, F, \
                                                      F*, F*, F*, F*, const CeOptions&);                                \
   template CeStats cross_entropy_mean_forward_backward<F>(const F*, const F*, const int32_t*, int64_t, int64_t,        \

@@ -51,12 +51,14 @@ template <class F>
 CeStats cross_entropy_forward(const F* h, const F* W, const int32_t* targets, int64_t T, int64_t d, int64_t V, F* lse,
                               F* token_loss = nullptr, const CeOptions& opt = {});
 
-// Gradients of L = grad_scale * sum_t loss_t (the mean loss: grad_scale = 1 / n_valid).
+// Gradients of L = grad_scale * sum_t row_scale_t * loss_t (the mean loss: grad_scale = 1 / n_valid, no row_scale).
 // dh [T, d] written (0 rows for ignored tokens); dW [V, d] accumulated (+=; nullable: skipped).
-// lse from the forward with the same h, W.
+// lse from the forward with the same h, W. row_scale [T] (nullable: all 1) weighs each token, of either sign: the
+// policy gradient of RL (rl/grpo.hpp) is a weighted sum of the targets' log-probabilities, loss_t = -logp_t.
 template <class F>
 void cross_entropy_backward(const F* h, const F* W, const int32_t* targets, const F* lse, int64_t T, int64_t d,
-                            int64_t V, F grad_scale, F* dh, F* dW, const CeOptions& opt = {});
+                            int64_t V, F grad_scale, F* dh, F* dW, const CeOptions& opt = {},
+                            const F* row_scale = nullptr);
 
 // Training: loss and gradients in one call (lse, token_loss nullable outputs as in the forward).
 // Blas mode runs the forward sweep then the backward sweep. TokenBlocks mode fuses the forward into the

@@ -400,3 +400,43 @@ TEST(Attention, AbsorbedDecodeEqualsExpanded) {
                 long(c.Tc), long(c.R), long(c.Dr), long(c.chunk), o64, o32, l64, l32);
   }
 }
+
+// ---- absorbed prefill ---------------------------------------------------------------------------------
+// A chunk of n queries at positions p .. p+n-1 over a latent cache [p + n, R + Dr] against the softmax written out in
+// float64: a long chunk (its query tiles run in parallel) and short chunks far into the context (few tiles: the keys
+// are split into segments whose softmax states are merged), in float64 and float; the result does not depend on the
+// thread count.
+TEST(Attention, AbsorbedPrefillEqualsTheDefinition) {
+  const int64_t H = 4, R = 16, Dr = 8, RD = R + Dr;
+  for (const auto& [p, n] : std::vector<std::pair<int64_t, int64_t>>{{300, 200}, {5000, 8}, {4100, 40}, {0, 3}}) {
+    const std::vector<double> q = randn<double>(n * H * RD, 11), c = randn<double>((p + n) * RD, 12);
+    const double scale = 0.3;
+    std::vector<double> want(static_cast<size_t>(n * H * R), 0.0);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const double* qr = q.data() + (t * H + h) * RD;
+        std::vector<double> s(static_cast<size_t>(p + t + 1));
+        double mx = -1e300, sum = 0;
+        for (int64_t k = 0; k <= p + t; ++k) {
+          double d = 0;
+          for (int64_t e = 0; e < RD; ++e) d += qr[e] * c[k * RD + e];
+          s[k] = d * scale, mx = std::max(mx, s[k]);
+        }
+        for (auto& x : s) sum += (x = std::exp(x - mx));
+        for (int64_t k = 0; k <= p + t; ++k)
+          for (int64_t e = 0; e < R; ++e) want[(t * H + h) * R + e] += s[k] / sum * c[k * RD + e];
+      }
+    std::vector<double> got(want.size());
+    mla_prefill_absorbed<double>(q.data(), c.data(), p, n, H, R, Dr, scale, got.data());
+    EXPECT_LT(rel_rms_vec(got, want), 1e-12) << "p " << p << " n " << n;
+    const std::vector<float> qf(q.begin(), q.end()), cf(c.begin(), c.end());
+    std::vector<float> gf(want.size()), g1(want.size());
+    mla_prefill_absorbed<float>(qf.data(), cf.data(), p, n, H, R, Dr, float(scale), gf.data());
+    EXPECT_LT(rel_rms_vec(std::vector<double>(gf.begin(), gf.end()), want), 1e-5) << "p " << p << " n " << n;
+    const int threads = num_threads();
+    set_num_threads(1);
+    mla_prefill_absorbed<float>(qf.data(), cf.data(), p, n, H, R, Dr, float(scale), g1.data());
+    set_num_threads(threads);
+    EXPECT_EQ(gf, g1) << "p " << p << " n " << n;
+  }
+}

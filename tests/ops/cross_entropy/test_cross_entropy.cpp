@@ -156,6 +156,32 @@ TEST(CrossEntropy, MeanForwardBackwardMatchesFiniteDifferences) {
   }
 }
 
+// Per-row scales (signed, as RL's per-token weights are): the gradient of sum_t row_scale_t * loss_t against finite
+// differences of that weighted loss, in both parallel modes.
+TEST(CrossEntropy, RowScaledBackwardMatchesFiniteDifferences) {
+  const int64_t T = 9, d = 6, V = 23;
+  auto h = randn(T * d, 14), W = randn(V * d, 15);
+  const auto tg = make_targets(T, V, 16, true);
+  const auto rs = randn(T, 17, 1.5);  // both signs
+  for (const CeParallel mode : {CeParallel::Blas, CeParallel::TokenBlocks}) {
+    const CeOptions opt{5, 4, mode};
+    auto loss = [&] {
+      std::vector<double> tl(T);
+      cross_entropy_forward(h.data(), W.data(), tg.data(), T, d, V, static_cast<double*>(nullptr), tl.data(), opt);
+      double s = 0;
+      for (int64_t t = 0; t < T; ++t) s += 0.5 * rs[t] * tl[t];
+      return s;
+    };
+    std::vector<double> lse(T), dh(T * d), dW(V * d, 0.0);
+    cross_entropy_forward(h.data(), W.data(), tg.data(), T, d, V, lse.data(), static_cast<double*>(nullptr), opt);
+    cross_entropy_backward(h.data(), W.data(), tg.data(), lse.data(), T, d, V, 0.5, dh.data(), dW.data(), opt,
+                           rs.data());
+    const double eh = fd_check(h, dh, loss, 54), ew = fd_check(W, dW, loss, 138);
+    EXPECT_LT(eh, 1e-8) << mode_name(mode);
+    EXPECT_LT(ew, 1e-8) << mode_name(mode);
+  }
+}
+
 TEST(CrossEntropy, AllIgnoredGivesZero) {
   const int64_t T = 4, d = 3, V = 10;
   const auto h = randn(T * d, 7), W = randn(V * d, 8);
