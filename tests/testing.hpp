@@ -9,10 +9,21 @@
 #include <vector>
 
 #include "core/env.hpp"
+#include "core/error.hpp"
 #include "core/rng.hpp"
 #include "core/tensor.hpp"
 
 namespace lm::testing {
+
+// The message of the lm::Error that f throws; "" when it throws none.
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
 
 // ../shared/golden, or $LONGMOE_GOLDEN_DIR. Empty string when absent (tests then GTEST_SKIP).
 inline std::string golden_dir() {

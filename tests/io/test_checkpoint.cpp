@@ -54,14 +54,7 @@ void expect_same(const Tensor& a, const Tensor& b, const std::string& name) {
   EXPECT_EQ(0, std::memcmp(a.contiguous().raw(), b.contiguous().raw(), a.nbytes())) << name;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const lm::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using lm::testing::error_of;
 
 TEST(Checkpoint, ShardedRoundTrip) {
   TempDir d("rt");

@@ -36,14 +36,7 @@ struct TempDir {
   }
 };
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const lm::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using lm::testing::error_of;
 
 TEST(Corpus, TextFileAndParagraphs) {
   TempDir t("text");

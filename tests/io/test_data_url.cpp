@@ -6,19 +6,11 @@
 
 #include "core/error.hpp"
 #include "io/data_url.hpp"
+#include "testing.hpp"
 
 using namespace lm;
 
-namespace {
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
-}  // namespace
+using lm::testing::error_of;
 
 TEST(DataUrl, Base64Vectors) {
   // RFC 4648 §10.

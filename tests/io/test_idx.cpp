@@ -13,6 +13,7 @@
 #include "core/error.hpp"
 #include "io/file.hpp"
 #include "io/idx.hpp"
+#include "testing.hpp"
 
 using namespace lm;
 namespace fs = std::filesystem;
@@ -45,14 +46,7 @@ struct Dir {
   }
 };
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
+using lm::testing::error_of;
 
 std::vector<uint8_t> ramp(size_t n) {
   std::vector<uint8_t> v(n);

@@ -63,14 +63,8 @@ constexpr int64_t kFeatureRows = 7;
 std::vector<int32_t> prompt() { return {5, 7, kPh, kPh, kPh, kPh, 9, 3, kPh, kPh, kPh, 11, 2, 8, 1, 4}; }
 std::vector<int64_t> placeholder_rows() { return {2, 3, 4, 5, 8, 9, 10}; }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using lm::testing::error_of;
+
 #define EXPECT_ERROR(stmt, ...)                                                     \
   do {                                                                              \
     const std::string msg_ = error_of([&] { stmt; });                                \
