@@ -33,6 +33,13 @@ std::vector<std::string> run_markers(const fs::path& out) {
 void clear_run(const fs::path& out) {
   for (const char* f : {"latest", "summary.json", "metrics.jsonl"}) fs::remove(out / f);
   fs::remove_all(out / "ckpt");
+  // The stage folders too: the new run links only the stages it reaches, and an older run's later ones would stay.
+  std::vector<fs::path> stages;
+  for (const auto& e : fs::directory_iterator(out)) {
+    const std::string n = e.path().filename().string();
+    if (e.is_directory() && (n.rfind("stage-", 0) == 0 || n.rfind(".tmp-stage-", 0) == 0)) stages.push_back(e.path());
+  }
+  for (const fs::path& d : stages) fs::remove_all(d);
   io::fsync_dir(out.string());
 }
 

@@ -30,7 +30,8 @@ struct TrainerState {
 
 // What says a run folder holds a run: "ckpt/step-..." folders, `latest`, summary.json (empty: none).
 std::vector<std::string> run_markers(const std::filesystem::path& out);
-// Removes a run's checkpoints, `latest`, metrics and summary from `out` (the files of a new run replace the rest).
+// Removes a run's checkpoints, stage folders, `latest`, metrics and summary from `out` (the files of a new run
+// replace the rest).
 void clear_run(const std::filesystem::path& out);
 
 // A resumed run's trainer_state.json (`j`; ctx names the file) for a run whose stage s has stage_steps[s] steps.

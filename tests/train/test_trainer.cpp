@@ -421,6 +421,7 @@ TEST(Trainer, AnOlderRunsFolderIsRefusedOrOverwritten) {
   fs::remove_all(root);
   fs::create_directories(root / "run" / "ckpt" / "step-00000100");
   fs::create_directories(root / "run" / "ckpt" / "step-00000200");
+  fs::create_directories(root / "run" / "stage-1");  // a stage the new run does not reach
   RunConfig cfg = tiny_run(root, (root / "run").string());
   cfg.max_steps = 9;  // saves at steps 4 and 8, and where it stops
   TrainOptions quiet;
@@ -440,6 +441,7 @@ TEST(Trainer, AnOlderRunsFolderIsRefusedOrOverwritten) {
   EXPECT_EQ(resolve_checkpoint((root / "run").string()), (root / "run" / "ckpt" / "step-00000009").string());
   EXPECT_TRUE(fs::exists(root / "run" / "ckpt" / "step-00000009" / "trainer_state.json"));
   EXPECT_FALSE(fs::exists(root / "run" / "ckpt" / "step-00000200"));
+  EXPECT_FALSE(fs::exists(root / "run" / "stage-1"));
 }
 
 // Pruning keeps the newest keep_checkpoints step folders by name, and never the one just written, which `latest`
