@@ -14,12 +14,12 @@ when a request failed or loaded p99 > `--max-ratio` x unloaded p99 (default 2; i
 import argparse, http.client, json, socket, sys, threading, time
 
 
-def short(port):
+def complete(port, body, timeout):
+    """POSTs /v1/completions; (answered with 200, milliseconds)."""
     t0 = time.monotonic()
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        c.request("POST", "/v1/completions", body=json.dumps({"prompt": "alpha", "max_tokens": 2, "temperature": 0}),
-                  headers={"Content-Type": "application/json"})
+        c.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
         r = c.getresponse()
         r.read()
         ok = r.status == 200
@@ -28,6 +28,10 @@ def short(port):
     finally:
         c.close()
     return ok, (time.monotonic() - t0) * 1e3
+
+
+def short(port):
+    return complete(port, json.dumps({"prompt": "alpha", "max_tokens": 2, "temperature": 0}), 60)
 
 
 def pct(xs, p):
@@ -94,20 +98,10 @@ def main():
             ids = [3 + (i * 7 + k) % (a.vocab - 3) for i in range(a.long_prompt)]
             body = json.dumps({"prompt": ids, "max_tokens": 1})
             k += 1
-            t0 = time.monotonic()
-            c = http.client.HTTPConnection("127.0.0.1", a.port, timeout=3600)
-            try:
-                c.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-                r = c.getresponse()
-                r.read()
-                ok = r.status == 200
-            except OSError:
-                ok = False
-            finally:
-                c.close()
+            ok, ms = complete(a.port, body, 3600)
             with lock:
                 longs["done" if ok else "failed"] += 1
-                longs["ms"].append((time.monotonic() - t0) * 1e3)
+                longs["ms"].append(ms)
 
     if a.long_prompt > 0:
         threads = [threading.Thread(target=long_prompts, daemon=True)]
