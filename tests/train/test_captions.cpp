@@ -6,6 +6,8 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <regex>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -203,6 +205,34 @@ TEST(Captions, JointRunTrainsTheTowerAndResumesExactly) {
     EXPECT_NE(std::vector<float>(a.w(), a.w() + a.value.numel()), std::vector<float>(b.w(), b.w() + b.value.numel()))
         << n;
   }
+  // `longmoe eval --classify` on the trained checkpoint: every test image answered and counted once.
+  if (fs::exists(LONGMOE_BINARY)) {
+    write_fashion(root / "fm", "t10k", 20);
+    const auto eval = [&](const std::string& images, int* rc) {
+      std::string out;
+      FILE* p = ::popen(("'" + std::string(LONGMOE_BINARY) + "' eval --model '" + (root / "full").string() +
+                         "' --classify '" + (root / "fm").string() + "' --image-size 28 --images " + images + " 2>&1")
+                            .c_str(), "r");
+      char buf[4096];
+      while (p && std::fgets(buf, sizeof buf, p)) out += buf;
+      *rc = p ? ::pclose(p) : -1;
+      return out;
+    };
+    int rc = 0;
+    const std::string out = eval("20", &rc);
+    ASSERT_EQ(rc, 0) << out;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(accuracy [0-9.]+% \(([0-9]+) / 20; chance 10%\))"))) << out;
+    EXPECT_LE(std::stoi(m[1]), 20);
+    int per_class = 0;  // the class lines: "  <name>  x% of N"
+    const std::regex of(R"(% of ([0-9]+))");
+    for (std::sregex_iterator i(out.begin(), out.end(), of), e; i != e; ++i)
+      per_class += std::stoi((*i)[1]);
+    EXPECT_EQ(per_class, 20) << out;
+    EXPECT_NE(eval("21", &rc).find("--images 21 outside [1, 20]"), std::string::npos);
+    EXPECT_NE(rc, 0);
+  }
+
   RunConfig part = config("part");
   part.max_steps = 5;
   const TrainResult first = train::train(part, quiet);
