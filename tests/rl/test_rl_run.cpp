@@ -3,8 +3,9 @@
 // run stopped after 2 iterations and resumed equals the uninterrupted one (metrics and weights, bit for bit).
 #include <gtest/gtest.h>
 
-#include <filesystem>
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <unistd.h>
 
@@ -173,4 +174,40 @@ TEST(RlRun, ConfigErrorsNameTheField) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("iteratons"), std::string::npos) << e.what();
   }
+}
+
+// The verb: a run stopped by --max-iterations and continued with --resume --out finishes; a finished run says so;
+// flags that contradict a resumed run are refused and change nothing.
+TEST(RlCli, RunsResumesAndRefusesContradictions) {
+  const auto longmoe = [](const std::string& args, int* rc) {
+    std::string out;
+    FILE* p = ::popen(("'" + std::string(LONGMOE_BINARY) + "' rl " + args + " 2>&1").c_str(), "r");
+    char buf[4096];
+    while (p && std::fgets(buf, sizeof buf, p)) out += buf;
+    *rc = p ? ::pclose(p) : -1;
+    return out;
+  };
+  const RlConfig c = tiny("cli");
+  const fs::path cfg = root() / "cli.json";
+  io::write_file_atomic(cfg.string(), c.to_json().dump());
+  int rc = 0;
+  std::string out = longmoe("--quiet --config '" + cfg.string() + "' --max-iterations 2", &rc);
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_FALSE(fs::exists(fs::path(c.out) / "summary.json"));
+  out = longmoe("--quiet --resume --out '" + c.out + "'", &rc);
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("rl: 4 iterations"), std::string::npos) << out;
+  EXPECT_TRUE(fs::exists(fs::path(c.out) / "summary.json"));
+  const auto rows = lines(fs::path(c.out) / "metrics.jsonl");
+  EXPECT_EQ(rows.size(), 7u);  // 4 iterations and held-out rows at 0, 2, 4
+  out = longmoe("--quiet --resume --out '" + c.out + "'", &rc);
+  EXPECT_EQ(rc, 0);
+  EXPECT_NE(out.find("has finished (4 of 4 iterations)"), std::string::npos) << out;
+  out = longmoe("--quiet --resume --out '" + c.out + "' --iterations 9", &rc);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("drop --init and --iterations"), std::string::npos) << out;
+  EXPECT_EQ(lines(fs::path(c.out) / "metrics.jsonl"), rows);
+  out = longmoe("--quiet", &rc);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("give --config"), std::string::npos) << out;
 }
