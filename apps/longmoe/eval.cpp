@@ -96,7 +96,9 @@ void classify(infer::Engine& s, const infer::LoadedModel& m, const Args& a) {
     ++seen[static_cast<size_t>(label)];
     if (k == label) ++ok, ++right[static_cast<size_t>(label)];
     if (k < 0) ++none;
-    if (i < 5) examples += fmt::format("  image {} ({}): \"{}\"\n", i, names[static_cast<size_t>(label)], got);
+    if (i < 5)  // (quoted and escaped: an untrained model's bytes need not be text)
+      examples += fmt::format("  image {} ({}): {}\n", i, names[static_cast<size_t>(label)],
+                              io::json(got).dump(-1, ' ', false, io::json::error_handler_t::replace));
   }
   const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("classify    %s t10k: %ld images at %ld px: accuracy %.1f%% (%ld / %ld; chance 10%%), %ld answers "
