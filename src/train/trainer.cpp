@@ -473,9 +473,12 @@ void Run::load_model() {
   if (cfg_.parallel.zero == 1) optim_->shard(comm_);  // (one process: nothing)
   if (!resume_dir_.empty()) optim_->load_state(optimizer_files(resume));
   engine_ = make_engine(opt_.device, cfg_, *model_, *optim_, comm_);
-  say(fmt::format("model: {:.2f}M parameters, {:.2f}M activated; {} layers ({} KDA, {} MLA), {} MoE layers, "
+  const std::string vision = mcfg_.vision ? fmt::format(" + {:.2f}M vision tower and projector",
+                                                         model::count_vision_params(*mcfg_.vision).total() / 1e6)
+                                          : std::string();
+  say(fmt::format("model: {:.2f}M parameters{}, {:.2f}M activated; {} layers ({} KDA, {} MLA), {} MoE layers, "
                   "balance {}; {}",
-                  counts.total / 1e6, counts.activated / 1e6, mcfg_.num_hidden_layers, mcfg_.num_kda_layers(),
+                  counts.total / 1e6, vision, counts.activated / 1e6, mcfg_.num_hidden_layers, mcfg_.num_kda_layers(),
                   mcfg_.num_mla_layers(), mcfg_.num_moe_layers(), balance_name(cfg_.balance), engine_->where()));
 }
 
