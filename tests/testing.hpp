@@ -2,7 +2,10 @@
 // Shared helpers for the test executables (header only: tests/<folder>/ each build one binary).
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <string>
@@ -14,6 +17,24 @@
 #include "core/tensor.hpp"
 
 namespace lm::testing {
+
+// `longmoe ARGS` (the built binary, after `prefix`: environment, a timeout): its stdout and stderr together and its
+// exit status (128 + the signal when one ended it).
+struct CliRun {
+  int rc = -1;
+  std::string out;
+};
+inline CliRun run_longmoe(const std::string& args, const std::string& prefix = "") {
+  CliRun r;
+  FILE* p = ::popen((prefix + "'" + std::string(LONGMOE_BINARY) + "' " + args + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
+  const int st = ::pclose(p);
+  r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + (WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+  return r;
+}
 
 // The message of the lm::Error that f throws; "" when it throws none.
 inline std::string error_of(const std::function<void()>& f) {

@@ -78,10 +78,8 @@ std::string describe(const RetrievalPoint& p, int64_t needles) {
 std::vector<RetrievalPoint> eval_retrieval(Engine& engine, const io::Tokenizer& tok, const RetrievalOptions& o,
                                            const std::function<void(const RetrievalPoint&)>& on_point) {
   o.validate(tok, "retrieval evaluation");
-  for (const auto* lens : {&o.passkey, &o.multi_needle})
-    for (int64_t L : *lens)
-      LM_CHECK(L <= engine.max_context(), "retrieval evaluation: length {} is over the engine's context ({})", L,
-               engine.max_context());
+  LM_CHECK(o.longest() <= engine.max_context(), "retrieval evaluation: length {} is over the engine's context ({})",
+           o.longest(), engine.max_context());
   std::vector<RetrievalPoint> out;
   for (const bool multi : {false, true})
     for (int64_t L : multi ? o.multi_needle : o.passkey) {

@@ -39,9 +39,7 @@ bool episode_turn(const Task& task, const Toolbox& tools, const Budget& b, const
                                    false, p.error.empty() ? std::string("give a <tool_call> or an <answer>")
                                                           : p.error})});
   }
-  const auto assistant_turns =
-      std::count_if(e.turns.begin(), e.turns.end(), [](const Turn& t) { return t.role == "assistant"; });
-  if (assistant_turns >= b.max_turns) {
+  if (e.assistant_turns() >= b.max_turns) {
     e.end = "turn_budget";
     return true;
   }

@@ -3,6 +3,7 @@
 // Toolbox in a tool turn; the episode ends at an <answer>, or at a budget (turns, tool calls, tokens) with that
 // reason, so a malformed or endless loop of calls always ends. The reward is the task's for the final answer
 // (0 without one).
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -31,6 +32,10 @@ struct Episode {
   std::string end;  // "answer", "turn_budget", "tool_budget", "token_budget"
   int64_t tool_calls = 0, tokens = 0;
   double reward = 0;
+
+  int64_t assistant_turns() const {
+    return std::count_if(turns.begin(), turns.end(), [](const Turn& t) { return t.role == "assistant"; });
+  }
 };
 
 // The policy's next assistant turn after the task and the turns so far, and the tokens it generated for it.

@@ -248,8 +248,7 @@ struct Loop {
     for (const Trajectory* t : ts) {
       reward += t->episode.reward;
       success += t->episode.reward == 1.0;
-      turns += static_cast<double>(std::count_if(t->episode.turns.begin(), t->episode.turns.end(),
-                                                 [](const Turn& x) { return x.role == "assistant"; }));
+      turns += static_cast<double>(t->episode.assistant_turns());
       tokens += static_cast<double>(t->episode.tokens);
       ent += t->entropy_sum;
       gen += static_cast<double>(t->drawn);

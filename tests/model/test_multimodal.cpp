@@ -140,13 +140,9 @@ TEST(Multimodal, K3ConfigsParseAndCountTheTower) {
   // `longmoe params` on both.
   if (!fs::exists(LONGMOE_BINARY)) GTEST_SKIP() << LONGMOE_BINARY << " is not built";
   auto run = [](const std::string& args) {
-    std::string out;
-    FILE* p = ::popen(("'" + std::string(LONGMOE_BINARY) + "' params " + args + " 2>&1").c_str(), "r");
-    char buf[4096];
-    while (p && std::fgets(buf, sizeof buf, p)) out += buf;
-    const int rc = p ? ::pclose(p) : -1;
-    EXPECT_EQ(rc, 0) << out;
-    return out;
+    const lm::testing::CliRun r = lm::testing::run_longmoe("params " + args);
+    EXPECT_EQ(r.rc, 0) << r.out;
+    return r.out;
   };
   const json jv = json::parse(run("--json --config '" + shipped.string() + "'"));
   EXPECT_EQ(jv.at("vision").at("tower"), 401'214'464);

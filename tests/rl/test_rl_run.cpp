@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <unistd.h>
@@ -17,6 +16,7 @@
 #include "rl/demos.hpp"
 #include "rl/rl_run.hpp"
 #include "train/tiny_run.hpp"
+#include "testing.hpp"
 
 namespace fs = std::filesystem;
 using namespace lm;
@@ -180,12 +180,9 @@ TEST(RlRun, ConfigErrorsNameTheField) {
 // flags that contradict a resumed run are refused and change nothing.
 TEST(RlCli, RunsResumesAndRefusesContradictions) {
   const auto longmoe = [](const std::string& args, int* rc) {
-    std::string out;
-    FILE* p = ::popen(("'" + std::string(LONGMOE_BINARY) + "' rl " + args + " 2>&1").c_str(), "r");
-    char buf[4096];
-    while (p && std::fgets(buf, sizeof buf, p)) out += buf;
-    *rc = p ? ::pclose(p) : -1;
-    return out;
+    const lm::testing::CliRun r = lm::testing::run_longmoe("rl " + args);
+    *rc = r.rc;
+    return r.out;
   };
   const RlConfig c = tiny("cli");
   const fs::path cfg = root() / "cli.json";

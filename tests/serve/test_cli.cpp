@@ -14,6 +14,7 @@
 #include "io/file.hpp"
 #include "model/cuda/gpu_model.hpp"
 #include "tests/serve/harness.hpp"
+#include "testing.hpp"
 
 using namespace lm;
 using namespace lm::serve_test;
@@ -21,23 +22,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct CliRun {
-  int rc = -1;
-  std::string out;
-};
+using lm::testing::CliRun;
 
-CliRun longmoe(const std::string& args) {
-  CliRun r;
-  const std::string cmd = "LONGMOE_NO_REEXEC=1 timeout 60 '" + std::string(LONGMOE_BINARY) + "' " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  const int st = pclose(p);
-  r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + (WIFSIGNALED(st) ? WTERMSIG(st) : 0);
-  return r;
-}
+CliRun longmoe(const std::string& args) { return lm::testing::run_longmoe(args, "LONGMOE_NO_REEXEC=1 timeout 60 "); }
 
 // A config and tokenizer for `serve --init-config` (a random tiny model).
 struct Files {

@@ -6,7 +6,6 @@
 #include <zlib.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <regex>
 #include <cmath>
 #include <filesystem>
@@ -23,6 +22,7 @@
 #include "train/captions.hpp"
 #include "train/tiny_run.hpp"
 #include "train/trainer.hpp"
+#include "testing.hpp"
 
 namespace fs = std::filesystem;
 using namespace lm;
@@ -209,14 +209,11 @@ TEST(Captions, JointRunTrainsTheTowerAndResumesExactly) {
   if (fs::exists(LONGMOE_BINARY)) {
     write_fashion(root / "fm", "t10k", 20);
     const auto eval = [&](const std::string& images, int* rc) {
-      std::string out;
-      FILE* p = ::popen(("'" + std::string(LONGMOE_BINARY) + "' eval --model '" + (root / "full").string() +
-                         "' --classify '" + (root / "fm").string() + "' --image-size 28 --images " + images + " 2>&1")
-                            .c_str(), "r");
-      char buf[4096];
-      while (p && std::fgets(buf, sizeof buf, p)) out += buf;
-      *rc = p ? ::pclose(p) : -1;
-      return out;
+      const lm::testing::CliRun r = lm::testing::run_longmoe("eval --model '" + (root / "full").string() +
+                                                             "' --classify '" + (root / "fm").string() +
+                                                             "' --image-size 28 --images " + images);
+      *rc = r.rc;
+      return r.out;
     };
     int rc = 0;
     const std::string out = eval("20", &rc);
