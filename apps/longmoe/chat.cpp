@@ -107,11 +107,7 @@ app::Register reg({"chat", "Interactive chat with a checkpoint (stdin lines in, 
                      a->add_model(sub);
                      a->add_sampling(sub);
                      sub.add_option("--system", a->system, "system message");
-                     sub.add_option("--max-image-patches", a->image.max_patches, "patch budget per /image")
-                         ->check(CLI::Range(int64_t(4), int64_t(1) << 16));
-                     sub.add_option("--image-min-side", a->image.min_side, "upscale smaller images to this many px "
-                                    "on their shorter side first (the model's training size)")
-                         ->check(CLI::Range(int64_t(0), int64_t(4096)));
+                     a->add_image_limits(sub, a->image);
                      return [a] { return run(*a); };
                    }});
 

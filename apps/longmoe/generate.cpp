@@ -18,7 +18,7 @@ using namespace lm;
 struct Args : app::InferArgs {
   std::string prompt, prompt_file, system;
   std::vector<std::string> images;
-  int64_t max_image_patches = 1024, image_min_side = 0;
+  infer::ImageLimits image;
   bool chat = false, quiet = false;
 };
 
@@ -36,7 +36,7 @@ int run(const Args& a) {
     ph = infer::image_token(m.config, tok);
     sp.stop_tokens.push_back(ph);  // an input token: a reply that would write one ends instead
     for (const auto& f : a.images)
-      media.push_back(infer::image_media(io::read_file(f), f, *m.config.vision, {.max_patches = a.max_image_patches, .min_side = a.image_min_side}));
+      media.push_back(infer::image_media(io::read_file(f), f, *m.config.vision, a.image));
   }
   if (tok.eos() >= 0) sp.stop_tokens.push_back(tok.eos());
   if (a.chat) {
@@ -90,11 +90,7 @@ app::Register reg({"generate", "Generate text from a checkpoint, streamed to std
                      sub.add_option("--system", a->system, "system message (with --chat)");
                      sub.add_option("--image", a->images, "a PNG or JPEG for a multimodal model, at the prompt's "
                                     "<|image|> markers in order, else before the prompt (repeatable)");
-                     sub.add_option("--max-image-patches", a->max_image_patches, "patch budget per image (larger "
-                                    "images are shrunk to it)")->check(CLI::Range(int64_t(4), int64_t(1) << 16));
-                     sub.add_option("--image-min-side", a->image_min_side, "upscale smaller images to this many px on "
-                                    "their shorter side first (the size the model was trained on, e.g. 56)")
-                         ->check(CLI::Range(int64_t(0), int64_t(4096)));
+                     a->add_image_limits(sub, a->image);
                      sub.add_flag("--quiet", a->quiet, "no statistics on stderr");
                      return [a] { return run(*a); };
                    }});

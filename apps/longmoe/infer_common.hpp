@@ -38,6 +38,17 @@ struct InferArgs {
                    "memory for the snapshots' KDA states, their latent rows staying shared in the pool)")
         ->check(CLI::Range(int64_t(0), int64_t(1) << 24));
   }
+  // The image flags of generate, chat and serve (a multimodal model), into `lim`.
+  static void add_image_limits(CLI::App& sub, infer::ImageLimits& lim) {
+    sub.add_option("--max-image-patches", lim.max_patches, "patch budget per image (larger images are shrunk to it)")
+        ->check(CLI::Range(int64_t(4), int64_t(1) << 16));
+    sub.add_option("--image-min-side", lim.min_side, "upscale smaller images to this many px on their shorter side "
+                   "first (the size the model was trained on, e.g. 56)")
+        ->check(CLI::Range(int64_t(0), int64_t(4096)));
+    sub.add_option("--max-image-pixels", lim.max_pixels, "largest image accepted, in decoded pixels (default 4096 x "
+                   "4096)")
+        ->check(CLI::Range(int64_t(1), int64_t(1) << 28));
+  }
   void add_sampling(CLI::App& sub) {
     sub.add_option("--max-tokens", sp.max_tokens, "tokens to generate at most");
     sub.add_option("--temperature", sp.temperature, "0: greedy");

@@ -139,15 +139,7 @@ app::Register reg({"serve", "OpenAI-compatible HTTP server (completions, chat co
                                     "accept this Host header besides localhost/127.0.0.1/[::1]; repeatable")
                          ->take_all();
                      sub.add_option("--access-log", so.access_log, "append one JSON line per request to FILE");
-                     sub.add_option("--max-image-patches", so.image_limits.max_patches,
-                                    "patch budget per image of a multimodal model (larger images are shrunk to it)")
-                         ->check(CLI::Range(int64_t(4), int64_t(1) << 16));
-                     sub.add_option("--image-min-side", so.image_limits.min_side, "upscale smaller images to this "
-                                    "many px on their shorter side first (the model's training size)")
-                         ->check(CLI::Range(int64_t(0), int64_t(4096)));
-                     sub.add_option("--max-image-pixels", so.image_limits.max_pixels,
-                                    "largest image accepted, in decoded pixels (default 4096 x 4096)")
-                         ->check(CLI::Range(int64_t(1), int64_t(1) << 28));
+                     app::InferArgs::add_image_limits(sub, so.image_limits);
                      auto body_mb = std::make_shared<double>(8), inflight_mb = std::make_shared<double>(512);
                      sub.add_option("--max-body-mb", *body_mb, "largest request body in MiB (default 8)")
                          ->check(CLI::Range(0.001, 1024.0));
