@@ -1184,9 +1184,10 @@ struct Server::Impl {
   // One round of prefill, bounded in time by prefill_slice_s: pieces of whole grid units (they end on the engine's
   // grid, so the caches equal one prefill call's), sized from the seconds per token each prompt's last piece took.
   // A new request's first piece (one unit: all of a short prompt) never waits: those run before the round's decode
-  // step, the continued pieces after it. Prompts past their first piece go shortest remaining first (ageing by one unit per round passed over); one passed over twice
-  // goes first (the most passed over first), so a flood of short prompts cannot hold a long one back. The first of
-  // them runs at least one unit; later ones only while the slice has room for a unit. While sequences are decoding,
+  // step, the continued pieces after it. Prompts past their first piece go shortest remaining first (ageing by one
+  // unit per round passed over); one passed over twice goes first (the most passed over first), so a flood of short
+  // prompts cannot hold a long one back. The first of them runs at least one unit; later ones only while the slice
+  // has room for a unit. While sequences are decoding,
   // a prompt past its first piece continues only when the decode steps since have taken as long as its pieces did
   // (prefill_debt_s): running streams keep at least half of the time. A new request thus waits for at most one
   // slice (or one unit, when a unit takes longer) of another prompt's prefill.
