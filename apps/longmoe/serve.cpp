@@ -79,8 +79,8 @@ int run(Args a) {
   LM_CHECK(!a.default_max_tokens_given || a.so.default_max_tokens <= s.max_context(),
            "--default-max-tokens {} exceeds the context limit of {} tokens", a.so.default_max_tokens, s.max_context());
   if (a.so.model_name.empty()) a.so.model_name = m.name;
-  // A multimodal model on the CPU takes image_url parts (the GPU engine has no tower yet: they stay refused there).
-  if (m.config.vision && a.device == "cpu" && m.tokenizer && m.tokenizer->has_special("<|image|>")) {
+  // A multimodal model takes image_url parts (on either device: the engines run the tower).
+  if (m.config.vision && m.tokenizer && m.tokenizer->has_special("<|image|>")) {
     infer::image_token(m.config, *m.tokenizer);
     a.so.vision = *m.config.vision;
   }

@@ -225,14 +225,22 @@ void GpuEngine::move(Id id, int64_t to) {
 std::vector<float> GpuEngine::run(Entry& e, std::span<const int32_t> t, std::vector<float>* all_logits) {
   const int64_t p = e.pos(), n = static_cast<int64_t>(t.size());
   make_room(g_.blocks_needed(e.slot, n));
+  // the placeholders of t take the next attached feature rows
+  const int32_t ph = g_.media_placeholder();
+  const int64_t n_ph = ph < 0 ? 0 : std::count(t.begin(), t.end(), ph), d = g_.config().hidden_size;
+  const int64_t left = static_cast<int64_t>(e.media.size()) / d - e.media_taken;
+  LM_CHECK(n_ph <= left, "the prompt has {} media placeholder token(s) (id {}), but {} image feature row(s) are "
+           "attached for them", n_ph, ph, left);
+  const std::span<const float> rows(e.media.data() + e.media_taken * d, size_t(n_ph * d));
   std::vector<float> lg;
   try {
-    lg = p == 0 ? g_.prefill(e.slot, t.data(), n, all_logits) : g_.extend(e.slot, t.data(), n, all_logits);
+    lg = p == 0 ? g_.prefill(e.slot, t.data(), n, all_logits, rows) : g_.extend(e.slot, t.data(), n, all_logits, rows);
   } catch (...) {
-    e.tokens.clear(), e.on_grid = true;  // (the model left the slot empty)
+    e.tokens.clear(), e.on_grid = true, e.media_taken = 0;  // (the model left the slot empty)
     throw;
   }
   e.tokens.insert(e.tokens.end(), t.begin(), t.end());
+  e.media_taken += n_ph;
   return lg;
 }
 
@@ -249,6 +257,9 @@ std::vector<float> GpuEngine::prefill(Id id, std::span<const int32_t> t, std::ve
   }
   const int64_t Cp = o_.prefill_chunk, p = e.pos(), end = p + static_cast<int64_t>(t.size());
   if (p % Cp != 0) e.on_grid = false;
+  // A snapshot is keyed by tokens, and an image's rows are not in them: a sequence with images stores none.
+  if (const int32_t ph = g_.media_placeholder(); ph >= 0 && std::find(t.begin(), t.end(), ph) != t.end())
+    e.on_grid = false;
   if (!store_prefix || !prefix_cache() || !e.on_grid || end < p / Cp * Cp + Cp) return run(e, t, all_logits);
   // Snapshots at the last grid point of the call and, when the call ends on it, at the one before as well (a repeat
   // of the prompt resumes there: it must prefill at least its last token). The call runs in pieces between them: the
@@ -267,8 +278,16 @@ std::vector<float> GpuEngine::prefill(Id id, std::span<const int32_t> t, std::ve
   return lg;
 }
 
-int64_t GpuEngine::attach_media(Id, const model::Media<float>&) {
-  fail("the GPU engine takes no images yet (the vision tower runs on the CPU only); use --device cpu");
+int64_t GpuEngine::attach_media(Id id, const model::Media<float>& media) {
+  Entry& e = get(id);
+  int64_t rows = 0;
+  const std::vector<float> features = g_.media_features(media, &rows);
+  if (e.media_taken > 0) {  // drop the rows already taken
+    e.media.erase(e.media.begin(), e.media.begin() + e.media_taken * g_.config().hidden_size);
+    e.media_taken = 0;
+  }
+  e.media.insert(e.media.end(), features.begin(), features.end());
+  return rows;
 }
 
 const std::vector<float>& GpuEngine::decode(std::span<const Id> ids, std::span<const int32_t> t) {

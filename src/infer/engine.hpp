@@ -139,6 +139,8 @@ class GpuEngine final : public Engine {
     std::vector<int32_t> tokens;
     bool on_grid = true;  // every token prefilled in calls that started on the grid (what a snapshot may hold)
     bool looked_up = false;  // the prefix cache was asked for this sequence's prompt (once: a miss counts once)
+    std::vector<float> media = {};  // image feature rows attached [k, d], for the placeholders of the next prefills
+    int64_t media_taken = 0;   // rows of `media` already consumed
     int64_t pos() const { return static_cast<int64_t>(tokens.size()); }
   };
   const Entry& get(Id id) const;

@@ -62,17 +62,15 @@ class CudaEngine final : public Engine {
 
   // The loads come from the GPU; Quantile Balancing reads the scores there.
   LossStats forward_backward(const Batch& b, int64_t n_valid_total, const model::Media<float>* media) override {
-    LM_CHECK(!media || media->empty(), "the GPU trainer takes no images yet (the vision tower runs on the CPU only)");
     const auto st = gm_.forward_backward(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens),
-                                         n_valid_total);
+                                         n_valid_total, media);
     if (!std::isfinite(st.loss_sum)) throw NonFinite(fmt::format("the loss became {} on the GPU", st.loss_sum));
     for (size_t li = 0; li < bal_.layers().size(); ++li) bal_.add_loads(li, gm_.expert_loads(bal_.layers()[li]).data());
     return {st.loss_sum, st.n_valid};
   }
 
   LossStats loss(const Batch& b, const model::Media<float>* media) override {
-    LM_CHECK(!media || media->empty(), "the GPU trainer takes no images yet (the vision tower runs on the CPU only)");
-    const auto st = gm_.loss(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens));
+    const auto st = gm_.loss(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens), media);
     return {st.loss_sum, st.n_valid};
   }
 

@@ -31,13 +31,18 @@ void GpuModel::upload(const ParamStore<float>&) { no_cuda(); }
 void GpuModel::download(ParamStore<float>&) const { no_cuda(); }
 void GpuModel::download_grads(ParamStore<float>&) const { no_cuda(); }
 void GpuModel::zero_grads() { no_cuda(); }
-GpuModel::LossStats GpuModel::forward_backward(const int32_t*, const int32_t*, const Seqs&, int64_t) { no_cuda(); }
+GpuModel::LossStats GpuModel::forward_backward(const int32_t*, const int32_t*, const Seqs&, int64_t,
+                                               const Media<float>*) {
+  no_cuda();
+}
 void GpuModel::set_keep_layers(std::vector<bool>) { no_cuda(); }
 std::vector<bool> GpuModel::keep_layers() const { no_cuda(); }
 void GpuModel::set_offload_states(bool) { no_cuda(); }
 bool GpuModel::offload_states() const { no_cuda(); }
 GpuTrainingMemory GpuModel::plan_memory(int64_t) { no_cuda(); }
-GpuModel::LossStats GpuModel::loss(const int32_t*, const int32_t*, const Seqs&) { no_cuda(); }
+GpuModel::LossStats GpuModel::loss(const int32_t*, const int32_t*, const Seqs&, const Media<float>*) { no_cuda(); }
+std::vector<float> GpuModel::media_features(const Media<float>&, int64_t*) { no_cuda(); }
+int32_t GpuModel::media_placeholder() const { no_cuda(); }
 GpuModel::Flat GpuModel::flat() const { no_cuda(); }
 ParamSlot GpuModel::slot(const std::string&) const { no_cuda(); }
 void GpuModel::weights_updated() { no_cuda(); }
@@ -55,8 +60,12 @@ int64_t GpuModel::decode_captures() const { no_cuda(); }
 int64_t GpuModel::cache_slots() const { no_cuda(); }
 int64_t GpuModel::slot_tokens(int64_t) const { no_cuda(); }
 size_t GpuModel::cache_bytes() const { no_cuda(); }
-std::vector<float> GpuModel::prefill(int64_t, const int32_t*, int64_t, std::vector<float>*) { no_cuda(); }
-std::vector<float> GpuModel::extend(int64_t, const int32_t*, int64_t, std::vector<float>*) { no_cuda(); }
+std::vector<float> GpuModel::prefill(int64_t, const int32_t*, int64_t, std::vector<float>*, std::span<const float>) {
+  no_cuda();
+}
+std::vector<float> GpuModel::extend(int64_t, const int32_t*, int64_t, std::vector<float>*, std::span<const float>) {
+  no_cuda();
+}
 std::vector<float> GpuModel::decode(int64_t, int64_t, const int32_t*) { no_cuda(); }
 void GpuModel::decode(int64_t, int64_t, const int32_t*, float*) { no_cuda(); }
 void GpuModel::copy_slot(int64_t, int64_t) { no_cuda(); }
@@ -208,9 +217,10 @@ void GpuModel::download_grads(ParamStore<float>& ps) const {
 void GpuModel::zero_grads() { ck(cudaMemsetAsync(p_->grad.p, 0, p_->P * 4, p_->walk()), "zero grads"); }
 
 GpuModel::LossStats GpuModel::forward_backward(const int32_t* ids, const int32_t* targets, const Seqs& s,
-                                               int64_t n_valid_total) {
+                                               int64_t n_valid_total, const Media<float>* media) {
   LM_CHECK(targets, "forward_backward: targets are required");
   Impl& m = *p_;
+  const Impl::SpliceScope splice{m, {media, nullptr, 0}};
   LM_CHECK(!m.infer_only, "gpu model: an inference-only model cannot train (it holds bf16 weights only)");
   LM_CHECK(ffn_rows >= 1, "gpu model: ffn_rows must be >= 1 (got {})", ffn_rows);
   m.ffn_rows = ffn_rows;
@@ -256,9 +266,11 @@ GpuTrainingMemory GpuModel::plan_memory(int64_t rows) {
   return m;
 }
 
-GpuModel::LossStats GpuModel::loss(const int32_t* ids, const int32_t* targets, const Seqs& s) {
+GpuModel::LossStats GpuModel::loss(const int32_t* ids, const int32_t* targets, const Seqs& s,
+                                   const Media<float>* media) {
   LM_CHECK(targets, "loss: targets are required");
   Impl& m = *p_;
+  const Impl::SpliceScope splice{m, {media, nullptr, 0}};
   m.profiling = profiling;
   m.training = false;
   m.forward(ids, targets, s);
@@ -267,6 +279,22 @@ GpuModel::LossStats GpuModel::loss(const int32_t* ids, const int32_t* targets, c
                                                    m.rows, m.d, m.V);
   return LossStats{r.loss_sum, r.n_valid};
 }
+
+std::vector<float> GpuModel::media_features(const Media<float>& media, int64_t* rows) {
+  Impl& m = *p_;
+  LM_CHECK(m.placeholder >= 0, "images need 'vision_config.media_placeholder_token_id' (the prompt token their "
+           "features replace) and a model with a vision tower");
+  m.profiling = profiling;
+  int64_t M = 0;
+  const auto* f = static_cast<const uint16_t*>(m.vision_forward(media, &M));
+  std::vector<uint16_t> b(size_t(M * m.d));
+  ck(cudaMemcpy(b.data(), f, b.size() * 2, cudaMemcpyDeviceToHost), "media features");
+  std::vector<float> r(b.size());
+  for (size_t i = 0; i < b.size(); ++i) r[i] = bf16_to_f32(b[i]);
+  if (rows) *rows = M;
+  return r;
+}
+int32_t GpuModel::media_placeholder() const { return p_->placeholder; }
 
 GpuModel::Flat GpuModel::flat() const {
   const Impl& m = *p_;

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -93,10 +94,17 @@ class GpuModel {
   };
   // Forward, mean cross-entropy over targets >= 0, backward into the gradients (accumulated, scaled by
   // 1 / n_valid, or 1 / n_valid_total when > 0). Host ids / targets [rows]; lm::Error for ids or targets
-  // out of range (nothing on the device changes then).
-  LossStats forward_backward(const int32_t* ids, const int32_t* targets, const Seqs& s, int64_t n_valid_total = 0);
+  // out of range (nothing on the device changes then). With `media` (a model with a vision tower, SPEC §9) the
+  // tower's features replace the embedding rows of the media placeholders in ids, in order, and the backward
+  // continues into the tower; a target naming the placeholder carries no loss (as model::Model).
+  LossStats forward_backward(const int32_t* ids, const int32_t* targets, const Seqs& s, int64_t n_valid_total = 0,
+                             const Media<float>* media = nullptr);
   // Loss only.
-  LossStats loss(const int32_t* ids, const int32_t* targets, const Seqs& s);
+  LossStats loss(const int32_t* ids, const int32_t* targets, const Seqs& s, const Media<float>* media = nullptr);
+  // The tower and projector over `media` (inference): features [rows, d] (bf16 values as fp32), the rows its
+  // placeholders take, in order (M in *rows). lm::Error without a tower or for grids the config refuses.
+  std::vector<float> media_features(const Media<float>& media, int64_t* rows = nullptr);
+  int32_t media_placeholder() const;  // the placeholder token id, -1 without a tower
 
   // The flat device arrays of every parameter, for an optimiser that updates them in place: the tensors that
   // decay [0, decay_end), the other trainable ones [decay_end, train_end), then the untrained QB biases (P in all,
@@ -137,11 +145,14 @@ class GpuModel {
   // A fresh sequence in `slot` (what it held is dropped): runs the n prompt tokens and returns the logits after the
   // last one [V] (with all_logits, every token's [n, V]). lm::Error for a bad slot, ids outside the vocabulary,
   // n above max_tokens or a full latent pool (the slot is then empty). Prompts run prefill_chunk tokens at a time:
-  // activations stay within a chunk's, whatever the context.
-  std::vector<float> prefill(int64_t slot, const int32_t* ids, int64_t n, std::vector<float>* all_logits = nullptr);
+  // activations stay within a chunk's, whatever the context. `features` [k, d] (media_features) are the rows of the
+  // k media placeholders among ids, in order; another count of placeholders is an error.
+  std::vector<float> prefill(int64_t slot, const int32_t* ids, int64_t n, std::vector<float>* all_logits = nullptr,
+                             std::span<const float> features = {});
   // The same n tokens after what `slot` holds (a continued conversation, a prompt that arrives in pieces): the
   // chunks attend to the cached latents and continue the cached states. Same checks; on an error the slot is empty.
-  std::vector<float> extend(int64_t slot, const int32_t* ids, int64_t n, std::vector<float>* all_logits = nullptr);
+  std::vector<float> extend(int64_t slot, const int32_t* ids, int64_t n, std::vector<float>* all_logits = nullptr,
+                            std::span<const float> features = {});
   int64_t prefill_chunk = 16384;
   // Rows per piece of a training step's dense-FFN and shared-expert backward (their fp32 scratch stays that size).
   int64_t ffn_rows = kGpuFfnRows;

@@ -194,6 +194,36 @@ struct StackActs {
   DBuf rstd_f;   // fp32 [n]
   size_t bytes() const;
 };
+// The vision tower and projector (vision.cpp) of the last forward: the batch (host), its index arrays and the
+// activations its backward reads (bf16 unless noted; L patches, M merged rows, G position-table rows).
+struct VisionActs {
+  VisionBatch b;
+  struct Size {  // a distinct (h, w) of the batch: its position table at rows [off, off + h·w) of pos
+    int64_t h = 0, w = 0, off = 0;
+  };
+  std::vector<Size> sizes;
+  int64_t G = 0;
+  // int32 index arrays in one buffer, at these element offsets (vision_glue_cuda.hpp): pos_row [L], frame [L],
+  // merge first [M·S], frames [M], stride [M], unmerge cell [L], per-patch frames [L], grad start [G + 1], src [L]
+  int64_t o_pos_row = 0, o_frame = 0, o_first = 0, o_mframes = 0, o_stride = 0, o_cell = 0, o_pframes = 0,
+          o_start = 0, o_src = 0;
+  bool clips = false;  // some media has t > 1 (the time table is added)
+  DBuf idx, pixels, cs, pos, time;  // int32; [L, P]; fp32 [L, Dh] RoPE table; fp32 [G, D]; fp32 [frames, D]
+  struct Block {
+    DBuf x_in, x_mid;        // fp32 [L, D] the block's input, after the attention residual
+    DBuf xn0, rstd0, xn1, rstd1;  // [L, D] norm outputs, fp32 [L] rstd
+    DBuf qkv, o, lse;        // [L, 3Q] after RoPE, [L, Q], fp32 [L, H]
+    DBuf a, g;               // fp32 [L, I] fc0's output, gelu_tanh(a)
+  };
+  std::vector<Block> blocks;
+  DBuf x, y, rstd_f;         // fp32 [L, D] the last block's output, its final norm, fp32 [L]
+  DBuf m, a0, g0, a2, rstd_p, feat;  // [M, mD], fp32 [M, mD], [M, mD], fp32 [M, d], fp32 [M], features [M, d]
+  // the backward's scratch
+  DBuf dfeat, da2, dg0, dm, dx, dxb, dy, dg, dxn, dout, dqkv, dpos;
+  bool have = false;  // a forward ran since the weights' last backward
+  size_t bytes() const;
+};
+
 // The backward's scratch, shared by every layer (one buffer per name, grown to the largest use).
 struct Scratch {
   // the walk (stack.cpp), fp32 [n, d] unless noted
@@ -412,6 +442,25 @@ struct GpuModel::Impl {
   bool training = false;
   std::vector<void*> kda_saved;
   InferState inf;
+  // The splice (SPEC §9): what the media placeholders of the next forward take, set around it by the caller: the
+  // tower's features of `media` (training steps and losses; the backward continues into the tower), or feature rows
+  // computed before (inference: once per image, host fp32 [n_rows, d]). `placeholder` is -1 without a tower.
+  struct SpliceIn {
+    const Media<float>* media = nullptr;
+    const float* rows = nullptr;
+    int64_t n_rows = 0;
+  };
+  SpliceIn splice_in;
+  struct SpliceScope {  // splice_in for the calls inside one public entry point, however it ends
+    Impl& m;
+    SpliceScope(Impl& im, SpliceIn in) : m(im) { m.splice_in = in; }
+    ~SpliceScope() { m.splice_in = {}; }
+  };
+  int32_t placeholder = -1;
+  std::vector<int32_t> splice_pos_h;  // the last forward's placeholder rows
+  DBuf splice_pos, splice_feat;       // int32 [Mf], fp32 [Mf, d] (inference rows)
+  bool splice_grad = false;           // the last forward spliced the tower's features (its backward runs)
+  VisionActs vis;
 
   // layout.cpp
   Impl(const ModelConfig& cfg, const std::function<bool(const ParamSpec&)>& decays, bool inference_only);
@@ -527,6 +576,15 @@ struct GpuModel::Impl {
   void moe_forward(int64_t i, const void* yn, float* y, const float* base);
   void moe_backward(int64_t i, const void* dy, float* dyn);
 
+  // ---- the vision tower (vision.cpp) ---------------------------------------------------------------
+  // The tower and projector over `media` (SPEC §9): features bf16 [M, d] in vis.feat (M in *rows); keeps what
+  // vision_backward reads. lm::Error for grids the config refuses.
+  const void* vision_forward(const Media<float>& media, int64_t* rows);
+  // From dfeat fp32 [M, d] of the last vision_forward: every tower and projector weight's gradient accumulated.
+  void vision_backward(const float* dfeat);
+  // The embedding rows of the placeholders in ids [rows] replaced (splice_in; checks the counts) before the walk.
+  void splice_forward(const int32_t* ids, float* prefix);
+
   // ---- the stack (stack.cpp) -----------------------------------------------------------------------
   void mixer_forward(int64_t i, const void* xn, float* y, const float* base);
   void ffn_fwd(int64_t i, const void* yn, float* y, const float* base);
@@ -552,9 +610,11 @@ struct GpuModel::Impl {
 
   // ---- inference (infer.cpp) --------------------------------------------------------------------------
   void reserve_caches(int64_t slots, int64_t max_tokens, int64_t pool_tokens);
-  void check_prompt(const char* what, int64_t slot, const int32_t* ids, int64_t n, int64_t chunk) const;
+  // (features: the rows of the prompt's media placeholders, their count checked)
+  void check_prompt(const char* what, int64_t slot, const int32_t* ids, int64_t n, int64_t chunk,
+                    std::span<const float> features = {}) const;
   std::vector<float> prefill_chunks(int64_t slot, const int32_t* ids, int64_t n, int64_t chunk,
-                                    std::vector<float>* all_logits);
+                                    std::vector<float>* all_logits, const float* features = nullptr);
   // Runs the walk over `rows` tokens in inference mode and returns the logits of the last `out_rows` rows.
   std::vector<float> infer(const int32_t* ids, const Seqs& s, int64_t out_rows);
   // The decode walk of slots [first, first + S) with its inputs in ids_pin / lens_pin, up to the logits in

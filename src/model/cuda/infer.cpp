@@ -252,7 +252,8 @@ bool GpuModel::decode_graphs() const { return p_->inf.use_graphs; }
 int64_t GpuModel::decode_captures() const { return p_->inf.captures; }
 
 // The checks of a prompt of n tokens after what `slot` holds (prefill and extend), before anything changes.
-void GpuModel::Impl::check_prompt(const char* what, int64_t slot, const int32_t* ids, int64_t n, int64_t chunk) const {
+void GpuModel::Impl::check_prompt(const char* what, int64_t slot, const int32_t* ids, int64_t n, int64_t chunk,
+                                  std::span<const float> features) const {
   const InferState& f = inf;
   LM_CHECK(f.slots > 0, "gpu model: {} before reserve_caches", what);
   LM_CHECK(slot >= 0 && slot < f.slots, "gpu model: {} slot {} outside [0, {})", what, slot, f.slots);
@@ -265,6 +266,12 @@ void GpuModel::Impl::check_prompt(const char* what, int64_t slot, const int32_t*
   for (int64_t t = 0; t < n; ++t)
     LM_CHECK(ids[t] >= 0 && ids[t] < V, "gpu model: token id {} at prompt position {} is outside the vocabulary "
              "[0, {})", ids[t], held + t, V);
+  const int64_t n_ph = placeholder < 0 ? 0 : std::count(ids, ids + n, placeholder);
+  LM_CHECK(features.size() % size_t(d) == 0, "gpu model: {} feature values are not whole rows of width {}",
+           features.size(), d);
+  LM_CHECK(n_ph == std::ssize(features) / d,
+           "gpu model: the prompt has {} media placeholder token(s) (id {}) but {} image feature row(s) are given; "
+           "a prompt carries one placeholder per feature row", n_ph, placeholder, std::ssize(features) / d);
 }
 
 // n tokens after what `slot` holds, prefill_chunk at a time: each chunk through the walk in prefill mode, where the
@@ -273,7 +280,7 @@ void GpuModel::Impl::check_prompt(const char* what, int64_t slot, const int32_t*
 // is cut at the same positions however it arrives in calls that start on the grid: a sequence resumed from a grid
 // point (a prefix snapshot) continues as the whole prefill would, bit for bit. On an error the slot is left empty.
 std::vector<float> GpuModel::Impl::prefill_chunks(int64_t slot, const int32_t* ids, int64_t n, int64_t chunk,
-                                                  std::vector<float>* all_logits) {
+                                                  std::vector<float>* all_logits, const float* features) {
   InferState& f = inf;
   struct Drop {  // a walk that fails leaves an empty slot, never a half-written one
     Impl& m;
@@ -289,6 +296,10 @@ std::vector<float> GpuModel::Impl::prefill_chunks(int64_t slot, const int32_t* i
   for (int64_t c0 = 0, m = 0; c0 < n; c0 += m) {
     m = std::min(chunk - f.pos[size_t(slot)] % chunk, n - c0);  // (chunks end on the absolute grid)
     f.mode = InferState::Mode::Prefill, f.first = slot, f.S = 1, f.start = f.pos[size_t(slot)];
+    // this chunk's placeholders take the next feature rows
+    const int64_t n_ph = placeholder < 0 || !features ? 0 : std::count(ids + c0, ids + c0 + m, placeholder);
+    const SpliceScope splice{*this, {nullptr, features, n_ph}};
+    if (n_ph) features += n_ph * d;
     lg = infer(ids + c0, Seqs::batch(1, m), all_logits ? m : 1);
     f.pos[size_t(slot)] += m;
     if (all_logits) all_logits->insert(all_logits->end(), lg.begin(), lg.end());
@@ -298,20 +309,22 @@ std::vector<float> GpuModel::Impl::prefill_chunks(int64_t slot, const int32_t* i
   return lg;
 }
 
-std::vector<float> GpuModel::prefill(int64_t slot, const int32_t* ids, int64_t n, std::vector<float>* all_logits) {
+std::vector<float> GpuModel::prefill(int64_t slot, const int32_t* ids, int64_t n, std::vector<float>* all_logits,
+                                     std::span<const float> features) {
   Impl& m = *p_;
-  m.check_prompt("prefill", slot, ids, n, prefill_chunk);  // (before the slot is dropped)
+  m.check_prompt("prefill", slot, ids, n, prefill_chunk, features);  // (before the slot is dropped)
   m.profiling = profiling;
   m.inf.pos[size_t(slot)] = 0;
   m.release_blocks(slot);
-  return m.prefill_chunks(slot, ids, n, prefill_chunk, all_logits);
+  return m.prefill_chunks(slot, ids, n, prefill_chunk, all_logits, features.data());
 }
 
-std::vector<float> GpuModel::extend(int64_t slot, const int32_t* ids, int64_t n, std::vector<float>* all_logits) {
+std::vector<float> GpuModel::extend(int64_t slot, const int32_t* ids, int64_t n, std::vector<float>* all_logits,
+                                    std::span<const float> features) {
   Impl& m = *p_;
-  m.check_prompt("extend", slot, ids, n, prefill_chunk);
+  m.check_prompt("extend", slot, ids, n, prefill_chunk, features);
   m.profiling = profiling;
-  return m.prefill_chunks(slot, ids, n, prefill_chunk, all_logits);
+  return m.prefill_chunks(slot, ids, n, prefill_chunk, all_logits, features.data());
 }
 
 std::vector<float> GpuModel::decode(int64_t first, int64_t S, const int32_t* ids) {
@@ -329,9 +342,12 @@ void GpuModel::decode(int64_t first, int64_t S, const int32_t* ids, float* logit
     LM_CHECK(f.pos[size_t(s)] > 0, "gpu model: decode of slot {}, which holds no sequence", s);
     LM_CHECK(f.pos[size_t(s)] < f.max_tokens, "gpu model: slot {} is full ({} tokens)", s, f.max_tokens);
   }
-  for (int64_t s = 0; s < S; ++s)
+  for (int64_t s = 0; s < S; ++s) {
     LM_CHECK(ids[s] >= 0 && ids[s] < m.V, "gpu model: token id {} of slot {} is outside the vocabulary [0, {})",
              ids[s], first + s, m.V);
+    LM_CHECK(ids[s] != m.placeholder, "gpu model: decode of the media placeholder (id {}) in slot {}: images enter "
+             "through a prefill", ids[s], first + s);
+  }
   for (int64_t s = first; s < first + S; ++s) m.claim_blocks(s, f.pos[size_t(s)], f.pos[size_t(s)] + 1);
   m.profiling = profiling;
   for (int64_t s = 0; s < S; ++s)

@@ -22,9 +22,8 @@ namespace lm::model::cuda {
 GpuModel::Impl::Impl(const ModelConfig& cfg, const std::function<bool(const ParamSpec&)>& decays, bool inference_only)
     : c(cfg), d(cfg.hidden_size), V(cfg.vocab_size), L(cfg.num_hidden_layers), infer_only(inference_only) {
   c.validate("model config");
-  // The CUDA tower is issue 22 item 1's; until then the GPU model would silently leave the tower untrained.
-  LM_CHECK(!c.vision, "the CUDA model has no vision tower yet: a config with vision_config runs on the CPU "
-           "(--device cpu)");
+  if (c.vision && c.vision->media_placeholder_token_id)
+    placeholder = static_cast<int32_t>(*c.vision->media_placeholder_token_id);
   plan = StackPlan::build(c);
   LM_CHECK(available(), "no usable CUDA device");
   if (env::overlap()) {
@@ -231,13 +230,14 @@ void GpuModel::Impl::release_activations() {
   std::destroy_at(&top), std::construct_at(&top);
   std::destroy_at(&scratch), std::construct_at(&scratch);
   for (DBuf& b : ring.buf) std::destroy_at(&b), std::construct_at(&b);
+  std::destroy_at(&vis), std::construct_at(&vis);
   kda_saved.clear();
   ++DBuf::epoch();
 }
 size_t GpuModel::Impl::act_bytes() const {
   size_t b = top.bytes() + scratch.bytes() + acts_shared.bytes() + bytes_of({&ring.buf[0], &ring.buf[1]});
   for (const LayerActs& a : acts) b += a.bytes();
-  return b;
+  return b + vis.bytes() + bytes_of({&splice_pos, &splice_feat});
 }
 
 }  // namespace lm::model::cuda

@@ -20,6 +20,7 @@
 
 #include "core/env.hpp"
 #include "model/cuda/glue_cuda.hpp"
+#include "model/cuda/vision_glue_cuda.hpp"
 #include "ops/embedding/cuda/embedding_cuda.hpp"
 #include "ops/rmsnorm/cuda/rmsnorm_cuda.hpp"
 
@@ -132,8 +133,17 @@ int64_t GpuModel::Impl::forward(const int32_t* ids, const int32_t* targets, cons
     ck(cudaMemcpyAsync(ids_d.ensure(size_t(rows) * 4), ids, size_t(rows) * 4, cudaMemcpyHostToDevice, walk()), "ids");
   else
     ck(cudaMemcpy(ids_d.ensure(size_t(rows) * 4), ids, size_t(rows) * 4, cudaMemcpyHostToDevice), "ids");
-  if (targets)
+  if (targets) {
+    // A target naming the media placeholder carries no loss (Model::count_targets).
+    std::vector<int32_t> masked;
+    if (placeholder >= 0 && std::find(targets, targets + rows, placeholder) != targets + rows) {
+      masked.assign(targets, targets + rows);
+      for (int32_t& t : masked)
+        if (t == placeholder) t = -1, --n_valid;
+      targets = masked.data();
+    }
     ck(cudaMemcpy(tgt_d.ensure(size_t(rows) * 4), targets, size_t(rows) * 4, cudaMemcpyHostToDevice), "targets");
+  }
   const size_t RD4 = size_t(rows) * d * 4;
   ring.next = 0;
   if (training && offload) ring_reserve();
@@ -142,6 +152,7 @@ int64_t GpuModel::Impl::forward(const int32_t* ids, const int32_t* targets, cons
     Timed t(part(Profile::Embedding, false));
     oc::embedding_forward(as<int32_t>(ids_d.p), rows, W("model.embed_tokens.weight"), d, prefix);
   }
+  if (inf.mode != InferState::Mode::Decode) splice_forward(ids, prefix);  // (a decode step's ids hold no placeholder)
   if (plan.attn_res) {
     // Every state of the partial block sum has its own buffer (the embedding in top.prefix, then each layer
     // part's output: pmid after the mixer, pout after the FFN), written by the layer part's last GEMM as
@@ -398,6 +409,12 @@ void GpuModel::Impl::backward(const float* d_hn) {
       add_f32(d_prefix, dx_in, rows * d);
       ring_release(i);
     }
+  }
+  if (splice_grad) {  // the placeholders' rows: their gradient into the tower, none into the embedding
+    const auto Mf = static_cast<int64_t>(splice_pos_h.size());
+    float* dfeat = grow<float>(vis.dfeat, size_t(Mf * d) * 4);
+    splice_rows_backward(d_prefix, as<int32_t>(splice_pos.p), dfeat, Mf, d);
+    vision_backward(dfeat);
   }
   Timed t(part(Profile::Embedding, true));
   oc::embedding_backward(ids_h.data(), rows, d_prefix, V, d, G("model.embed_tokens.weight"));
