@@ -29,13 +29,13 @@ namespace {
 
 constexpr int32_t kPh = 511;  // the placeholder: the last id of the 512
 
-// The GPU tests' K3 wiring at toy width (3 KDA + 1 MLA layer, latent MoE with every expert selected, so that no
-// routing flips between the two paths) with a 2-block tower of width 64 (2 heads of 32), 4x4-px patches and a 4x4
-// position table, into d = 256.
+// The GPU tests' K3 wiring at toy width (3 KDA + 1 MLA layer with the decode kernel's 512 + 64 latent rows, latent
+// MoE with every expert selected, so that no routing flips between the two paths) with a 2-block tower of width 64
+// (2 heads of 32), 4x4-px patches and a 4x4 position table, into d = 256.
 ModelConfig multimodal() {
   const char* text = R"({
   "model_type": "kimi_linear", "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 4,
-  "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 64,
+  "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 512,
   "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": true,
   "mla_use_output_gate": true,
   "linear_attn_config": {"num_heads": 2, "head_dim": 128, "short_conv_kernel_size": 4, "use_full_rank_gate": true,

@@ -34,7 +34,7 @@ GpuModel::Impl::Impl(const ModelConfig& cfg, const std::function<bool(const Para
     ck(cudaEventCreateWithFlags(&join_ev, cudaEventDisableTiming), "cudaEventCreate");
     ck(cudaEventCreateWithFlags(&started, cudaEventDisableTiming), "cudaEventCreate");
   }
-  specs = param_specs(c);
+  specs = model_param_specs(c);  // (with the vision tower's when the config has one)
   layout(decays);
   if (infer_only) {
     size_t n = 0;

@@ -4,8 +4,8 @@
 // Legend (model/vision.hpp): Lv patches (L there), Mr merged rows, S = mh·mw slots, D tower width, Q qkv width,
 //         H heads, Dh = Q/H, I MLP width, Pv = 3·p·p, mD = S·D, d text width, G rows of the batch's position tables.
 //   x = pixels W_peᵀ + pos (+ time)                              fp32 [Lv, D]   (pixels bf16 [Lv, Pv])
-//   block: xn0 = RMSNorm0(x) → qkv = xn0 W_qkvᵀ (bf16), RoPE2D on q and k in place → o = attn(q, k, v) within each
-//          media → x += o W_oᵀ;  xn1 = RMSNorm1(x) → a = xn1 fc0ᵀ (fp32) → g = gelu_tanh(a) → x += g fc1ᵀ
+//   block: xn0 = RMSNorm0(x) → qkv = xn0 W_qkvᵀ (bf16), RoPE2D on q and k in place → o = attn(q, k, v) within
+//          each media → x += o W_oᵀ;  xn1 = RMSNorm1(x) → a = xn1 fc0ᵀ (fp32) → g = gelu_tanh(a) → x += g fc1ᵀ
 //   y = RMSNorm_final(x) → m = merge(y) → a0 = m W_0ᵀ (fp32) → g0 = gelu_erf(a0) → a2 = g0 W_2ᵀ (fp32)
 //   feat = RMSNorm_post(a2)                                       bf16 [Mr, d]
 // dtypes as the text layers: GEMM operands bf16, products that feed a norm or the residual fp32, weights' gradients
