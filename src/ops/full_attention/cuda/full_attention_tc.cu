@@ -14,6 +14,9 @@
 //   dk/dv:   block per (key tile, head); per query tile Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, Pᵀ = exp2(Sᵀ − lse),
 //            dSᵀ = Pᵀ (dPᵀ − Δ), dV += Pᵀ dO, dK += dSᵀ Q.
 //   dq:      block per (query tile, head); per key tile S, dP = dO Vᵀ, dS, dQ += dS K.
+// Measured on one H200 (cudaEvent, mean of 5 after 2 warm-ups), one 4096-row image, H = 12, Dh = 128: forward
+// 0.51 ms (~200 TFLOP/s), backward 1.40 ms, against 9.9 and 22.8 ms for the fp32 CUDA-core kernels; 64 images of
+// 256 rows: 0.23 and 0.62 ms. Errors vs the CPU fp32 path (tests): o ~1.8e-3, dq/dk/dv ~2.4e-3 relative RMS.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
