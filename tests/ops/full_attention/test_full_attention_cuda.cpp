@@ -1,10 +1,11 @@
 // Full (non-causal) varlen attention on the GPU against the CPU fp32 path (ops/full_attention) on the same
 // bf16-rounded inputs: q, k, v column slices of one [rows, 3Q] buffer, o and do strided wider than Q, media of
 // very different lengths (an empty one too) in one call, forward o and lse, backward dq, dk, dv (the CPU
-// backward reads the GPU's o and lse, so both differentiate the same function), and bitwise repeats. Skips
-// without a CUDA device.
+// backward reads the GPU's o and lse, so both differentiate the same function), and bitwise repeats; each case on
+// the tensor-core kernels (the default for these aligned strides) and on the fp32 CUDA-core kernels
+// (FullAttnShape::cuda_cores, or chosen by an unaligned stride). Skips without a CUDA device.
 //
-// Legend: rows packed tokens, N media, H heads, Dh head dim, Q = H·Dh, ld = 3Q, ldo = Q + 8.
+// Legend: rows packed tokens, N media, H heads, Dh head dim, Q = H·Dh, ld = 3Q, ldo = Q + pad.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -30,10 +31,11 @@ Vec slice(const Vec& a, int64_t rows, int64_t ld, int64_t c0, int64_t n) {
 }
 
 // One configuration: forward and backward vs the CPU, then a repeat with identical bits.
-void run_case(const std::vector<int64_t>& lens, int64_t H, int64_t Dh, uint64_t seed, float scale = 0.f) {
+void run_case(const std::vector<int64_t>& lens, int64_t H, int64_t Dh, uint64_t seed, bool cuda_cores,
+              float scale = 0.f, int64_t pad = 8) {
   std::vector<int64_t> cu{0};
   for (const int64_t T : lens) cu.push_back(cu.back() + T);
-  const int64_t rows = cu.back(), N = int64_t(lens.size()), Q = H * Dh, ld = 3 * Q, ldo = Q + 8;
+  const int64_t rows = cu.back(), N = int64_t(lens.size()), Q = H * Dh, ld = 3 * Q, ldo = Q + pad;
   const float sc = scale > 0.f ? scale : float(1.0 / std::sqrt(double(Dh)));
   // sd 1.5: scores of a few units, so the softmax is far from uniform.
   const Vec qkv = round_bf16(randn(size_t(rows * ld), seed, 1.5));
@@ -47,6 +49,7 @@ void run_case(const std::vector<int64_t>& lens, int64_t H, int64_t Dh, uint64_t 
 
   oc::FullAttnShape s;
   s.H = H, s.Dh = Dh, s.cu_seqlens = cu.data(), s.N = N, s.ld_qkv = ld, s.ld_o = ldo, s.scale = scale;
+  s.cuda_cores = cuda_cores;
   Dev gqkv(qkv.size() * 2), go(size_t(rows * ldo) * 2), glse(size_t(rows * H) * 4), gdo(dout.size() * 2),
       gd(qkv.size() * 2);
   up_bf16(gqkv, qkv), up_bf16(gdo, dout);
@@ -84,8 +87,10 @@ void run_case(const std::vector<int64_t>& lens, int64_t H, int64_t Dh, uint64_t 
   const double edq = err(slice(dqkv_ref, rows, ld, 0, Q), slice(dqkv, rows, ld, 0, Q));
   const double edk = err(slice(dqkv_ref, rows, ld, Q, Q), slice(dqkv, rows, ld, Q, Q));
   const double edv = err(slice(dqkv_ref, rows, ld, 2 * Q, Q), slice(dqkv, rows, ld, 2 * Q, Q));
-  std::printf("full attention N%lld rows%lld H%lld Dh%lld: o %.2e, lse %.2e, dq %.2e, dk %.2e, dv %.2e, repeat %s\n",
-              (long long)N, (long long)rows, (long long)H, (long long)Dh, eo, el, edq, edk, edv,
+  std::printf("full attention %s N%lld rows%lld H%lld Dh%lld ldo%lld: o %.2e, lse %.2e, dq %.2e, dk %.2e, dv %.2e, "
+              "repeat %s\n",
+              cuda_cores || pad % 8 ? "fp32" : "tc", (long long)N, (long long)rows, (long long)H, (long long)Dh,
+              (long long)ldo, eo, el, edq, edk, edv,
               same ? "identical" : "DIFFERS");
   EXPECT_LE(eo, kTolBf16);
   EXPECT_LE(el, 1e-5);  // fp32 output from fp32 math on the same inputs
@@ -103,13 +108,15 @@ TEST(OpsCuda, FullAttentionMediaOfMixedLengths) {
   // 1 row, one tile exactly, an empty media, a partial tile, several tiles with a partial last one.
   const std::vector<int64_t> lens = {1, 16, 64, 0, 77, 300};
   uint64_t seed = 500;
-  for (const int64_t Dh : {int64_t(32), int64_t(64), int64_t(96), int64_t(128), int64_t(40)})
-    run_case(lens, 2, Dh, seed += 10);
+  for (const bool cc : {false, true})
+    for (const int64_t Dh : {int64_t(32), int64_t(64), int64_t(96), int64_t(128), int64_t(40), int64_t(8)})
+      run_case(lens, 2, Dh, seed += 10, cc);
+  run_case(lens, 2, 64, seed += 10, false, 0.f, 3);  // ld_o not a multiple of 8: the fp32 kernels
 }
 
 TEST(OpsCuda, FullAttentionExplicitScaleAndOneLongMedia) {
   REQUIRE_GPU();
-  run_case({1000}, 3, 64, 777, 0.05f);
+  for (const bool cc : {false, true}) run_case({1000}, 3, 64, 777, cc, 0.05f);
 }
 
 TEST(OpsCuda, FullAttentionMoreMediaThanOneLaunchTable) {
@@ -118,7 +125,7 @@ TEST(OpsCuda, FullAttentionMoreMediaThanOneLaunchTable) {
   std::vector<int64_t> lens;
   for (int i = 0; i < 1000; ++i) lens.push_back((i * 7) % 7 == 0 ? i % 7 : 0);
   lens.push_back(130);
-  run_case(lens, 1, 32, 4242);
+  for (const bool cc : {false, true}) run_case(lens, 1, 32, 4242, cc);
 }
 
 TEST(OpsCuda, FullAttentionRejectsBadShapes) {

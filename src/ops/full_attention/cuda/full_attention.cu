@@ -1,5 +1,7 @@
 // Full (non-causal) varlen attention on the GPU, forward and backward (math and layouts in
-// ops/full_attention/full_attention.hpp and full_attention_cuda.hpp). Flash style on CUDA cores, fp32 math.
+// ops/full_attention/full_attention.hpp and full_attention_cuda.hpp): the host API and the flash-style fp32
+// CUDA-core kernels. The mma.sync tensor-core kernels (full_attention_tc.cu, same tiling and media table) run
+// instead whenever the strides and pointers allow their 16-byte loads, unless FullAttnShape::cuda_cores.
 //
 // Legend: N media, T_n rows of media n, H heads, Dh head dim (multiple of 8, <= 128), B = 64 rows per tile
 //         (queries and keys alike), SD = Dh + 1 the shared-memory row stride of a [B, Dh] tile (odd: a warp reading
@@ -20,12 +22,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <string>
 
 #include "core/cuda/check.hpp"
 #include "core/cuda/stream.hpp"
 #include "ops/full_attention/cuda/full_attention_cuda.hpp"
+#include "ops/full_attention/cuda/media.cuh"
 
 namespace lm::ops::cuda {
 
@@ -35,34 +39,13 @@ using bf16 = __nv_bfloat16;
 
 constexpr cu::Checker check{"full attention cuda"};
 
-constexpr int kB = 64;         // rows per query / key tile
+using fa::kB;
+using fa::kMaxMedia;
+using fa::MediaTable;
+using fa::tile_of;
+using fa::TileOf;
 constexpr int kPS = kB + 1;    // score tile row stride
 constexpr int kThreads = 256;  // 16 × 16
-constexpr int kMaxMedia = 480; // per launch: the table stays within the classic 4 KB of kernel arguments
-
-// Media of one launch: row offsets (absolute rows) and the prefix of their tile counts.
-struct MediaTable {
-  int32_t n;
-  int32_t row0[kMaxMedia + 1];
-  int32_t tile0[kMaxMedia + 1];
-};
-
-struct TileOf {
-  int64_t start;  // first row of the media
-  int32_t T;      // its length
-  int32_t r0;     // first row of the tile within the media
-};
-
-// The tile of block b: the media n with tile0[n] <= b < tile0[n + 1] (media of length 0 own no tile).
-__device__ __forceinline__ TileOf tile_of(const MediaTable& t, int32_t b) {
-  int lo = 0, hi = t.n;  // tile0[lo] <= b < tile0[hi]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (t.tile0[mid] <= b) lo = mid;
-    else hi = mid;
-  }
-  return TileOf{t.row0[lo], t.row0[lo + 1] - t.row0[lo], (b - t.tile0[lo]) * kB};
-}
 
 // tile [kB, SD] fp32 <- rows [r, r + m) of a bf16 matrix (row stride ld, columns col .. col + Dh); rows >= m zero.
 __device__ __forceinline__ void load_tile(float* tile, const bf16* src, int64_t ld, int64_t r, int m, int Dh,
@@ -486,6 +469,14 @@ void backward_nj(const Checked& c, const FullAttnShape& s, const bf16* q, const 
   });
 }
 
+// The tensor-core kernels load rows with 16-byte cp.async: strides in multiples of 8 elements, aligned pointers.
+bool tc_ok(const Checked& c) { return c.ld % 8 == 0 && c.ldo % 8 == 0; }
+bool aligned16(std::initializer_list<const void*> ps) {
+  for (const void* p : ps)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
 #define LM_NJ_SWITCH(nj, CALL)                                  \
   switch (nj) {                                                 \
     case 1: CALL(1); break;                                     \
@@ -510,6 +501,11 @@ void full_attention_forward(const FullAttnShape& s, const void* q, const void* k
   const auto* K = static_cast<const bf16*>(k);
   const auto* V = static_cast<const bf16*>(v);
   auto* O = static_cast<bf16*>(o);
+  if (!s.cuda_cores && tc_ok(c) && aligned16({q, k, v, o})) {
+    const fa::TcArgs a{c.H, c.Dh, c.ld, c.ldo, c.scale};
+    for_each_launch(s, [&](const MediaTable& t, int32_t tiles) { fa::tc_forward(t, tiles, a, Q, K, V, O, lse, st); });
+    return;
+  }
 #define LM_FWD(NJ) forward_nj<NJ>(c, s, Q, K, V, O, lse, st)
   LM_NJ_SWITCH((c.Dh + 15) / 16, LM_FWD)
 #undef LM_FWD
@@ -535,9 +531,16 @@ void full_attention_backward(const FullAttnShape& s, const void* q, const void* 
   auto* dQ = static_cast<bf16*>(dq);
   auto* dK = static_cast<bf16*>(dk);
   auto* dV = static_cast<bf16*>(dv);
+  if (!s.cuda_cores && tc_ok(c) && aligned16({q, k, v, do_, dq, dk, dv})) {
+    const fa::TcArgs a{c.H, c.Dh, c.ld, c.ldo, c.scale};
+    for_each_launch(s, [&](const MediaTable& t, int32_t tiles) {
+      fa::tc_backward(t, tiles, a, Q, K, V, dO, lse, delta, dQ, dK, dV, st);
+    });
+  } else {
 #define LM_BWD(NJ) backward_nj<NJ>(c, s, Q, K, V, dO, lse, delta, dQ, dK, dV, st)
-  LM_NJ_SWITCH((c.Dh + 15) / 16, LM_BWD)
+    LM_NJ_SWITCH((c.Dh + 15) / 16, LM_BWD)
 #undef LM_BWD
+  }
   check(cudaFreeAsync(delta, st), "delta free");
 }
 

@@ -24,6 +24,10 @@ struct FullAttnShape {
   int64_t ld_qkv = 0;  // row stride of q, k, v (and dq, dk, dv) in elements (0: H·Dh)
   int64_t ld_o = 0;    // row stride of o, do (0: H·Dh)
   float scale = 0.f;   // 0: Dh^-1/2
+  // false: the mma.sync tensor-core kernels (P and dS enter their products as bf16) whenever ld_qkv and ld_o are
+  // multiples of 8 and every pointer is 16-byte aligned, else the fp32 CUDA-core kernels; true: always the latter
+  // (tests, a second opinion).
+  bool cuda_cores = false;
 };
 
 // o [rows, ld_o] bf16 and lse [rows, H] fp32 written.
