@@ -1,4 +1,4 @@
-// `longmoe rl --config X [--resume | --overwrite] [--out DIR] [--iterations N]`: GRPO on the built-in agentic tasks
+// `longmoe rl --config X [--resume | --overwrite] [--out DIR] [--iterations N] [--device cuda]`: GRPO on the built-in agentic tasks
 // from an sft checkpoint (rl/rl_run.hpp, docs/rl.md "longmoe rl"). --resume continues the run in --out as its
 // run.json says.
 #include <filesystem>
@@ -13,7 +13,7 @@
 namespace {
 
 struct Args {
-  std::string config, out, init;
+  std::string config, out, init, device = "cpu";
   bool resume = false, overwrite = false, quiet = false;
   int64_t iterations = -1, max_iterations = -1;
 };
@@ -37,7 +37,7 @@ int run(const Args& a) {
   }
   if (a.max_iterations > 0) j["max_iterations"] = a.max_iterations;
   const lm::rl::RlConfig c = lm::rl::RlConfig::from_json(j, ctx);
-  const lm::rl::RlResult r = lm::rl::run_rl(c, {a.resume, a.overwrite, a.quiet});
+  const lm::rl::RlResult r = lm::rl::run_rl(c, {a.resume, a.overwrite, a.quiet, a.device});
   if (r.metrics.empty() && r.iterations >= c.iterations) {
     std::printf("rl: the run in %s has finished (%ld of %ld iterations); nothing to do\n", c.out.c_str(),
                 static_cast<long>(r.iterations), static_cast<long>(c.iterations));
@@ -65,6 +65,9 @@ lm::app::Register reg({"rl", "Agentic RL (GRPO, multi-turn tool use, partial rol
                          sub.add_flag("--resume", a->resume, "Continue the run in --out from its latest checkpoint");
                          sub.add_flag("--overwrite", a->overwrite, "Start over in an --out that holds another run");
                          sub.add_flag("--quiet", a->quiet, "No progress output");
+                         sub.add_option("--device", a->device, "cpu, or cuda (training steps and rollouts on the GPU: "
+                                        "AdamW; the KL reference stays on the CPU)")
+                             ->check(CLI::IsMember({"cpu", "cuda"}));
                          return [a] { return run(*a); };
                        }});
 

@@ -9,9 +9,13 @@
 #include <numeric>
 
 #include "core/error.hpp"
+#include "dist/comm.hpp"
+#include "infer/engine.hpp"
 #include "infer/generate.hpp"
 #include "io/checkpoint.hpp"
 #include "io/file.hpp"
+#include "model/cuda/gpu_model.hpp"
+#include "train/engine.hpp"
 #include "train/run_dir.hpp"
 
 namespace lm::rl {
@@ -34,7 +38,7 @@ RlConfig RlConfig::from_json(const json& j, const std::string& ctx) {
   io::check_known_fields(j,
                          {"init", "out", "tasks", "eval", "iterations", "prompts_per_iter", "iteration_tokens",
                           "micro_trajectories", "epochs", "optimizer", "grpo", "rollout", "samples_per_iter", "save_every",
-                          "keep_checkpoints", "max_iterations", "comment"},
+                          "keep_checkpoints", "max_iterations", "context", "comment"},
                          ctx);
   RlConfig c;
   c.init = io::get_required<std::string>(j, "init", ctx);
@@ -73,6 +77,8 @@ RlConfig RlConfig::from_json(const json& j, const std::string& ctx) {
   c.save_every = io::get_or<int64_t>(j, "save_every", c.save_every, ctx);
   c.keep_checkpoints = io::get_or<int64_t>(j, "keep_checkpoints", c.keep_checkpoints, ctx);
   c.max_iterations = io::get_or<int64_t>(j, "max_iterations", c.max_iterations, ctx);
+  c.context = io::get_or<int64_t>(j, "context", c.context, ctx);
+  LM_CHECK(c.context >= 0, "{}: context must be >= 0 (0: the model's limit; 8192 on the GPU), got {}", ctx, c.context);
   LM_CHECK(c.iterations >= 1 && c.prompts_per_iter >= 1 && c.micro_trajectories >= 1 && c.eval_tasks >= 1 &&
                c.epochs >= 1,
            "{}: iterations, prompts_per_iter, micro_trajectories, epochs and eval.tasks must be >= 1", ctx);
@@ -97,6 +103,7 @@ json RlConfig::to_json() const {
           {"iteration_tokens", iteration_tokens},
           {"micro_trajectories", micro_trajectories},
           {"epochs", epochs},
+          {"context", context},
           {"optimizer", optim.to_json()},
           {"grpo", grpo.to_json()},
           {"rollout", rollout.to_json()},
@@ -113,9 +120,12 @@ struct Loop {
   const RlConfig& c;
   const RlOptions& o;
   fs::path out;
-  infer::LoadedModel policy;
-  std::unique_ptr<model::Model<float>> ref;  // frozen initial policy (kl_coef > 0)
+  infer::LoadedModel policy;                 // the host copy: checkpoints are written from it (and its optimiser)
+  std::unique_ptr<model::Model<float>> ref;  // frozen initial policy (kl_coef > 0), on the CPU
   std::unique_ptr<train::Optimizer> opt;
+  std::unique_ptr<train::Engine> engine;     // the policy's training steps (CPU or GPU, train/engine.hpp)
+  std::unique_ptr<infer::Session> session;   // CPU rollouts: a Session over the host model ...
+  std::unique_ptr<infer::Engine> roll;       // ... behind an engine, or the GPU model's slots
   std::string tokenizer_file;
   // What rl_state.json holds.
   int64_t iteration = 0, next_task = 0, next_id = 0;
@@ -131,10 +141,27 @@ struct Loop {
     return {k, seed, default_size(k, c.task_size)};
   }
 
-  infer::Session session() {
-    infer::SessionOptions so;
-    so.prefix_cache_bytes = 0;  // the weights change every iteration
-    return infer::Session(*policy.model, so);
+  // The engines: training on `device`, rollouts by the same weights (the GPU's bf16 copy is AdamW's own, so the
+  // rollouts of the next iteration see each step without a copy).
+  void start_engines(const std::string& device) {
+    train::RunConfig rc;
+    rc.optim = c.optim;
+    rc.balance = train::Balance::None;  // (RL steps do not rebalance the experts)
+    train::check_device(device, rc);
+    engine = train::make_engine(device, rc, *policy.model, *opt, dist::single());
+    if (model::cuda::GpuModel* g = engine->gpu_model()) {
+      infer::GpuEngineOptions go;
+      go.max_sequences = std::max(c.prompts_per_iter * c.grpo.group_size, c.eval_tasks);
+      go.context = c.context > 0 ? c.context : 8192;
+      go.prefix_cache_bytes = 0;  // the weights change every iteration
+      roll = std::make_unique<infer::GpuEngine>(*g, go);
+    } else {
+      infer::SessionOptions so;
+      so.prefix_cache_bytes = 0;
+      so.max_context = c.context;
+      session = std::make_unique<infer::Session>(*policy.model, so);
+      roll = std::make_unique<infer::CpuEngine>(*session);
+    }
   }
 
   // Greedy held-out success: over all tasks, and per kind ("eval_success_<kind>") when there are several.
@@ -146,8 +173,7 @@ struct Loop {
       ts.push_back(start_trajectory(*policy.tokenizer, rc, i, task(c.eval_seed + static_cast<uint64_t>(i), i)));
     std::vector<Trajectory*> p;
     for (auto& t : ts) p.push_back(&t);
-    infer::Session s = session();
-    rollout(s, *policy.tokenizer, rc, p);
+    rollout(*roll, *policy.tokenizer, rc, p);
     std::map<std::string, std::pair<double, double>> by_kind;  // kind -> (solved, tasks)
     double ok = 0;
     for (const auto& t : ts) {
@@ -183,6 +209,7 @@ struct Loop {
   }
 
   std::string save() {
+    engine->sync_to_host();
     train::TrainerState st;
     st.global_step = iteration;
     const std::string s = state().dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
@@ -201,17 +228,18 @@ struct Loop {
     const std::vector<double> adv = group_advantages(shaped, c.grpo.group_size, c.grpo.adv_eps);
     int64_t N = 0;
     for (const Trajectory* t : ts) N += std::accumulate(t->mask.begin() + 1, t->mask.end(), int64_t{0});
-    model::ParamStore<float>& ps = policy.model->params();
     double loss = 0, pol = 0, kl = 0, clip = 0, ratio = 0, ratio_dev = 0;
     train::StepInfo si;
     // epochs > 1: more optimiser steps on the same rollouts; from the second on the ratios leave 1 and clip.
     for (int64_t epoch = 0; epoch < c.epochs; ++epoch) {
-      ps.zero_grads();
+      engine->zero_grads();
       loss = pol = kl = clip = ratio = ratio_dev = 0;
       for (size_t b = 0; b < ts.size(); b += static_cast<size_t>(c.micro_trajectories)) {
         const size_t e = std::min(ts.size(), b + static_cast<size_t>(c.micro_trajectories));
-        std::vector<int32_t> ids, tg;
-        std::vector<int64_t> cu = {0};
+        train::Batch mb;
+        std::vector<int32_t>&ids = mb.ids, &tg = mb.targets;
+        std::vector<int64_t>& cu = mb.cu_seqlens;
+        cu = {0};
         GrpoTokens gt;
         for (size_t i = b; i < e; ++i) {
           const Trajectory& t = *ts[i];
@@ -226,12 +254,12 @@ struct Loop {
           }
           cu.push_back(cu.back() + static_cast<int64_t>(n));
         }
-        const model::Seqs s = model::Seqs::packed(cu);
+        mb.seqs = static_cast<int64_t>(cu.size()) - 1, mb.seq_len = 0;
         if (ref && c.grpo.kl_coef > 0) {
-          const std::vector<float> rl = ref->target_logprobs(ids.data(), tg.data(), s);
+          const std::vector<float> rl = ref->target_logprobs(ids.data(), tg.data(), model::Seqs::packed(cu));
           gt.ref_logp.assign(rl.begin(), rl.end());
         }
-        policy.model->forward_backward_logp(ids.data(), tg.data(), s, [&](const std::vector<float>& lp) {
+        engine->forward_backward_logp(mb, [&](const std::vector<float>& lp) {
           const GrpoLoss L = grpo_loss(std::vector<double>(lp.begin(), lp.end()), gt, c.grpo);
           // grpo_loss normalises by this micro-batch's tokens; the step's mean is over all N.
           const double w = N > 0 ? static_cast<double>(L.n) / static_cast<double>(N) : 0.0;
@@ -242,7 +270,7 @@ struct Loop {
           return g;
         });
       }
-      si = opt->step(1.0);
+      si = engine->step(1.0);
     }
     double reward = 0, success = 0, turns = 0, tokens = 0, ent = 0, gen = 0, iters = 0;
     for (const Trajectory* t : ts) {
@@ -268,7 +296,7 @@ struct Loop {
 RlResult run_rl(const RlConfig& c, const RlOptions& o) {
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
-  Loop L{c, o, fs::path(c.out), {}, {}, {}, {}, 0, 0, 0, -1, {}};
+  Loop L{c, o, fs::path(c.out), {}, {}, {}, {}, {}, {}, {}, 0, 0, 0, -1, {}};
   const std::string init = io::resolve_checkpoint(c.init);
   LM_CHECK(!(o.resume && o.overwrite), "rl: --resume continues the run in {}, --overwrite replaces it; give one", c.out);
   fs::create_directories(L.out);
@@ -296,6 +324,7 @@ RlResult run_rl(const RlConfig& c, const RlOptions& o) {
     const std::string sp = (fs::path(resume_dir) / "rl_state.json").string();
     L.load_state(io::load_json_file(sp), sp);
   }
+  L.start_engines(o.device);  // (after the optimiser state: the GPU engine starts from it)
   io::write_file_atomic((L.out / "run.json").string(), c.to_json().dump(2) + "\n");
   train::MetricsLog metrics(L.out / "metrics.jsonl", o.resume, L.iteration);
   train::MetricsLog samples(L.out / "samples.jsonl", o.resume, L.iteration);
@@ -328,11 +357,7 @@ RlResult run_rl(const RlConfig& c, const RlOptions& o) {
     std::vector<Trajectory*> live;
     for (Group& g : L.open)
       for (Trajectory& t : g) live.push_back(&t);
-    RolloutStats rs;
-    {
-      infer::Session s = L.session();
-      rs = rollout(s, *L.policy.tokenizer, c.rollout, live, c.iteration_tokens);
-    }
+    const RolloutStats rs = rollout(*L.roll, *L.policy.tokenizer, c.rollout, live, c.iteration_tokens);
     const double roll_s = std::chrono::duration<double>(Clock::now() - ti).count();
     std::vector<Group> done, still;
     for (Group& g : L.open)

@@ -42,6 +42,7 @@ struct RlConfig {
   int64_t save_every = 5;            // iterations; the last one always
   int64_t keep_checkpoints = 2;
   int64_t max_iterations = 0;        // stop after this many in this process (tests): a checkpoint, no summary
+  int64_t context = 0;               // tokens per trajectory at most (0: the model's limit; 8192 on the GPU)
 
   static RlConfig from_json(const io::json& j, const std::string& ctx);  // strict: unknown fields are errors
   io::json to_json() const;
@@ -49,6 +50,7 @@ struct RlConfig {
 
 struct RlOptions {
   bool resume = false, overwrite = false, quiet = false;
+  std::string device = "cpu";  // cpu, or cuda: training steps and rollouts on the GPU (AdamW; docs/rl.md)
 };
 
 struct RlResult {

@@ -125,13 +125,22 @@ struct Live {
   Task task;
   Toolbox tools;
   infer::Sampler sampler;
-  infer::Sequence seq;
+  infer::Engine::Id seq;
   std::vector<float> logits;  // [V] after the last consumed token
+};
+
+// The call's sequences are closed however it ends (a GPU engine's slots are few).
+struct CloseAll {
+  infer::Engine& e;
+  std::vector<Live>& live;
+  ~CloseAll() {
+    for (const Live& l : live) e.close(l.seq);
+  }
 };
 
 }  // namespace
 
-RolloutStats rollout(infer::Session& s, const io::Tokenizer& tok, const RolloutConfig& c,
+RolloutStats rollout(infer::Engine& s, const io::Tokenizer& tok, const RolloutConfig& c,
                      std::vector<Trajectory*> batch, int64_t deadline) {
   check_budget(c.budget);
   LM_CHECK(deadline >= 0, "rollout: deadline {} must be >= 0", deadline);
@@ -144,11 +153,12 @@ RolloutStats rollout(infer::Session& s, const io::Tokenizer& tok, const RolloutC
   RolloutStats st;
   std::vector<Live> live;
   live.reserve(batch.size());
+  const CloseAll closer{s, live};
   // The caches of a sequence: everything recorded so far, on the current weights. False: the context is full.
   auto catch_up = [&](Live& l) {
     const auto& tk = l.t->tokens;
     if (static_cast<int64_t>(tk.size()) >= max_ctx) return false;
-    l.logits = s.prefill(l.seq, std::span(tk).subspan(static_cast<size_t>(l.seq.pos())), nullptr, false);
+    l.logits = s.prefill(l.seq, std::span(tk).subspan(static_cast<size_t>(s.pos(l.seq))), nullptr, false);
     return true;
   };
   for (Trajectory* t : batch) {
@@ -157,7 +167,7 @@ RolloutStats rollout(infer::Session& s, const io::Tokenizer& tok, const RolloutC
     Task task = t->task.make();
     Toolbox tools(task.document);
     live.push_back(Live{t, std::move(task), std::move(tools), infer::Sampler(sp, static_cast<uint64_t>(t->id)),
-                        s.new_sequence(), {}});
+                        s.open(), {}});
     live.back().sampler.seek(t->drawn);
     if (!catch_up(live.back())) t->episode.end = "context_limit";
   }
@@ -167,7 +177,7 @@ RolloutStats rollout(infer::Session& s, const io::Tokenizer& tok, const RolloutC
     for (Live& l : live)
       if (!l.t->done()) step.push_back(&l);
     if (step.empty() || (deadline > 0 && st.generated >= deadline)) break;
-    std::vector<infer::Sequence*> dec_seqs;
+    std::vector<infer::Engine::Id> dec_seqs;
     std::vector<int32_t> dec_tokens;
     std::vector<Live*> dec;
     for (Live* l : step) {
@@ -186,7 +196,7 @@ RolloutStats rollout(infer::Session& s, const io::Tokenizer& tok, const RolloutC
       const bool full = static_cast<int64_t>(t.tokens.size()) >= max_ctx;
       if (id != end_id && turn_len < cap && !full) {
         dec.push_back(l);
-        dec_seqs.push_back(&l->seq);
+        dec_seqs.push_back(l->seq);
         dec_tokens.push_back(id);
         continue;
       }
@@ -214,7 +224,7 @@ RolloutStats rollout(infer::Session& s, const io::Tokenizer& tok, const RolloutC
       if (!catch_up(*l)) t.episode.end = "context_limit";
     }
     if (!dec.empty()) {
-      const std::vector<float> lg = s.decode(dec_seqs, dec_tokens);
+      const std::vector<float>& lg = s.decode(dec_seqs, dec_tokens);
       for (size_t i = 0; i < dec.size(); ++i)
         dec[i]->logits.assign(lg.begin() + static_cast<int64_t>(i) * V, lg.begin() + static_cast<int64_t>(i + 1) * V);
     }

@@ -1,6 +1,7 @@
 #pragma once
-// Rollouts of agentic episodes by the inference session on the policy's current weights (docs/rl.md "longmoe rl"):
-// a batch of trajectories decoded together (one Session::decode over every live sequence per token), each
+// Rollouts of agentic episodes by an inference engine on the policy's current weights (docs/rl.md "longmoe rl"; the
+// CPU Session or the GPU model's slots): a batch of trajectories decoded together (one Engine::decode over every live
+// sequence per token), each
 // multi-turn: the model writes an assistant turn until <|end|>, the turn is read by rl::episode_turn (a tool call
 // answered by the task's Toolbox, an answer that ends the episode, budgets), the tool turn and the next
 // <|assistant|> are rendered by the one chat template (io::chat_tokens) and prefilled, and so on.
@@ -16,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "infer/session.hpp"
+#include "infer/engine.hpp"
 #include "io/json.hpp"
 #include "io/tokenizer.hpp"
 #include "rl/episode.hpp"
@@ -68,8 +69,9 @@ struct RolloutStats {
 };
 
 // Runs every unfinished trajectory of `batch` until it ends or `deadline` tokens (> 0; 0: none) have been generated
-// in this call over the batch. The session's model is the policy (its current weights).
-RolloutStats rollout(infer::Session& s, const io::Tokenizer& tok, const RolloutConfig& c,
+// in this call over the batch. The engine's model is the policy (its current weights); it must hold a sequence per
+// unfinished trajectory (GpuEngine's max_sequences), which the call opens and closes.
+RolloutStats rollout(infer::Engine& s, const io::Tokenizer& tok, const RolloutConfig& c,
                      std::vector<Trajectory*> batch, int64_t deadline = 0);
 
 }  // namespace lm::rl

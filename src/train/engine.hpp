@@ -20,6 +20,10 @@
 #include "train/optim.hpp"
 #include "train/trainer.hpp"
 
+namespace lm::model::cuda {
+class GpuModel;
+}
+
 namespace lm::train {
 
 // A NaN or Inf loss or gradient: what() says which and where ("the loss became nan on the GPU"); the
@@ -64,6 +68,14 @@ class Engine {
   virtual double aux_loss() const = 0;
   // The engine's weights and optimiser state into the host model and optimiser (before a checkpoint).
   virtual void sync_to_host() = 0;
+
+  // RL (rl/rl_run.cpp), as model::Model: per-row log p of the batch's targets (0 where < 0) without a backward; and
+  // one forward whose log-probs `dloss` turns into dL/dlogp_t, the backward accumulating the gradients.
+  virtual std::vector<float> target_logprobs(const Batch& b) = 0;
+  virtual std::vector<float> forward_backward_logp(const Batch& b, const model::Model<float>::LogpGrad& dloss) = 0;
+  // The CUDA engine's GPU model (its bf16 weights serve a GPU inference engine: rollouts on the current policy
+  // without a copy); null on the CPU.
+  virtual model::cuda::GpuModel* gpu_model() { return nullptr; }
 };
 
 // lm::Error unless `device` (cpu | cuda) can run `cfg`; called before anything is written.

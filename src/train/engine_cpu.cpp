@@ -76,6 +76,13 @@ class CpuEngine final : public Engine {
   double aux_loss() const override { return bal_.aux_loss(); }
   void sync_to_host() override {}  // the host model and optimiser are the engine's own
 
+  std::vector<float> target_logprobs(const Batch& b) override {
+    return m_.target_logprobs(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens));
+  }
+  std::vector<float> forward_backward_logp(const Batch& b, const model::Model<float>::LogpGrad& dloss) override {
+    return m_.forward_backward_logp(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens), dloss);
+  }
+
  private:
   // The first layer whose output is no longer finite (a forward of the same batch, keeping every layer's output).
   std::string diagnose_loss(const Batch& b, const model::Seqs& seqs, double loss_sum) {

@@ -110,6 +110,14 @@ class CudaEngine final : public Engine {
     optim_.load_state(st, "GPU optimizer state");
   }
 
+  std::vector<float> target_logprobs(const Batch& b) override {
+    return gm_.target_logprobs(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens));
+  }
+  std::vector<float> forward_backward_logp(const Batch& b, const model::Model<float>::LogpGrad& dloss) override {
+    return gm_.forward_backward_logp(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens), dloss);
+  }
+  model::cuda::GpuModel* gpu_model() override { return &gm_; }
+
  private:
   const OptimConfig oc_;
   const Balance balance_;

@@ -259,6 +259,69 @@ TEST(GpuModel, LossFallsOverAFewSteps) {
   EXPECT_LT(last, 0.5 * first);  // memorising one batch
 }
 
+// RL's per-row forms (rl/grpo.hpp): the log-probs of the targets, and the gradient of Σ_t w_t logp_t (weights from
+// the callback, a sign change included) against the CPU model's, every tensor.
+TEST(GpuModel, TargetLogprobsAndTheirGradientMatchTheCpu) {
+  REQUIRE_GPU();
+  const ModelConfig c = config(true, true, true, 4, 4);
+  Model<float> cpu(c);
+  cpu.params().init(31);
+  round_weights_bf16(cpu.params());
+  cpu.params().enable_grads();
+  const Batch b = batch(c, true, 8);
+  const int64_t rows = b.s.rows();
+  std::vector<float> w(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows; ++i) w[size_t(i)] = static_cast<float>((i % 7) - 3) / 64.f;
+  std::vector<float> seen_cpu, seen_gpu;
+  const auto weights = [&](std::vector<float>& seen) {
+    return [&](const std::vector<float>& lp) {
+      seen = lp;
+      return w;
+    };
+  };
+  const std::vector<float> lc = cpu.target_logprobs(b.ids.data(), b.targets.data(), b.s);
+  cpu.forward_backward_logp(b.ids.data(), b.targets.data(), b.s, weights(seen_cpu));
+
+  cuda::GpuModel gpu(c);
+  gpu.upload(cpu.params());
+  gpu.zero_grads();
+  const std::vector<float> lg = gpu.target_logprobs(b.ids.data(), b.targets.data(), b.s);
+  const std::vector<float> lg2 = gpu.forward_backward_logp(b.ids.data(), b.targets.data(), b.s, weights(seen_gpu));
+  ASSERT_EQ(lg.size(), lc.size());
+  for (int64_t i = 0; i < rows; ++i)
+    if (b.targets[size_t(i)] < 0) {
+      EXPECT_EQ(lg[size_t(i)], 0.f) << i;  // an ignored row has no log-prob
+    }
+  const double el = lm::testing::rel_rms_vec(lc, lg);
+  std::printf("target log-probs rel rms %.2e\n", el);
+  EXPECT_LT(el, 1e-2);
+  EXPECT_EQ(lg2, seen_gpu);  // what the callback saw is what is returned
+  // the training forward (activations kept, other kernels) and the inference one agree to bf16 rounding
+  EXPECT_LT(lm::testing::rel_rms_vec(lg, lg2), 5e-3);
+
+  Model<float> back(c);
+  back.params().enable_grads();
+  gpu.download_grads(back.params());
+  int compared = 0;
+  for (size_t t = 0; t < cpu.params().all().size(); ++t) {
+    const auto& pc = cpu.params().all()[t];
+    const auto& pg = back.params().all()[t];
+    if (!pc.g()) continue;
+    const auto ref = vec(pc, true), got = vec(pg, true);
+    double rr = 0;
+    for (float v : ref) rr += double(v) * v;
+    if (rr == 0) continue;
+    const double e = lm::testing::rel_rms_vec(ref, got);
+    ++compared;
+    const bool cancelling = pc.spec.name.find(".A_log") != std::string::npos ||
+                            pc.spec.name.find(".f_a_proj.") != std::string::npos ||
+                            pc.spec.name.find(".f_b_proj.") != std::string::npos ||
+                            pc.spec.name.find(".dt_bias") != std::string::npos;
+    EXPECT_LT(e, cancelling ? 0.15 : 5e-2) << pc.spec.name;
+  }
+  EXPECT_GT(compared, 60);
+}
+
 TEST(GpuModel, BadTokenIdsAreErrors) {
   REQUIRE_GPU();
   const ModelConfig c = config(true, true, true);

@@ -8,6 +8,7 @@
 #include <numeric>
 #include <unistd.h>
 
+#include "infer/engine.hpp"
 #include "infer/session.hpp"
 #include "io/chat.hpp"
 #include "io/file.hpp"
@@ -84,14 +85,16 @@ TEST(RlRollout, APausedTrajectoryResumesExactly) {
   so.prefix_cache_bytes = 0;
   std::vector<Trajectory> whole = start(4), parts = start(4);
   {
-    infer::Session s(policy(), so);
+    infer::Session ss(policy(), so);
+    infer::CpuEngine s(ss);
     const RolloutStats st = rollout(s, tok(), config(), ptrs(whole));
     EXPECT_EQ(st.paused, 0);
     EXPECT_GT(st.generated, 40);
   }
   int pauses = 0, calls = 0;
   for (const int64_t deadline : {9, 23, 5, 0}) {
-    infer::Session s(policy(), so);  // a fresh session each "iteration", as the RL loop makes one
+    infer::Session ss(policy(), so);  // a fresh session each "iteration", as the RL loop makes one
+    infer::CpuEngine s(ss);
     const RolloutStats st = rollout(s, tok(), config(), ptrs(parts), deadline);
     ++calls;
     if (deadline > 0) {
@@ -118,7 +121,8 @@ TEST(RlRollout, APausedTrajectoryResumesExactly) {
 TEST(RlRollout, MasksHoldExactlyTheSampledTokens) {
   std::vector<Trajectory> ts = start(2);
   const size_t prompt = ts[0].tokens.size();
-  infer::Session s(policy());
+  infer::Session ss(policy());
+  infer::CpuEngine s(ss);
   rollout(s, tok(), config(), ptrs(ts));
   const Trajectory& t = ts[0];
   EXPECT_EQ(std::accumulate(t.mask.begin(), t.mask.begin() + prompt, 0), 0);  // the prompt
@@ -146,7 +150,8 @@ TEST(RlRollout, EndlessOrMalformedTurnsEndAtTheBudgetWithAReason) {
   // The random model writes junk: no call parses and no answer comes, so every turn is answered "give a
   // <tool_call> or an <answer>" until the turn budget; with fewer tokens than the turns need, the token budget.
   std::vector<Trajectory> ts = start(3);
-  infer::Session s(policy());
+  infer::Session ss(policy());
+  infer::CpuEngine s(ss);
   rollout(s, tok(), config(), ptrs(ts));
   for (const Trajectory& t : ts) {
     EXPECT_TRUE(t.episode.end == "turn_budget" || t.episode.end == "token_budget") << t.episode.end;

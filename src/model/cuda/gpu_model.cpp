@@ -42,6 +42,10 @@ bool GpuModel::offload_states() const { no_cuda(); }
 GpuTrainingMemory GpuModel::plan_memory(int64_t) { no_cuda(); }
 GpuModel::LossStats GpuModel::loss(const int32_t*, const int32_t*, const Seqs&, const Media<float>*) { no_cuda(); }
 std::vector<float> GpuModel::media_features(const Media<float>&, int64_t*) { no_cuda(); }
+std::vector<float> GpuModel::target_logprobs(const int32_t*, const int32_t*, const Seqs&) { no_cuda(); }
+std::vector<float> GpuModel::forward_backward_logp(const int32_t*, const int32_t*, const Seqs&, const LogpGrad&) {
+  no_cuda();
+}
 int32_t GpuModel::media_placeholder() const { no_cuda(); }
 GpuModel::Flat GpuModel::flat() const { no_cuda(); }
 ParamSlot GpuModel::slot(const std::string&) const { no_cuda(); }
@@ -278,6 +282,52 @@ GpuModel::LossStats GpuModel::loss(const int32_t* ids, const int32_t* targets, c
   const oc::CeResult r = oc::cross_entropy_forward(got(m.top.hn, "hn"), m.W("lm_head.weight"), as<int32_t>(m.tgt_d.p),
                                                    m.rows, m.d, m.V);
   return LossStats{r.loss_sum, r.n_valid};
+}
+
+std::vector<float> GpuModel::target_logprobs(const int32_t* ids, const int32_t* targets, const Seqs& s) {
+  LM_CHECK(targets, "target_logprobs: targets are required");
+  Impl& m = *p_;
+  m.profiling = profiling;
+  m.training = false;
+  m.forward(ids, targets, s);
+  std::vector<float> lp(size_t(m.rows));
+  oc::cross_entropy_rows(got(m.top.hn, "hn"), m.W("lm_head.weight"), as<int32_t>(m.tgt_d.p), m.rows, m.d, m.V,
+                         lp.data());
+  for (float& x : lp) x = -x;  // (ignored rows hold 0)
+  return lp;
+}
+
+std::vector<float> GpuModel::forward_backward_logp(const int32_t* ids, const int32_t* targets, const Seqs& s,
+                                                   const LogpGrad& dloss) {
+  LM_CHECK(targets, "forward_backward_logp: targets are required");
+  Impl& m = *p_;
+  LM_CHECK(!m.infer_only, "gpu model: an inference-only model cannot train (it holds bf16 weights only)");
+  m.ffn_rows = ffn_rows;
+  m.profiling = profiling;
+  m.training = true;
+  const ClearOnExit leave{m.training};
+  m.forward(ids, targets, s);
+  std::vector<float> lp(size_t(m.rows));
+  {
+    Impl::Timed t(m.part(Profile::LmHead, false));
+    oc::cross_entropy_rows(got(m.top.hn, "hn"), m.W("lm_head.weight"), as<int32_t>(m.tgt_d.p), m.rows, m.d, m.V,
+                           lp.data());
+  }
+  for (float& x : lp) x = -x;
+  std::vector<float> scale = dloss(lp);
+  LM_CHECK(std::ssize(scale) == m.rows, "forward_backward_logp: dloss gave {} values for {} rows", scale.size(),
+           m.rows);
+  for (float& x : scale) x = -x;  // loss_t = −logp_t
+  float* sd = grow<float>(m.scratch.rl_scale, size_t(m.rows) * 4);
+  ck(cudaMemcpy(sd, scale.data(), scale.size() * 4, cudaMemcpyHostToDevice), "row scales");
+  float* d_hn = grow<float>(m.scratch.d_hn, size_t(m.rows) * m.d * 4);
+  {
+    Impl::Timed t(m.part(Profile::LmHead, true));
+    oc::cross_entropy_backward_rows(got(m.top.hn, "hn"), m.W("lm_head.weight"), as<int32_t>(m.tgt_d.p), m.rows, m.d,
+                                    m.V, sd, d_hn, m.G("lm_head.weight"));
+  }
+  m.backward(d_hn);
+  return lp;
 }
 
 std::vector<float> GpuModel::media_features(const Media<float>& media, int64_t* rows) {

@@ -101,6 +101,14 @@ class GpuModel {
                              const Media<float>* media = nullptr);
   // Loss only.
   LossStats loss(const int32_t* ids, const int32_t* targets, const Seqs& s, const Media<float>* media = nullptr);
+  // RL (rl/grpo.hpp), as Model::target_logprobs and Model::forward_backward_logp: log p(target_t | tokens <= t) per
+  // row [rows] (0 where the target is < 0) without a backward; or one forward, `dloss` turning the log-probs into
+  // dL/dlogp_t [rows], and the backward accumulating dL/dparams = Σ_t dL/dlogp_t dlogp_t/dparams into the
+  // gradients (the cross-entropy backward with per-row scales −dL/dlogp_t). Returns the log-probs.
+  std::vector<float> target_logprobs(const int32_t* ids, const int32_t* targets, const Seqs& s);
+  using LogpGrad = std::function<std::vector<float>(const std::vector<float>& logp)>;
+  std::vector<float> forward_backward_logp(const int32_t* ids, const int32_t* targets, const Seqs& s,
+                                           const LogpGrad& dloss);
   // The tower and projector over `media` (inference): features [rows, d] (bf16 values as fp32), the rows its
   // placeholders take, in order (M in *rows). lm::Error without a tower or for grids the config refuses.
   std::vector<float> media_features(const Media<float>& media, int64_t* rows = nullptr);

@@ -213,9 +213,9 @@ size_t StackActs::bytes() const {
   return bytes_of({&prefix, &h_final, &hn, &rstd_f});
 }
 size_t Scratch::bytes() const {
-  static_assert(sizeof(Scratch) == 35 * sizeof(DBuf) + 4 * sizeof(std::vector<DBuf>),
+  static_assert(sizeof(Scratch) == 36 * sizeof(DBuf) + 4 * sizeof(std::vector<DBuf>),
                 "Scratch::bytes lists every buffer");
-  return bytes_of({&d_hn,  &dnorm, &dx_in, &d_prefix, &dy_bf,  &dp,   &d_on,   &d_gate, &df,       &dA,
+  return bytes_of({&d_hn,  &rl_scale, &dnorm, &dx_in, &d_prefix, &dy_bf,  &dp,   &d_on,   &d_gate, &df,       &dA,
                    &ddt,   &d_ga,  &d_o,   &dq,       &dk,     &dv,   &d_og,   &d_g,    &dkv,      &dckr,
                    &dcn,   &dqan,  &dqa,   &ffn_dh,   &ffn_dab, &dun, &du,     &d_eo,   &d_topk_w, &e_dh,
                    &e_dab, &dxs,   &moe_dcat, &d_logits, &dz}) +

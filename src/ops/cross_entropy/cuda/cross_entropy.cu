@@ -89,12 +89,15 @@ __device__ MS block_merge(MS v) {
 }
 
 // One CTA per row of the block. loss[row] = lse − logit[target] (0 when ignored, NaN for a target >= V,
-// which the caller rules out). GRAD: G row = scale · (softmax − onehot), zeros when ignored.
+// which the caller rules out). GRAD: G row = scale · (softmax − onehot), zeros when ignored, with scale =
+// grad_scale, times row_scale[row] when given.
 template <bool GRAD>
 __global__ void __launch_bounds__(kRowThreads)
-    ce_row_kernel(const float* logits, bf16* G, int64_t ld, int V, const int* targets, float scale, float* loss) {
+    ce_row_kernel(const float* logits, bf16* G, int64_t ld, int V, const int* targets, float grad_scale,
+                  const float* row_scale, float* loss) {
   const int64_t row = blockIdx.x;
   const int target = targets[row];
+  const float scale = row_scale ? grad_scale * row_scale[row] : grad_scale;
   const float* L = logits + row * ld;
   const int V4 = V & ~3;
   if (target < 0) {  // ignored: no loss, zero gradient row (block-uniform branch)
@@ -163,7 +166,8 @@ __global__ void __launch_bounds__(kSumThreads) ce_sum_kernel(const float* loss, 
 }
 
 CeResult run(const void* h, const void* W, const int32_t* targets, int64_t T, int64_t d, int64_t V, float grad_scale,
-             float* dh, float* dW, int64_t token_block, void* stream, bool grad) {
+             const float* row_scale, float* dh, float* dW, float* row_loss, int64_t token_block, void* stream,
+             bool grad) {
   const char* who = grad ? "forward_backward" : "forward";
   if (T < 0 || d <= 0 || V <= 0) check.fail(std::string(who) + ": need T >= 0, d > 0, V > 0");
   if (V > INT32_MAX || d > INT32_MAX) check.fail(std::string(who) + ": V and d must fit int32");
@@ -199,13 +203,13 @@ CeResult run(const void* h, const void* W, const int32_t* targets, int64_t T, in
       gemm_bf16(false, true, nt, V, d, 1.f, hb + ts * d, d, W, d, 0.f, logits, ld, DType::F32, stream);
       if (grad) {
         ce_row_kernel<true><<<unsigned(nt), kRowThreads, 0, s>>>(logits, G, ld, int(V), targets + ts, grad_scale,
-                                                                  loss + ts);
+                                                                  row_scale ? row_scale + ts : nullptr, loss + ts);
         check(cudaGetLastError(), "row kernel launch");
         gemm_bf16(false, false, nt, d, V, 1.f, G, ld, W, d, 0.f, dh + ts * d, d, DType::F32, stream);
         if (dW) gemm_bf16(true, false, V, d, nt, 1.f, G, ld, hb + ts * d, d, 1.f, dW, d, DType::F32, stream);
       } else {
         ce_row_kernel<false><<<unsigned(nt), kRowThreads, 0, s>>>(logits, nullptr, ld, int(V), targets + ts, 0.f,
-                                                                   loss + ts);
+                                                                   nullptr, loss + ts);
         check(cudaGetLastError(), "row kernel launch");
       }
     }
@@ -217,6 +221,7 @@ CeResult run(const void* h, const void* W, const int32_t* targets, int64_t T, in
   }
   Sums host{};
   check(cudaMemcpyAsync(&host, sums, sizeof(Sums), cudaMemcpyDeviceToHost, s), "result copy");
+  if (row_loss) check(cudaMemcpyAsync(row_loss, loss, size_t(T) * 4, cudaMemcpyDeviceToHost, s), "row losses");
   check(cudaFreeAsync(base, s), "scratch free");
   check(cudaStreamSynchronize(s), "synchronize");
   return CeResult{host.loss, int64_t(host.valid)};
@@ -227,12 +232,25 @@ CeResult run(const void* h, const void* W, const int32_t* targets, int64_t T, in
 CeResult cross_entropy_forward_backward(const void* h, const void* W, const int32_t* targets, int64_t T, int64_t d,
                                         int64_t V, float grad_scale, float* dh, float* dW, int64_t token_block,
                                         void* stream) {
-  return run(h, W, targets, T, d, V, grad_scale, dh, dW, token_block, stream, true);
+  return run(h, W, targets, T, d, V, grad_scale, nullptr, dh, dW, nullptr, token_block, stream, true);
 }
 
 CeResult cross_entropy_forward(const void* h, const void* W, const int32_t* targets, int64_t T, int64_t d, int64_t V,
                                int64_t token_block, void* stream) {
-  return run(h, W, targets, T, d, V, 0.f, nullptr, nullptr, token_block, stream, false);
+  return run(h, W, targets, T, d, V, 0.f, nullptr, nullptr, nullptr, nullptr, token_block, stream, false);
+}
+
+CeResult cross_entropy_rows(const void* h, const void* W, const int32_t* targets, int64_t T, int64_t d, int64_t V,
+                            float* row_loss, int64_t token_block, void* stream) {
+  if (!row_loss && T > 0) check.fail("cross_entropy_rows: null row_loss");
+  return run(h, W, targets, T, d, V, 0.f, nullptr, nullptr, nullptr, row_loss, token_block, stream, false);
+}
+
+CeResult cross_entropy_backward_rows(const void* h, const void* W, const int32_t* targets, int64_t T, int64_t d,
+                                     int64_t V, const float* row_scale, float* dh, float* dW, int64_t token_block,
+                                     void* stream) {
+  if (!row_scale && T > 0) check.fail("cross_entropy_backward_rows: null row_scale");
+  return run(h, W, targets, T, d, V, 1.f, row_scale, dh, dW, nullptr, token_block, stream, true);
 }
 
 }  // namespace lm::ops::cuda

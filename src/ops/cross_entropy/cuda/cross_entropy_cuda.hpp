@@ -27,4 +27,13 @@ CeResult cross_entropy_forward_backward(const void* h, const void* W, const int3
 CeResult cross_entropy_forward(const void* h, const void* W, const int32_t* targets, int64_t T, int64_t d, int64_t V,
                                int64_t token_block = 0, void* stream = nullptr);
 
+// Per-row forms (RL, rl/grpo.hpp: log p_t = −loss_t and a gradient weighted per token).
+// row_loss: HOST fp32 [T] receives each row's loss (0 for ignored rows).
+CeResult cross_entropy_rows(const void* h, const void* W, const int32_t* targets, int64_t T, int64_t d, int64_t V,
+                            float* row_loss, int64_t token_block = 0, void* stream = nullptr);
+// G row t = row_scale[t] · (softmax − onehot) (row_scale DEVICE fp32 [T]); dh written, dW accumulated (nullable).
+CeResult cross_entropy_backward_rows(const void* h, const void* W, const int32_t* targets, int64_t T, int64_t d,
+                                     int64_t V, const float* row_scale, float* dh, float* dW, int64_t token_block = 0,
+                                     void* stream = nullptr);
+
 }  // namespace lm::ops::cuda
