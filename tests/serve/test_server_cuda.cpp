@@ -12,7 +12,10 @@
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "harness.hpp"
+#include "images.hpp"
 #include "infer/engine.hpp"
+#include "infer/generate.hpp"
+#include "io/chat.hpp"
 #include "model/cuda/gpu_model.hpp"
 #include "testing.hpp"
 
@@ -415,4 +418,59 @@ TEST(GpuPrefixCache, EvictionUnderPressure) {
   EXPECT_TRUE(e.fits(0));  // (reservations count open sequences only)
   EXPECT_TRUE(same_run(greedy(e, other, 8), greedy(ref, other, 8)));
   EXPECT_TRUE(same_run(greedy(e, big, 2), greedy(ref, big, 2)));  // big's snapshot is gone: a miss, same bits
+}
+
+// Images through the GPU server (issue 22 item 5 on the GPU): an image_url part reaches the multimodal GPU model as
+// the GpuEngine's own prefill of the same image (the same greedy answer and prompt tokens), and a corrupt image is a
+// 400 while the server keeps serving.
+TEST(GpuServer, ImagePartsReachTheModelAsInTheEngine) {
+  REQUIRE_GPU();
+  const io::Tokenizer& tok = image_tokenizer();
+  model::Model<float> m(multimodal_config(gpu_config(tok.vocab_size())));
+  m.params().init(5);
+  model::cuda::GpuModel g(m.config(), model::cuda::GpuModel::Inference{});
+  g.upload(m.params());
+  infer::GpuEngine e(g, engine_options(2, 512));
+  serve::ServerOptions o = opts();
+  o.port = 0;
+  o.vision = *m.config().vision;
+  serve::Server server(e, tok, o);
+  const int port = server.bind();
+  std::thread th([&] { server.run(); });
+  auto post = [&](const json& content, int* status) {
+    httplib::Client c("127.0.0.1", port);
+    c.set_read_timeout(60, 0);
+    auto r = c.Post("/v1/chat/completions",
+                    json{{"messages", json::array({{{"role", "user"}, {"content", content}}})},
+                         {"max_tokens", 8},
+                         {"temperature", 0}}
+                        .dump(),
+                    "application/json");
+    *status = r ? r->status : 0;
+    return r ? json::parse(r->body, nullptr, false) : json();
+  };
+  const std::string a = png(60, 40, 3);  // 4 x 2 patches, 2 feature rows
+  int st = 0;
+  const json got = post(json::array({image_part("data:image/png;base64," + base64(a)),
+                                     {{"type", "text"}, {"text", "river stone"}}}),
+                        &st);
+  int bad = 0;
+  const json refused = post(json::array({image_part("data:image/png;base64," + base64(a.substr(0, 40)))}), &bad);
+  server.stop();
+  th.join();
+  ASSERT_EQ(st, 200) << got.dump();
+  EXPECT_EQ(bad, 400) << refused.dump();
+
+  infer::EngineSequence seq(e);
+  std::vector<int32_t> ids = io::chat_tokens(tok, {{"user", "river stone"}});
+  const int32_t ph = infer::image_token(m.config(), tok);
+  infer::place_images(ids, tok.special("<|user|>"), ph, 1);
+  ids = infer::attach_images(seq, ids, ph, {infer::image_media(a, "a", *m.config().vision)});
+  infer::SamplingParams sp;
+  sp.temperature = 0;
+  sp.max_tokens = 8;
+  sp.stop_tokens = {tok.eos(), tok.special("<|end|>"), ph};
+  const std::string want = infer::generate(seq, tok, ids, sp, [](const std::string&) {}).text();
+  EXPECT_EQ(got["usage"]["prompt_tokens"], static_cast<int64_t>(ids.size()));
+  EXPECT_EQ(got["choices"][0]["message"]["content"], as_json_text(want));
 }
