@@ -433,6 +433,7 @@ TEST(GpuServer, ImagePartsReachTheModelAsInTheEngine) {
   infer::GpuEngine e(g, engine_options(2, 512));
   serve::ServerOptions o = opts();
   o.port = 0;
+  o.max_batch = 2;  // (the engine's sequences)
   o.vision = *m.config().vision;
   serve::Server server(e, tok, o);
   const int port = server.bind();
