@@ -17,6 +17,14 @@ LONGMOE_OFFLINE_DEBS=(
 
 longmoe_offline_download() {
   mkdir -p "$1" && (cd "$1" && apt-get download "${LONGMOE_OFFLINE_DEBS[@]}")
+  # The build links OpenBLAS's shared library: its -dev package's 58 MB static archive is repacked away (the
+  # device tool carries at most 64 MiB beside the tree).
+  local dev tmp
+  for dev in "$1"/libopenblas-openmp-dev_*.deb; do
+    tmp=$(mktemp -d) && dpkg-deb -R "$dev" "$tmp/p" && find "$tmp/p" -name '*.a' -delete &&
+      dpkg-deb -b "$tmp/p" "$dev" > /dev/null
+    rm -rf "$tmp"
+  done
 }
 
 longmoe_offline_env() {
