@@ -1,6 +1,6 @@
-// `longmoe rl --config X [--resume | --overwrite] [--out DIR] [--iterations N] [--device cuda]`: GRPO on the built-in agentic tasks
-// from an sft checkpoint (rl/rl_run.hpp, docs/rl.md "longmoe rl"). --resume continues the run in --out as its
-// run.json says.
+// `longmoe rl --config X [--resume | --overwrite] [--out DIR] [--iterations N] [--device cuda]`: GRPO on the
+// built-in agentic tasks from an sft checkpoint (rl/rl_run.hpp, docs/rl.md "longmoe rl"). --resume continues the run
+// in --out as its run.json says.
 #include <filesystem>
 #include <memory>
 #include <string>
