@@ -48,7 +48,8 @@ class CpuEngine final : public Engine {
     const bool cp = m_.context_parallel() != nullptr;
     const model::Seqs seqs = cp ? model::Seqs::batch(b.seqs, b.seq_len) : model::Seqs::packed(b.cu_seqlens);
     const auto st = m_.forward_backward(b.ids.data(), b.targets.data(), seqs, n_valid_total, media);
-    if (!std::isfinite(st.loss_sum))  // (no diagnosis under cp: its forward is collective, the other ranks are not in it)
+    // (no diagnosis under cp: its forward is collective, and the other ranks are not in it)
+    if (!std::isfinite(st.loss_sum))
       throw NonFinite(cp ? fmt::format("the loss of this rank's segment became {}", st.loss_sum)
                          : diagnose_loss(b, seqs, st.loss_sum));
     bal_.accumulate(b.tokens());

@@ -116,9 +116,10 @@ void check_model_cp(const char* config, int64_t B, int64_t Ttot, double tol) {
   if (me == 0) {
     double m = 0;
     for (double x : all) m = std::max(m, x);
-    const double ts = std::chrono::duration<double>(t1 - t0).count(), tc = std::chrono::duration<double>(t2 - t1).count();
-    std::printf("[ measure  ] model %s over %d rank(s), %lld x %lld tokens (%s): worst relative RMS of the loss, hidden "
-                "states and %d gradients %.2e (one process %.2f s, context parallel %.2f s)\n",
+    const double ts = std::chrono::duration<double>(t1 - t0).count(),
+                 tc = std::chrono::duration<double>(t2 - t1).count();
+    std::printf("[ measure  ] model %s over %d rank(s), %lld x %lld tokens (%s): worst relative RMS of the loss, "
+                "hidden states and %d gradients %.2e (one process %.2f s, context parallel %.2f s)\n",
                 config == kMicroK3 ? "K3" : "KL", R, (long long)B, (long long)Ttot, sizeof(F) == 4 ? "float" : "double",
                 checked, m, ts, tc);
   }
