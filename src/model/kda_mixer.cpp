@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "core/parallel.hpp"
+#include "dist/conv_cp.hpp"
 #include "model/layers.hpp"
 #include "model/linear.hpp"
 #include "ops/rmsnorm/rmsnorm.hpp"
@@ -72,6 +73,24 @@ void KdaMixer<F>::forward(const F* x, F* y, const Seqs& s) {
   rstd_.resize(rows * H);
   project(x, rows, p_);
   const kda::ConvDims cd = s.conv_dims(HK, W_);
+  if (cp) {  // this rank's segment: the convs' halo from the previous rank, the operator's prep, the scan
+    LM_CHECK(s.cu.empty(), "context-parallel KDA: packed (varlen) batches are not supported; give B sequences");
+    dist::conv_cp_forward<F>(*cp, p_.qp.data(), Cq->w(), nullptr, qc_.data(), cd, true, halo_[0]);
+    dist::conv_cp_forward<F>(*cp, p_.kp.data(), Ck->w(), nullptr, kc_.data(), cd, true, halo_[1]);
+    dist::conv_cp_forward<F>(*cp, p_.vp.data(), Cv->w(), nullptr, vc_.data(), cd, true, halo_[2]);
+    // What fused_forward prepares inside, kept for the backward.
+    for (Buf<F>* b : {&qn_, &kn_, &g_}) b->resize(rows * HK);
+    beta_.resize(rows * H);
+    kda::l2norm_forward<F>(qc_.data(), qn_.data(), rows * H, K);
+    kda::l2norm_forward<F>(kc_.data(), kn_.data(), rows * H, K);
+    kda::sigmoid_forward<F>(p_.braw.data(), beta_.data(), rows * H);
+    kda::gate_forward<F>(p_.f.data(), A_log->w(), dt_bias->w(), g_.data(), rows, H, K, gate_);
+    const kda::CoreInputs<F> ci{qn_.data(), kn_.data(), vc_.data(), g_.data(), beta_.data(), nullptr, scale()};
+    dist::kda_cp_forward(*cp, ci, s.kda_dims(H, K, K), o_.data(), static_cast<F*>(nullptr), kda::DiagPath::Auto,
+                         gate_, cp_saved_);
+    output(o_.data(), p_.gate_o.data(), rows, on_.data(), rstd_.data(), y);
+    return;
+  }
   kda::short_conv_forward<F>(p_.qp.data(), Cq->w(), nullptr, qc_.data(), cd, true);
   kda::short_conv_forward<F>(p_.kp.data(), Ck->w(), nullptr, kc_.data(), cd, true);
   kda::short_conv_forward<F>(p_.vp.data(), Cv->w(), nullptr, vc_.data(), cd, true);
@@ -103,12 +122,26 @@ void KdaMixer<F>::backward(const F* dy, F* dx, const Seqs& s) {
   }
   // The KDA operator (L2 norms, gate, β sigmoid inside).
   Buf<F> dqc(rows * HK), dkc(rows * HK), dvc(rows * HK), df(rows * HK), dbraw(rows * H), dA(H), ddt(HK);
-  kda::FusedInputs<F> in;
-  in.q = qc_.data(), in.k = kc_.data(), in.v = vc_.data(), in.g_raw = p_.f.data(), in.beta_raw = p_.braw.data();
-  in.A_log = A_log->w(), in.dt_bias = dt_bias->w(), in.h0 = nullptr, in.scale = scale(), in.gate = gate_;
-  kda::FusedGrads<F> gr{dqc.data(), dkc.data(), dvc.data(), df.data(), dbraw.data(), dA.data(), ddt.data(), nullptr};
-  kda::fused_backward(in, s.kda_dims(H, K, K), d_o.data(), static_cast<const F*>(nullptr), gr,
-                      kda::CorePath::Chunked, kda::DiagPath::Auto, static_cast<const F*>(states_.data()));
+  if (cp) {  // the scan's backward, then fused_backward's chain through the prep
+    Buf<F> dqn(rows * HK), dkn(rows * HK), dg(rows * HK), dbeta(rows * H);
+    const kda::CoreInputs<F> ci{qn_.data(), kn_.data(), vc_.data(), g_.data(), beta_.data(), nullptr, scale()};
+    const kda::CoreGrads<F> cg{dqn.data(), dkn.data(), dvc.data(), dg.data(), dbeta.data(), nullptr};
+    dist::kda_cp_backward(*cp, ci, s.kda_dims(H, K, K), d_o.data(), static_cast<const F*>(nullptr), cg,
+                          kda::DiagPath::Auto, gate_, cp_saved_);
+    kda::l2norm_backward<F>(qc_.data(), dqn.data(), dqc.data(), rows * H, K);
+    kda::l2norm_backward<F>(kc_.data(), dkn.data(), dkc.data(), rows * H, K);
+    kda::sigmoid_backward<F>(p_.braw.data(), dbeta.data(), dbraw.data(), rows * H);
+    std::fill(dA.begin(), dA.end(), F(0)), std::fill(ddt.begin(), ddt.end(), F(0));
+    kda::gate_backward<F>(p_.f.data(), A_log->w(), dt_bias->w(), dg.data(), df.data(), dA.data(), ddt.data(), rows, H,
+                          K, gate_);
+  } else {
+    kda::FusedInputs<F> in;
+    in.q = qc_.data(), in.k = kc_.data(), in.v = vc_.data(), in.g_raw = p_.f.data(), in.beta_raw = p_.braw.data();
+    in.A_log = A_log->w(), in.dt_bias = dt_bias->w(), in.h0 = nullptr, in.scale = scale(), in.gate = gate_;
+    kda::FusedGrads<F> gr{dqc.data(), dkc.data(), dvc.data(), df.data(), dbraw.data(), dA.data(), ddt.data(), nullptr};
+    kda::fused_backward(in, s.kda_dims(H, K, K), d_o.data(), static_cast<const F*>(nullptr), gr,
+                        kda::CorePath::Chunked, kda::DiagPath::Auto, static_cast<const F*>(states_.data()));
+  }
   if (A_log->g())
     for (int64_t h = 0; h < H; ++h) A_log->g()[h] += dA[h];
   if (dt_bias->g())
@@ -125,10 +158,16 @@ void KdaMixer<F>::backward(const F* dy, F* dx, const Seqs& s) {
     Param<F>*W, *C;
     const Buf<F>& pre;
     const Buf<F>& dpost;
+    const Buf<F>& halo;  // context parallel only
   };
-  for (const Branch& b : {Branch{Wq, Cq, p_.qp, dqc}, Branch{Wk, Ck, p_.kp, dkc}, Branch{Wv, Cv, p_.vp, dvc}}) {
-    kda::short_conv_backward<F>(b.pre.data(), b.C->w(), nullptr, b.dpost.data(), dp.data(), b.C->g(), nullptr, cd,
+  for (const Branch& b : {Branch{Wq, Cq, p_.qp, dqc, halo_[0]}, Branch{Wk, Ck, p_.kp, dkc, halo_[1]},
+                         Branch{Wv, Cv, p_.vp, dvc, halo_[2]}}) {
+    if (cp)
+      dist::conv_cp_backward<F>(*cp, b.pre.data(), b.C->w(), b.halo, b.dpost.data(), dp.data(), b.C->g(), nullptr, cd,
                                 true);
+    else
+      kda::short_conv_backward<F>(b.pre.data(), b.C->w(), nullptr, b.dpost.data(), dp.data(), b.C->g(), nullptr, cd,
+                                  true);
     linear_backward(x, b.W->w(), dp.data(), dx, b.W->g(), rows, d, HK, true);
   }
 }

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "dist/kda_cp.hpp"
+#include "dist/mla_cp.hpp"
 #include "dist/moe_ep.hpp"
 #include "model/cache.hpp"
 #include "model/config.hpp"
@@ -59,6 +61,11 @@ class KdaMixer {
   F scale() const { return static_cast<F>(1.0 / std::sqrt(static_cast<double>(K_))); }
   Param<F> *Wq, *Wk, *Wv, *Cq, *Ck, *Cv, *A_log, *dt_bias, *Wfa, *Wfb, *Wb, *Wg = nullptr, *Wga = nullptr,
       *Wgb = nullptr, *onorm, *Wo;
+  // Context parallel (null: the whole sequence here): forward and backward see this rank's segment of every
+  // sequence (Seqs::batch(B, T) of rank r = tokens [r·T, (r+1)·T)); the short convs take the previous rank's halo
+  // (dist/conv_cp.hpp) and the core runs by the scan over segment states (dist/kda_cp.hpp). Every rank of `cp` runs
+  // each forward and backward together.
+  dist::Comm* cp = nullptr;
 
  private:
   void project(const F* x, int64_t rows, KdaProjections<F>& p) const;
@@ -72,6 +79,10 @@ class KdaMixer {
   Buf<F> x_, qc_, kc_, vc_, o_, rstd_, on_;
   KdaProjections<F> p_;
   Buf<F> states_;  // KDA chunk-start states from forward, reused by backward
+  // Context parallel: the core's prepared inputs (unit q, k; log decay; β), the convs' halos, the scan's states.
+  Buf<F> qn_, kn_, g_, beta_;
+  Buf<F> halo_[3];
+  dist::KdaCpSaved<F> cp_saved_;
 };
 
 // ---- gated NoPE MLA (SPEC §3) --------------------------------------------------------------------
@@ -93,6 +104,9 @@ class GatedMla {
   F scale() const { return static_cast<F>(1.0 / std::sqrt(static_cast<double>(Dn_ + Dr_))); }
   Param<F> *Wqa = nullptr, *qa_norm = nullptr, *Wqb = nullptr, *Wq = nullptr, *Wkva, *kva_norm, *Wkvb, *Wo,
            *Wg = nullptr;
+  // Context parallel (as KdaMixer::cp): the attention over every rank's latents up to this segment's end
+  // (dist/mla_cp.hpp), one sequence at a time; the projections stay token-local.
+  dist::Comm* cp = nullptr;
 
  private:
   // q [rows, Hm, Dq] (qa, qan, qa_rstd: the q-LoRA intermediates, kept by forward).
@@ -110,6 +124,8 @@ class GatedMla {
   const ModelConfig& c_;
   int64_t d_, Hm_, Dn_, Dr_, Dv_, R_, Q_;  // Q_: q_lora_rank (0 without)
   Buf<F> x_, qa_, qa_rstd_, qan_, q_, ckr_, c_rstd_, cn_, kv_, k_, v_, o_, lse_, graw_, og_;
+  Buf<F> lat_;                                // context parallel: the latent rows [rows, RD] = [cn | k_r]
+  std::vector<dist::MlaCpSaved<F>> cp_saved_;  // per sequence
 };
 
 // ---- GLU FFN: dense layer, shared experts, and one routed expert (SPEC §4) ------------------------

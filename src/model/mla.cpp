@@ -93,11 +93,28 @@ void GatedMla<F>::forward(const F* x, F* y, const Seqs& s) {
   queries(x, rows, qa_, qan_, qa_rstd_, q_.data());
   ckr_.resize(rows * RD), cn_.resize(rows * R_), c_rstd_.resize(rows);
   latent(x, rows, ckr_.data(), cn_.data(), R_, c_rstd_.data());
+  o_.resize(rows * H * Dv_);
+  if (cp) {  // this rank's queries over every rank's latent rows up to its segment's end, one sequence at a time
+    LM_CHECK(s.cu.empty(), "context-parallel MLA: packed (varlen) batches are not supported; give B sequences");
+    const int64_t T = s.T;
+    lat_.resize(rows * RD);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy_n(&cn_[r * R_], R_, &lat_[r * RD]);
+      std::copy_n(&ckr_[r * RD + R_], Dr_, &lat_[r * RD + R_]);
+    }
+    cp_saved_.resize(static_cast<size_t>(s.B));
+    const dist::MlaCpDims md{T, H, Dn_, Dr_, Dv_, R_};
+    for (int64_t b = 0; b < s.B; ++b)
+      dist::mla_cp_forward(*cp, lat_.data() + b * T * RD, q_.data() + b * T * H * Dq, Wkvb->w(),
+                           o_.data() + b * T * H * Dv_, md, scale(), cp_saved_[static_cast<size_t>(b)]);
+    output(x, o_.data(), rows, graw_, og_, y);
+    return;
+  }
   kv_.resize(rows * H * Dkv);
   linear_forward(cn_.data(), Wkvb->w(), kv_.data(), rows, R_, H * Dkv);
   k_.resize(rows * H * Dq), v_.resize(rows * H * Dv_);
   ops::mla_split_kv(kv_.data(), ckr_.data() + R_, RD, k_.data(), v_.data(), rows, H, Dn_, Dr_, Dv_);
-  o_.resize(rows * H * Dv_), lse_.resize(rows * H);
+  lse_.resize(rows * H);
   const ops::AttnDims ad = s.attn_dims(H, Dq, Dv_);
   ops::attention_forward(q_.data(), k_.data(), v_.data(), o_.data(), lse_.data(), ad, scale());
   output(x, o_.data(), rows, graw_, og_, y);
@@ -122,17 +139,29 @@ void GatedMla<F>::backward(const F* dy, F* dx, const Seqs& s) {
   } else {
     d_o = d_og;
   }
-  Buf<F> dq(rows * H * Dq), dk(rows * H * Dq), dv(rows * HV);
-  const ops::AttnDims ad = s.attn_dims(H, Dq, Dv_);
-  ops::attention_backward(q_.data(), k_.data(), v_.data(), o_.data(), lse_.data(), d_o.data(), dq.data(), dk.data(),
-                          dv.data(), ad, scale());
-  // k = [k_nope | k_r]: k_nope and v go back through kv_b; k_r (shared) sums over heads into d ckr.
-  Buf<F> dkv(rows * H * Dkv), dckr(rows * RD, F(0));
-  ops::mla_merge_dkv(dk.data(), dv.data(), dkv.data(), dckr.data() + R_, RD, rows, H, Dn_, Dr_, Dv_);
-  Buf<F> dcn(rows * R_);
-  linear_backward(cn_.data(), Wkvb->w(), dkv.data(), dcn.data(), Wkvb->g(), rows, R_, H * Dkv);
-  ops::rmsnorm_backward(ckr_.data(), kva_norm->w(), c_rstd_.data(), dcn.data(), dckr.data(), kva_norm->g(), rows, R_,
-                        static_cast<F>(kLoraEps), RD, R_);
+  Buf<F> dq(rows * H * Dq), dckr(rows * RD, F(0));
+  if (cp) {
+    // d latent [rows, RD] = [d cn | d k_r] (W_kvb's gradient inside), then the norm back in place: d ckr.
+    const int64_t T = s.T;
+    const dist::MlaCpDims md{T, H, Dn_, Dr_, Dv_, R_};
+    for (int64_t b = 0; b < s.B; ++b)
+      dist::mla_cp_backward(*cp, Wkvb->w(), d_o.data() + b * T * HV, dq.data() + b * T * H * Dq,
+                            dckr.data() + b * T * RD, Wkvb->g(), md, scale(), cp_saved_[static_cast<size_t>(b)]);
+    ops::rmsnorm_backward(ckr_.data(), kva_norm->w(), c_rstd_.data(), dckr.data(), dckr.data(), kva_norm->g(), rows,
+                          R_, static_cast<F>(kLoraEps), RD, RD);
+  } else {
+    Buf<F> dk(rows * H * Dq), dv(rows * HV);
+    const ops::AttnDims ad = s.attn_dims(H, Dq, Dv_);
+    ops::attention_backward(q_.data(), k_.data(), v_.data(), o_.data(), lse_.data(), d_o.data(), dq.data(), dk.data(),
+                            dv.data(), ad, scale());
+    // k = [k_nope | k_r]: k_nope and v go back through kv_b; k_r (shared) sums over heads into d ckr.
+    Buf<F> dkv(rows * H * Dkv);
+    ops::mla_merge_dkv(dk.data(), dv.data(), dkv.data(), dckr.data() + R_, RD, rows, H, Dn_, Dr_, Dv_);
+    Buf<F> dcn(rows * R_);
+    linear_backward(cn_.data(), Wkvb->w(), dkv.data(), dcn.data(), Wkvb->g(), rows, R_, H * Dkv);
+    ops::rmsnorm_backward(ckr_.data(), kva_norm->w(), c_rstd_.data(), dcn.data(), dckr.data(), kva_norm->g(), rows,
+                          R_, static_cast<F>(kLoraEps), RD, R_);
+  }
   linear_backward(x, Wkva->w(), dckr.data(), dx, Wkva->g(), rows, d, RD, dx_written);
   if (Q_) {
     Buf<F> dqan(rows * Q_), dqa(rows * Q_);

@@ -166,6 +166,12 @@ void Model<F>::read_backward(const std::vector<const F*>& src, const std::vector
 }
 
 template <class F>
+void Model<F>::set_context_parallel(dist::Comm* comm) {
+  cp_ = comm;
+  for (auto& m : mixers_) std::visit([&](auto& x) { x.cp = comm; }, m);
+}
+
+template <class F>
 void Model<F>::forward(const int32_t* ids, const Seqs& s, const ForwardOptions& opt, ForwardResult<F>* out,
                        const Media<F>* media) {
   forward_impl(ids, s, opt, out, media);
@@ -177,6 +183,11 @@ void Model<F>::forward_impl(const int32_t* ids, const Seqs& s, const ForwardOpti
   const int64_t rows = s.rows(), d = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
   const F eps = static_cast<F>(cfg_.rms_norm_eps);
   LM_CHECK(rows > 0, "forward: empty batch");
+  if (cp_) {
+    LM_CHECK(s.cu.empty(), "forward: context parallel runs B sequences split in segments (Seqs::batch); packed "
+                           "(varlen) batches are not supported");
+    LM_CHECK(!media || media->empty(), "forward: context parallel does not take media (images)");
+  }
   ids_.assign(ids, ids + rows);
   Buf<F> emb(rows * d);
   {

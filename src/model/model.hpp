@@ -110,6 +110,14 @@ class Model {
   // The placeholder id of a model with a tower (-1: none).
   int32_t media_placeholder() const { return placeholder_; }
 
+  // Context parallel (null: off; SPEC §2, §3): every forward and backward then runs on this rank's segment of each
+  // sequence, a Seqs::batch(B, T) whose rank r holds tokens [r·T, (r+1)·T) of B sequences of R·T. The mixers see the
+  // earlier segments through `comm` (KDA by the scan over segment states and the convs' halo, MLA over the gathered
+  // latents); the rest is token-local. Parameter gradients are this rank's share: sum them over `comm`. Packed
+  // (varlen) batches and media are refused. Every rank of `comm` runs each call together.
+  void set_context_parallel(dist::Comm* comm);
+  dist::Comm* context_parallel() const { return cp_; }
+
   // Backward from d(final hidden after norm) — used by tests; forward_backward is the usual entry.
   void backward_from_hidden(const F* d_final_hidden, const Seqs& s);
 
@@ -164,6 +172,7 @@ class Model {
   Param<F>* out_g_ = nullptr;
   std::unique_ptr<VisionTower<F>> tower_;
   int32_t placeholder_ = -1;
+  dist::Comm* cp_ = nullptr;
 
   // Activations of the last forward.
   std::vector<int32_t> ids_;

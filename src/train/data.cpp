@@ -199,6 +199,27 @@ Batch Batch::sequences(int64_t first, int64_t n) const {
   return out;
 }
 
+Batch Batch::segment(int64_t rank, int64_t ranks) const {
+  LM_CHECK(ranks >= 1 && rank >= 0 && rank < ranks && seq_len % ranks == 0,
+           "batch: segment {} of {} of sequences of {} tokens (cp must divide seq_len)", rank, ranks, seq_len);
+  bool whole = cu_seqlens.size() == static_cast<size_t>(seqs) + 1;
+  for (size_t i = 0; whole && i < cu_seqlens.size(); ++i) whole = cu_seqlens[i] == static_cast<int64_t>(i) * seq_len;
+  LM_CHECK(whole, "batch: context parallel splits whole sequences, but this batch has {} segments in {} sequences (a "
+           "document boundary or padding inside a sequence; packed batches are not split over ranks)",
+           cu_seqlens.size() - 1, seqs);
+  const int64_t T = seq_len / ranks;
+  Batch out;
+  out.seqs = seqs, out.seq_len = T;
+  for (int64_t b = 0; b < seqs; ++b) {
+    const int64_t lo = b * seq_len + rank * T;
+    out.ids.insert(out.ids.end(), ids.begin() + lo, ids.begin() + lo + T);
+    out.targets.insert(out.targets.end(), targets.begin() + lo, targets.begin() + lo + T);
+    out.cu_seqlens.push_back(b * T);
+  }
+  out.cu_seqlens.push_back(seqs * T);
+  return out;
+}
+
 void to_json(io::json& j, const Position& p) { j = io::json{{"epoch", p.epoch}, {"offset", p.offset}}; }
 
 void from_json(const io::json& j, Position& p) {

@@ -113,6 +113,11 @@ struct Batch {
   int64_t predicted() const;  // targets that are not kIgnore (what a mean loss divides by)
   // Sequences [first, first + n) as a batch of their own (a micro-batch of a step).
   Batch sequences(int64_t first, int64_t n) const;
+  // Context parallel: segment `rank` of `ranks` of every sequence, tokens [rank·T/ranks, (rank+1)·T/ranks), as a
+  // batch of B sequences of T/ranks tokens. The targets are cut from the whole sequences, so a segment's last target
+  // is the next segment's first token. lm::Error unless ranks divides T and every sequence is one segment
+  // (cu_seqlens = {0, T, 2T, ...}: no document boundary or padding inside).
+  Batch segment(int64_t rank, int64_t ranks) const;
 };
 
 struct Position {

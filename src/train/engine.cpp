@@ -8,6 +8,8 @@ void check_device(const std::string& device, const RunConfig& cfg) {
   if (device == "cuda") check_cuda_run(cfg);
   LM_CHECK(device == "cpu" || cfg.parallel.dp == 1, "train: parallel.dp > 1 runs on the CPU only so far (got --device "
            "{} with dp {})", device, cfg.parallel.dp);
+  LM_CHECK(device == "cpu" || cfg.parallel.cp == 1, "train: parallel.cp > 1 runs on the CPU only so far (got --device "
+           "{} with cp {})", device, cfg.parallel.cp);
 }
 
 std::unique_ptr<Engine> make_engine(const std::string& device, const RunConfig& cfg, model::Model<float>& host,

@@ -31,6 +31,8 @@ class CpuEngine final : public Engine {
       : m_(m), optim_(optim), bal_(cfg, m), comm_(comm) {}
 
   std::string where() const override {
+    if (m_.context_parallel())
+      return fmt::format("{} threads in each of {} context-parallel ranks", num_threads(), comm_.size());
     return comm_.size() > 1 ? fmt::format("{} threads in each of {} data-parallel replicas", num_threads(), comm_.size())
                             : fmt::format("{} threads", num_threads());
   }
@@ -40,15 +42,30 @@ class CpuEngine final : public Engine {
     bal_.clear();
   }
 
+  // Context parallel: `b` is this rank's segment of each sequence (Batch::segment); the gradients and router
+  // statistics are this rank's share, summed over the ranks by step() and balance() as data parallel's are.
   LossStats forward_backward(const Batch& b, int64_t n_valid_total, const model::Media<float>* media) override {
-    const model::Seqs seqs = model::Seqs::packed(b.cu_seqlens);
+    const bool cp = m_.context_parallel() != nullptr;
+    const model::Seqs seqs = cp ? model::Seqs::batch(b.seqs, b.seq_len) : model::Seqs::packed(b.cu_seqlens);
     const auto st = m_.forward_backward(b.ids.data(), b.targets.data(), seqs, n_valid_total, media);
-    if (!std::isfinite(st.loss_sum)) throw NonFinite(diagnose_loss(b, seqs, st.loss_sum));
+    // (no diagnosis under cp: its forward is collective, and the other ranks are not in it)
+    if (!std::isfinite(st.loss_sum))
+      throw NonFinite(cp ? fmt::format("the loss of this rank's segment became {}", st.loss_sum)
+                         : diagnose_loss(b, seqs, st.loss_sum));
     bal_.accumulate(b.tokens());
     return {st.loss_sum, st.n_valid};
   }
 
+  // Held-out batches are packed (documents in a sequence): under context parallel every rank evaluates the whole
+  // batch in one piece, so every rank has the loss of one process.
   LossStats loss(const Batch& b, const model::Media<float>* media) override {
+    dist::Comm* cp = m_.context_parallel();
+    m_.set_context_parallel(nullptr);
+    struct Restore {
+      model::Model<float>& m;
+      dist::Comm* cp;
+      ~Restore() { m.set_context_parallel(cp); }
+    } restore{m_, cp};
     const auto st = m_.loss(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens), media);
     return {st.loss_sum, st.n_valid};
   }
@@ -77,9 +94,11 @@ class CpuEngine final : public Engine {
   void sync_to_host() override {}  // the host model and optimiser are the engine's own
 
   std::vector<float> target_logprobs(const Batch& b) override {
+    LM_CHECK(!m_.context_parallel(), "RL: context parallel is not supported");
     return m_.target_logprobs(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens));
   }
   std::vector<float> forward_backward_logp(const Batch& b, const model::Model<float>::LogpGrad& dloss) override {
+    LM_CHECK(!m_.context_parallel(), "RL: context parallel is not supported");
     return m_.forward_backward_logp(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens), dloss);
   }
 

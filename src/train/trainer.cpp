@@ -155,8 +155,7 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
     LM_CHECK(c.parallel.ep == 1 || c.parallel.ep == c.parallel.dp,
              "{}: parallel.ep must be 1 or equal parallel.dp ({}: one expert-parallel group of every replica), got {}",
              ctx, c.parallel.dp, c.parallel.ep);
-    LM_CHECK(io::get_or<int64_t>(p, "cp", 1, ctx + " parallel") == 1,
-             "{}: parallel.cp > 1 is not supported yet (parallel.dp and parallel.ep only)", ctx);
+    c.parallel.cp = io::get_or<int64_t>(p, "cp", 1, ctx + " parallel");
   }
   c.validate(ctx);
   return c;
@@ -201,8 +200,10 @@ json RunConfig::to_json() const {
   j["save_every"] = save_every;
   j["keep_checkpoints"] = keep_checkpoints;
   j["max_steps"] = max_steps;
-  if (parallel.dp != 1 || parallel.ep != 1 || parallel.zero != 1)
+  if (parallel.dp != 1 || parallel.ep != 1 || parallel.zero != 1 || parallel.cp != 1) {
     j["parallel"] = {{"dp", parallel.dp}, {"ep", parallel.ep}, {"zero", parallel.zero}};
+    if (parallel.cp != 1) j["parallel"]["cp"] = parallel.cp;
+  }
   if (!eval_retrieval.empty()) j["eval_retrieval"] = eval_retrieval.to_json();
   return j;
 }
@@ -262,6 +263,24 @@ void RunConfig::validate(const std::string& ctx) const {
   }
   LM_CHECK(parallel.dp >= 1 && parallel.dp <= 65536, "{}: parallel.dp must be in [1, 65536], got {}", ctx,
            parallel.dp);
+  LM_CHECK(parallel.cp >= 1 && parallel.cp <= 65536, "{}: parallel.cp must be in [1, 65536], got {}", ctx,
+           parallel.cp);
+  if (parallel.cp > 1) {
+    // What the context-parallel model and step support so far (Model::set_context_parallel): one group of cp ranks
+    // over whole sequences of one document window each, no media, no batch-dependent auxiliary loss.
+    LM_CHECK(parallel.dp == 1, "{}: parallel dp {} x cp {}: context parallel runs with dp 1 only so far (one group "
+             "of cp ranks, each with its segment of every sequence)", ctx, parallel.dp, parallel.cp);
+    LM_CHECK(images.empty() && passkey_fraction == 0 && data_format != "chat",
+             "{}: parallel.cp {}: a text corpus without passkey documents only (images, passkey documents and chat "
+             "segments are not split over ranks)", ctx, parallel.cp);
+    LM_CHECK(balance != Balance::Aux, "{}: parallel.cp {}: balance aux is a statistic of the whole batch, which no "
+             "rank sees; use qb, sign or none", ctx, parallel.cp);
+    for (size_t i = 0; i < stages.size(); ++i)
+      LM_CHECK(stages[i].concat_documents && stages[i].seq_len % parallel.cp == 0,
+               "{}: stages[{}]: parallel.cp {} splits every sequence into cp segments: it needs concat_documents (no "
+               "document boundary inside a sequence: packed batches are not split) and seq_len ({}) a multiple of cp",
+               ctx, i, parallel.cp, stages[i].seq_len);
+  }
 }
 
 // ---- the run ---------------------------------------------------------------------------------
@@ -456,6 +475,10 @@ void Run::load_model() {
     for (int64_t i = 0; i < mcfg_.num_hidden_layers; ++i)
       if (model_->moe(i)) model_->moe(i)->ep = &comm_;
   }
+  if (cfg_.parallel.cp > 1) {
+    LM_CHECK(opt_.device == "cpu", "parallel.cp: context parallelism runs on the CPU only so far");
+    model_->set_context_parallel(&comm_);  // (dp 1: the job's ranks are the one context-parallel group)
+  }
   const auto counts = model::count_params(mcfg_);
   const fs::path resume(resume_dir_);
   if (!resume_dir_.empty()) {
@@ -558,7 +581,7 @@ StepReport Run::train_step(const Stage& st, int64_t step) {
   // The model's count: it also drops targets that name the media placeholder (SPEC §9).
   const int64_t n_valid = model_->count_targets(whole.targets.data(), static_cast<int64_t>(whole.targets.size())) +
                           model_->count_targets(img.batch.targets.data(), img.batch.tokens());
-  const int64_t shard = st.cfg.replica_seqs(cfg_.parallel.dp), first = comm_.rank() * shard;
+  const int64_t shard = st.cfg.replica_seqs(cfg_.parallel.dp), first = comm_.rank() / cfg_.parallel.cp * shard;
   const int64_t micro = st.cfg.replica_micro(cfg_.parallel.dp);
   if (micro >= n_text && n_img == 0) {
     mb.push_back(std::move(whole));
@@ -567,6 +590,9 @@ StepReport Run::train_step(const Stage& st, int64_t step) {
   } else {
     for (int64_t b = first; b < first + shard; b += micro) mb.push_back(whole.sequences(b, micro));
   }
+  // Context parallel: every rank its segment of each sequence; n_valid stays the whole step's.
+  if (cfg_.parallel.cp > 1)
+    for (Batch& b : mb) b = b.segment(comm_.rank() % cfg_.parallel.cp, cfg_.parallel.cp);
 
   StepReport r;
   double loss_sum = 0;
@@ -711,11 +737,12 @@ void Run::save(int64_t stage, int64_t step_in_stage, const std::string& also_as)
 TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
   const auto t_start = Clock::now();
   check_device(opt.device, cfg);  // first: nothing is written (no run folder, no tokenizer) for a run that cannot start
+  if (cfg.parallel.cp > 1) cfg.validate("train");  // (a config built in code: its cp layout checked as a file's is)
   const dist::Comm& comm = opt.comm ? *opt.comm : dist::world();
   LM_CHECK(comm.size() == cfg.parallel.world(),
-           "train: the run config asks for {} process(es) (parallel.dp {}) but this job has {} ({}); start it with "
-           "mpirun -np {} or set parallel.dp to the job's size",
-           cfg.parallel.world(), cfg.parallel.dp, comm.size(), comm.name(), cfg.parallel.world());
+           "train: the run config asks for {} process(es) (parallel.dp {} x parallel.cp {}) but this job has {} ({}); "
+           "start it with mpirun -np {} or set parallel.dp (or cp) to the job's size",
+           cfg.parallel.world(), cfg.parallel.dp, cfg.parallel.cp, comm.size(), comm.name(), cfg.parallel.world());
   const InterruptScope interrupt_scope;
   Run run(cfg, opt, t_start);  // run folder, resume point, data and tokenizer, model and engine, metrics
   for (int64_t si = run.first_stage(); si < static_cast<int64_t>(cfg.stages.size()); ++si) {

@@ -48,8 +48,9 @@ struct StageConfig {
 };
 
 // How the processes of a job (`mpirun -np N`) share a run: dp data-parallel replicas, each running batch_seqs / dp
-// sequences of every step (gradients summed across them before the optimiser step). The world size must be the
-// product. Expert and context parallelism: not yet.
+// sequences of every step (gradients summed across them before the optimiser step), or cp context-parallel ranks,
+// each running its segment of every sequence (Model::set_context_parallel; dp 1 only so far). The world size must be
+// the product dp · cp.
 struct ParallelConfig {
   int64_t dp = 1;
   // ZeRO stage over the data-parallel replicas: 1 (default) shards the optimiser state (Optimizer::shard; the
@@ -58,7 +59,10 @@ struct ParallelConfig {
   // Routed experts split over the replicas (dist/moe_ep.hpp): 1, or dp (one expert-parallel group of every replica;
   // each holds every weight still, but runs only its share of the experts, over the rows every replica routes there).
   int64_t ep = 1;
-  int64_t world() const { return dp; }
+  // Context parallel: every sequence of a step split into cp contiguous segments, rank r taking tokens
+  // [r·T/cp, (r+1)·T/cp) (each sequence one document window: stages with concat_documents).
+  int64_t cp = 1;
+  int64_t world() const { return dp * cp; }
 };
 
 struct RunConfig {
