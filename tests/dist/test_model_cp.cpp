@@ -127,8 +127,13 @@ void check_model_cp(const char* config, int64_t B, int64_t Ttot, double tol) {
 
 }  // namespace
 
-TEST(ModelContextParallel, K3EqualsOneProcessFloat) { check_model_cp<float>(kMicroK3, 1, 4096, 1e-5); }
+// Float runs sum in another order than one process does (segment states, partial attention rows), so they
+// agree to float rounding only: 1.1e-5 was seen for K3 at 4 ranks without FMA (the CI's sanitizer build).
+// The fp32 op tolerance of ../shared/golden/README.md bounds them; the double runs carry exactness.
+constexpr double kFloatTol = 1e-4;
+
+TEST(ModelContextParallel, K3EqualsOneProcessFloat) { check_model_cp<float>(kMicroK3, 1, 4096, kFloatTol); }
 TEST(ModelContextParallel, K3EqualsOneProcessDouble) { check_model_cp<double>(kMicroK3, 1, 4096, 1e-9); }
 TEST(ModelContextParallel, KimiLinearTwoSequencesEqualOneProcessFloat) {
-  check_model_cp<float>(kMicroKL, 2, 4096, 1e-5);
+  check_model_cp<float>(kMicroKL, 2, 4096, kFloatTol);
 }
