@@ -27,6 +27,7 @@
 #include <string>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/reduce.cuh"
 #include "core/cuda/stream.hpp"
 #include "ops/full_attention/cuda/full_attention_cuda.hpp"
 #include "ops/full_attention/cuda/media.cuh"
@@ -56,16 +57,8 @@ __device__ __forceinline__ void load_tile(float* tile, const bf16* src, int64_t 
   }
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+using cu::warp_max;
+using cu::warp_sum;
 
 // Scores of the thread's 4×4 cells: s[i][j] = Σ_d A[ty + 16i][d] · Bm[tx + 16j][d] over two [kB, SD] tiles.
 __device__ __forceinline__ void tile_dots(const float* A, const float* Bm, int Dh, int SD, int ty, int tx,
