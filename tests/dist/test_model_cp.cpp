@@ -1,8 +1,8 @@
 // The whole CPU model under context parallelism (Model::set_context_parallel): sequences of 4,096 tokens split over
 // the job's ranks (alone, or under mpirun with 2 and 4) give, on every rank's segment, the hidden states of every
 // layer and the final hidden of one process over the whole sequences, the same loss (normalised over the whole
-// batch's targets), and every parameter gradient (summed over the ranks) within 1e-5 relative RMS in float and 1e-9
-// in double. Both micro models: K3 (KDA with the bounded gate, gated MLA with q-LoRA, LatentMoE, AttnRes) and Kimi
+// batch's targets), and every parameter gradient (summed over the ranks) within 2e-4 relative RMS in float (see
+// kFloatTol) and 1e-9 in double. Both micro models: K3 (KDA with the bounded gate, gated MLA with q-LoRA, LatentMoE, AttnRes) and Kimi
 // Linear (softplus gate, plain MLA, residuals), so KDA state, the convs' halo and MLA all cross the split points.
 #include <gtest/gtest.h>
 
@@ -128,9 +128,11 @@ void check_model_cp(const char* config, int64_t B, int64_t Ttot, double tol) {
 }  // namespace
 
 // Float runs sum in another order than one process does (segment states, partial attention rows), so they
-// agree to float rounding only: 1.1e-5 was seen for K3 at 4 ranks without FMA (the CI's sanitizer build).
-// The fp32 op tolerance of ../shared/golden/README.md bounds them; the double runs carry exactness.
-constexpr double kFloatTol = 1e-4;
+// agree to float rounding only: every gradient of the K3 model differs by 2-4e-5 at 4 ranks (Release, this session's
+// machine; the lower-bound gate amplifies rounding, ../shared/golden/README.md), 1.1e-5 was the worst seen under
+// ASan. 2e-4 is 5x that floor and within the golden README's fp32 bound for hidden states (1e-3); the double runs
+// carry exactness.
+constexpr double kFloatTol = 2e-4;
 
 TEST(ModelContextParallel, K3EqualsOneProcessFloat) { check_model_cp<float>(kMicroK3, 1, 4096, kFloatTol); }
 TEST(ModelContextParallel, K3EqualsOneProcessDouble) { check_model_cp<double>(kMicroK3, 1, 4096, 1e-9); }
