@@ -2,8 +2,9 @@
 // the job's ranks (alone, or under mpirun with 2 and 4) give, on every rank's segment, the hidden states of every
 // layer and the final hidden of one process over the whole sequences, the same loss (normalised over the whole
 // batch's targets), and every parameter gradient (summed over the ranks) within 2e-4 relative RMS in float (see
-// kFloatTol) and 1e-9 in double. Both micro models: K3 (KDA with the bounded gate, gated MLA with q-LoRA, LatentMoE, AttnRes) and Kimi
-// Linear (softplus gate, plain MLA, residuals), so KDA state, the convs' halo and MLA all cross the split points.
+// kFloatTol) and 1e-9 in double. Both micro models: K3 (KDA with the bounded gate, gated MLA with q-LoRA, LatentMoE,
+// AttnRes) and Kimi Linear (softplus gate, plain MLA, residuals), so KDA state, the convs' halo and MLA all cross the
+// split points.
 #include <gtest/gtest.h>
 
 #include <chrono>
