@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdlib>
+#include <vector>
 #endif
 
 namespace lm::dist {
@@ -38,8 +39,41 @@ void ok(int rc, const char* what) {
 // MPI counts are int: larger messages go in pieces of at most 1 GiB.
 constexpr size_t kPiece = size_t(1) << 30;
 
+// Requests of one non-blocking collective (one per piece of a large message).
+class MpiPending final : public Pending {
+ public:
+  std::vector<MPI_Request> reqs;
+  const char* what = "";
+  bool done = false;
+  ~MpiPending() override {
+    if (!done) MPI_Waitall(int(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE);
+  }
+  bool test() override {
+    if (done) return true;
+    int flag = 0;
+    ok(MPI_Testall(int(reqs.size()), reqs.data(), &flag, MPI_STATUSES_IGNORE), what);
+    return done = flag != 0;
+  }
+  void wait() override {
+    if (done) return;
+    done = true;  // (even when it fails: the destructor must not wait again)
+    ok(MPI_Waitall(int(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE), what);
+  }
+};
+
 class Mpi final : public Comm {
  public:
+  // A communicator split from another one (freed with this object).
+  explicit Mpi(MPI_Comm c) : c_(c), owned_(true) {
+    MPI_Comm_set_errhandler(c_, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(c_, &rank_);
+    MPI_Comm_size(c_, &size_);
+  }
+  ~Mpi() override {
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (owned_ && !fin) MPI_Comm_free(&c_);
+  }
   Mpi() {
     int inited = 0;
     MPI_Initialized(&inited);
@@ -57,9 +91,28 @@ class Mpi final : public Comm {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
     MPI_Comm_size(MPI_COMM_WORLD, &size_);
   }
+  Mpi(const Mpi&) = delete;
+  Mpi& operator=(const Mpi&) = delete;
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string name() const override { return fmt::format("MPI ({} ranks)", size_); }
+
+  std::unique_ptr<Pending> iall_reduce_sum(float* x, size_t n) override {
+    auto p = std::make_unique<MpiPending>();
+    p->what = "non-blocking all_reduce";
+    const size_t per = kPiece / sizeof(float);
+    for (size_t o = 0; o < n; o += per) {
+      p->reqs.emplace_back();
+      ok(MPI_Iallreduce(MPI_IN_PLACE, x + o, int(std::min(per, n - o)), MPI_FLOAT, MPI_SUM, c_, &p->reqs.back()),
+         p->what);
+    }
+    return p;
+  }
+  std::unique_ptr<Comm> split(int color, int key) override {
+    MPI_Comm c = MPI_COMM_NULL;
+    ok(MPI_Comm_split(c_, color, key, &c), "comm split");
+    return std::make_unique<Mpi>(c);
+  }
 
   void all_reduce_sum(float* x, size_t n) override { reduce(x, n, MPI_FLOAT, sizeof(float)); }
   void all_reduce_sum(double* x, size_t n) override { reduce(x, n, MPI_DOUBLE, sizeof(double)); }
@@ -67,14 +120,14 @@ class Mpi final : public Comm {
 
   void all_gather(const void* send, size_t bytes, void* recv) override {
     LM_CHECK(bytes <= INT_MAX, "all_gather: {} bytes per rank is more than one MPI message", bytes);
-    ok(MPI_Allgather(send, int(bytes), MPI_BYTE, recv, int(bytes), MPI_BYTE, MPI_COMM_WORLD), "all_gather");
+    ok(MPI_Allgather(send, int(bytes), MPI_BYTE, recv, int(bytes), MPI_BYTE, c_), "all_gather");
   }
   std::vector<char> all_gather_v(const void* send, size_t bytes) override {
     LM_CHECK(bytes <= INT_MAX, "all_gather_v: {} bytes is more than one MPI message", bytes);
     const int mine = int(bytes);
     const auto R = static_cast<size_t>(size_);
     std::vector<int> counts(R), displs(R);
-    ok(MPI_Allgather(&mine, 1, MPI_INT, counts.data(), 1, MPI_INT, MPI_COMM_WORLD), "all_gather_v sizes");
+    ok(MPI_Allgather(&mine, 1, MPI_INT, counts.data(), 1, MPI_INT, c_), "all_gather_v sizes");
     size_t total = 0;
     for (int r = 0; r < size_; ++r) {
       LM_CHECK(total + size_t(counts[size_t(r)]) <= INT_MAX, "all_gather_v: more than one MPI message in all");
@@ -82,13 +135,13 @@ class Mpi final : public Comm {
       total += size_t(counts[size_t(r)]);
     }
     std::vector<char> out(total);
-    ok(MPI_Allgatherv(send, mine, MPI_BYTE, out.data(), counts.data(), displs.data(), MPI_BYTE, MPI_COMM_WORLD),
+    ok(MPI_Allgatherv(send, mine, MPI_BYTE, out.data(), counts.data(), displs.data(), MPI_BYTE, c_),
        "all_gather_v");
     return out;
   }
   void reduce_scatter_sum(const float* send, float* recv, size_t n) override {
     LM_CHECK(n <= INT_MAX, "reduce_scatter: {} elements per rank is more than one MPI message", n);
-    ok(MPI_Reduce_scatter_block(send, recv, int(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD), "reduce_scatter");
+    ok(MPI_Reduce_scatter_block(send, recv, int(n), MPI_FLOAT, MPI_SUM, c_), "reduce_scatter");
   }
   void all_to_all_v(const void* send, const std::vector<size_t>& send_bytes, void* recv,
                     const std::vector<size_t>& recv_bytes) override {
@@ -103,25 +156,26 @@ class Mpi final : public Comm {
       sc[r] = int(send_bytes[r]), sd[r] = int(so), rc[r] = int(recv_bytes[r]), rd[r] = int(ro);
       so += send_bytes[r], ro += recv_bytes[r];
     }
-    ok(MPI_Alltoallv(send, sc.data(), sd.data(), MPI_BYTE, recv, rc.data(), rd.data(), MPI_BYTE, MPI_COMM_WORLD),
+    ok(MPI_Alltoallv(send, sc.data(), sd.data(), MPI_BYTE, recv, rc.data(), rd.data(), MPI_BYTE, c_),
        "all_to_all_v");
   }
   void broadcast(void* x, size_t bytes, int root) override {
     LM_CHECK(root >= 0 && root < size_, "broadcast: root {} of {} ranks", root, size_);
     for (size_t o = 0; o < bytes; o += kPiece)
-      ok(MPI_Bcast(static_cast<char*>(x) + o, int(std::min(kPiece, bytes - o)), MPI_BYTE, root, MPI_COMM_WORLD),
+      ok(MPI_Bcast(static_cast<char*>(x) + o, int(std::min(kPiece, bytes - o)), MPI_BYTE, root, c_),
          "broadcast");
   }
-  void barrier() override { ok(MPI_Barrier(MPI_COMM_WORLD), "barrier"); }
+  void barrier() override { ok(MPI_Barrier(c_), "barrier"); }
 
  private:
   void reduce(void* x, size_t n, MPI_Datatype t, size_t esize) {
     const size_t per = kPiece / esize;
     for (size_t o = 0; o < n; o += per)
-      ok(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(x) + o * esize, int(std::min(per, n - o)), t, MPI_SUM,
-                       MPI_COMM_WORLD),
+      ok(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(x) + o * esize, int(std::min(per, n - o)), t, MPI_SUM, c_),
          "all_reduce");
   }
+  MPI_Comm c_ = MPI_COMM_WORLD;
+  bool owned_ = false;
   int rank_ = 0, size_ = 1;
 };
 
