@@ -47,7 +47,8 @@ class Comm {
   virtual void barrier() = 0;
 
   // Non-blocking all_reduce_sum: x [n] holds the sum once the Pending completes. By default the blocking call
-  // (a Pending already complete); MPI's runs on while the caller computes.
+  // (a Pending already complete); MPI's run on a thread of their own (in the order they were started, on a
+  // duplicate of the communicator) while the caller computes.
   virtual std::unique_ptr<Pending> iall_reduce_sum(float* x, size_t n);
   // The ranks of the same `color` as a communicator of their own, ranked by `key` (then by rank here); collective
   // over this one. lm::Error from a communicator that cannot split.

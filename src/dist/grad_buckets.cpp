@@ -44,6 +44,7 @@ void GradBuckets::ready(int64_t phase) {
 
 void GradBuckets::finish() {
   if (next_ == 0) stats_ = Stats{};
+  for (size_t k = 0; k < next_; ++k) stats_.done_early += buckets_[k].pending->test();
   while (next_ < buckets_.size()) start(buckets_[next_++]);
   const auto t0 = std::chrono::steady_clock::now();
   for (Bucket& b : buckets_) {

@@ -25,9 +25,10 @@ class GradBuckets {
     int64_t phase;  // final once the backward has passed this phase
   };
   // What the last step did: its buckets, those started while the backward still had phases to run and the bytes
-  // they carried, and the time finish() spent waiting (the reduction the backward did not hide).
+  // they carried, those whose reduction had ended when finish() came (wholly hidden), and the time finish() spent
+  // waiting (the reduction the backward did not hide).
   struct Stats {
-    int64_t buckets = 0, started_early = 0;
+    int64_t buckets = 0, started_early = 0, done_early = 0;
     double bytes = 0, bytes_early = 0;
     double wait_seconds = 0;
   };

@@ -10,7 +10,12 @@
 
 #include <algorithm>
 #include <climits>
+#include <condition_variable>
 #include <cstdlib>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
 #endif
 
@@ -61,6 +66,108 @@ class MpiPending final : public Pending {
   }
 };
 
+// The thread support MPI_Init_thread gave (MPI_THREAD_MULTIPLE asked for).
+int g_thread_level = MPI_THREAD_SINGLE;
+
+// A thread that runs one communicator's non-blocking reductions, in the order they were started, as blocking ones on
+// a duplicate of it: they then proceed while the caller computes (MPI moves its own non-blocking collectives on only
+// inside MPI calls, which a computing thread makes too seldom), and never mix with the caller's own collectives.
+// Needs MPI_THREAD_MULTIPLE.
+class Worker {
+ public:
+  struct State {
+    std::mutex m;
+    std::condition_variable cv;
+    bool done = false;
+    std::string error;
+  };
+  explicit Worker(MPI_Comm c) {
+    ok(MPI_Comm_dup(c, &c_), "comm dup");
+    MPI_Comm_set_errhandler(c_, MPI_ERRORS_RETURN);
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~Worker() {
+    {
+      const std::lock_guard<std::mutex> g(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (!fin) MPI_Comm_free(&c_);
+  }
+  std::shared_ptr<State> all_reduce(float* x, size_t n) {
+    auto st = std::make_shared<State>();
+    {
+      const std::lock_guard<std::mutex> g(m_);
+      jobs_.push_back({x, n, st});
+    }
+    cv_.notify_all();
+    return st;
+  }
+
+ private:
+  struct Job {
+    float* x;
+    size_t n;
+    std::shared_ptr<State> st;
+  };
+  void loop() {
+    for (;;) {
+      Job j;
+      {
+        std::unique_lock<std::mutex> l(m_);
+        cv_.wait(l, [&] { return stop_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;
+        j = jobs_.front();
+        jobs_.pop_front();
+      }
+      std::string error;
+      try {
+        const size_t per = kPiece / sizeof(float);
+        for (size_t o = 0; o < j.n; o += per)
+          ok(MPI_Allreduce(MPI_IN_PLACE, j.x + o, int(std::min(per, j.n - o)), MPI_FLOAT, MPI_SUM, c_),
+             "non-blocking all_reduce");
+      } catch (const Error& e) {
+        error = e.what();
+      }
+      {
+        const std::lock_guard<std::mutex> g(j.st->m);
+        j.st->done = true, j.st->error = error;
+      }
+      j.st->cv.notify_all();
+    }
+  }
+  MPI_Comm c_ = MPI_COMM_NULL;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+class WorkerPending final : public Pending {
+ public:
+  explicit WorkerPending(std::shared_ptr<Worker::State> st) : st_(std::move(st)) {}
+  ~WorkerPending() override {
+    std::unique_lock<std::mutex> l(st_->m);
+    st_->cv.wait(l, [&] { return st_->done; });
+  }
+  bool test() override {
+    const std::lock_guard<std::mutex> g(st_->m);
+    return st_->done;
+  }
+  void wait() override {
+    std::unique_lock<std::mutex> l(st_->m);
+    st_->cv.wait(l, [&] { return st_->done; });
+    if (!st_->error.empty()) throw Error(st_->error);
+  }
+
+ private:
+  std::shared_ptr<Worker::State> st_;
+};
+
 class Mpi final : public Comm {
  public:
   // A communicator split from another one (freed with this object).
@@ -70,6 +177,7 @@ class Mpi final : public Comm {
     MPI_Comm_size(c_, &size_);
   }
   ~Mpi() override {
+    worker_.reset();
     int fin = 0;
     MPI_Finalized(&fin);
     if (owned_ && !fin) MPI_Comm_free(&c_);
@@ -77,9 +185,9 @@ class Mpi final : public Comm {
   Mpi() {
     int inited = 0;
     MPI_Initialized(&inited);
+    if (inited) MPI_Query_thread(&g_thread_level);
     if (!inited) {
-      int provided = 0;
-      ok(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "init");
+      ok(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &g_thread_level), "init");
       std::atexit([] {
         int fin = 0;
         MPI_Finalized(&fin);
@@ -97,7 +205,13 @@ class Mpi final : public Comm {
   int size() const override { return size_; }
   std::string name() const override { return fmt::format("MPI ({} ranks)", size_); }
 
+  // On a thread of its own where MPI allows it (collective on first use: the duplicate communicator), else
+  // MPI_Iallreduce, which moves on only inside this process's later MPI calls (Pending::test).
   std::unique_ptr<Pending> iall_reduce_sum(float* x, size_t n) override {
+    if (g_thread_level >= MPI_THREAD_MULTIPLE) {
+      if (!worker_) worker_ = std::make_unique<Worker>(c_);
+      return std::make_unique<WorkerPending>(worker_->all_reduce(x, n));
+    }
     auto p = std::make_unique<MpiPending>();
     p->what = "non-blocking all_reduce";
     const size_t per = kPiece / sizeof(float);
@@ -176,6 +290,7 @@ class Mpi final : public Comm {
   }
   MPI_Comm c_ = MPI_COMM_WORLD;
   bool owned_ = false;
+  std::unique_ptr<Worker> worker_;  // (iall_reduce_sum)
   int rank_ = 0, size_ = 1;
 };
 

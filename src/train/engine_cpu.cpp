@@ -115,15 +115,16 @@ class CpuEngine final : public Engine {
     // Data parallel: the replicas' gradients summed (each is already normalised by the step's global target count),
     // so every replica takes the same step and the weights stay identical. The buckets the last backward started
     // have been running under it; the rest start now.
-    int64_t buckets = 0, early = 0;
-    double wait = 0;
+    StepInfo bs;
     for (auto& b : buckets_) {
       b->finish();
-      buckets += b->stats().buckets, early += b->stats().started_early, wait += b->stats().wait_seconds;
+      bs.buckets += b->stats().buckets, bs.buckets_early += b->stats().started_early;
+      bs.buckets_hidden += b->stats().done_early, bs.reduce_wait_s += b->stats().wait_seconds;
     }
     try {
       StepInfo info = optim_.step(lr_factor);
-      info.buckets = buckets, info.buckets_early = early, info.reduce_wait_s = wait;
+      info.buckets = bs.buckets, info.buckets_early = bs.buckets_early, info.buckets_hidden = bs.buckets_hidden;
+      info.reduce_wait_s = bs.reduce_wait_s;
       return info;
     } catch (const Error&) {  // name the parameter; any other failure stays as it was
       if (const auto bad = nonfinite_grad(m_.params()))

@@ -104,8 +104,8 @@ struct StepInfo {
   double clip_coef = 1;  // factor the gradients were multiplied by
   double lr_adamw = 0, lr_muon = 0;  // effective learning rates of this step
   // Several ranks (the CPU engine): the step's gradient buckets, those started while the backward still had layers
-  // to go, and the seconds the step then waited for the reduction to end (what the backward did not hide).
-  int64_t buckets = 0, buckets_early = 0;
+  // to go, those already reduced when the backward ended, and the seconds the step then waited for the rest.
+  int64_t buckets = 0, buckets_early = 0, buckets_hidden = 0;
   double reduce_wait_s = 0;
 };
 

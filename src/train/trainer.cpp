@@ -669,7 +669,7 @@ void Run::log_step(const Stage& st, int64_t step, const StepReport& r) {
     if (cfg_.parallel.ep > 1) row["ep_dropped"] = r.ep_dropped;
     if (r.info.buckets > 0)  // several ranks: how much of the gradient reduction ran under the backward
       row["grad_buckets"] = {{"n", r.info.buckets}, {"in_backward", r.info.buckets_early},
-                             {"wait_s", r.info.reduce_wait_s}};
+                             {"hidden", r.info.buckets_hidden}, {"wait_s", r.info.reduce_wait_s}};
     if (metrics_) metrics_->write(row);
   }
   const bool every_20th = (step + 1) % std::max<int64_t>(1, st.steps / 20) == 0 || step + 1 == st.steps;

@@ -100,11 +100,11 @@ TEST(GradientBuckets, TheReductionRunsUnderTheBackwardAndSumsTheSame) {
     wait_after += i.reduce_wait_s / reps;
   }
   if (w.rank() == 0)
-    std::printf("[ measure  ] %d rank(s): %ld gradient buckets, %ld started under the backward; gradients vs one "
-                "all-reduce per parameter %.1e (overlapped) / %.1e (after the backward); the step waited %.3f ms for "
-                "the reduction with the overlap, %.3f ms without\n",
-                w.size(), long(overlapped.buckets), long(overlapped.buckets_early), e_overlap, e_after,
-                1e3 * wait_overlap, 1e3 * wait_after);
+    std::printf("[ measure  ] %d rank(s): %ld gradient buckets, %ld started and %ld done under the backward; "
+                "gradients vs one all-reduce per parameter %.1e (overlapped) / %.1e (after the backward); the step "
+                "waited %.3f ms for the reduction with the overlap, %.3f ms without\n",
+                w.size(), long(overlapped.buckets), long(overlapped.buckets_early), long(overlapped.buckets_hidden),
+                e_overlap, e_after, 1e3 * wait_overlap, 1e3 * wait_after);
 }
 
 // The buckets themselves: arrays in phase order, buckets of about the given size, each started once its last phase
