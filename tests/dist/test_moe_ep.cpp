@@ -87,21 +87,25 @@ void check_ep(double tol, double capacity_factor) {
                 std::vector<F>(Wu.size()), std::vector<F>(Wd.size())};
   dist::dispatch(w, x, zs.data(), l, gz);
   std::vector<F> geo(gz.size()), gdz(gz.size());
+  std::vector<model::GluFfnActs<F>> acts(size_t(x.El));
+  auto expert = [&](int64_t e, int64_t& r0, int64_t& n, size_t& wo) {
+    r0 = x.local_offsets[size_t(e)], n = x.local_offsets[size_t(e) + 1] - r0;
+    wo = size_t((x.first_expert() + e) * I * l);
+  };
   for (int64_t e = 0; e < x.El; ++e) {
-    const int64_t r0 = x.local_offsets[size_t(e)], n = x.local_offsets[size_t(e) + 1] - r0;
-    const size_t wo = size_t((x.first_expert() + e) * I * l);
-    model::GluFfnActs<F> a;
+    int64_t r0, n;
+    size_t wo;
+    expert(e, r0, n, wo);
     model::glu_ffn_forward(gz.data() + r0 * l, n, l, I, Wg.data() + wo, Wu.data() + wo, Wd.data() + wo, p,
-                           geo.data() + r0 * l, false, a);
+                           geo.data() + r0 * l, false, acts[size_t(e)]);
   }
   dist::combine(w, x, geo.data(), l, got.eo.data());
   dist::dispatch(w, x, d_eo.data(), l, gdeo);  // the backward: the same plan
   for (int64_t e = 0; e < x.El; ++e) {
-    const int64_t r0 = x.local_offsets[size_t(e)], n = x.local_offsets[size_t(e) + 1] - r0;
-    const size_t wo = size_t((x.first_expert() + e) * I * l);
-    model::GluFfnActs<F> a;
-    model::glu_ffn_forward(gz.data() + r0 * l, n, l, I, Wg.data() + wo, Wu.data() + wo, Wd.data() + wo, p,
-                           geo.data() + r0 * l, false, a);
+    int64_t r0, n;
+    size_t wo;
+    expert(e, r0, n, wo);
+    model::GluFfnActs<F>& a = acts[size_t(e)];
     model::glu_ffn_backward(gz.data() + r0 * l, n, l, I, Wg.data() + wo, Wu.data() + wo, Wd.data() + wo, p,
                             gdeo.data() + r0 * l, gdz.data() + r0 * l, false, got.dWg.data() + wo,
                             got.dWu.data() + wo, got.dWd.data() + wo, a);
