@@ -131,7 +131,8 @@ class Optimizer {
   // replica ends the step with the same weights. A comm of one process changes nothing.
   // With experts sharded (set_expert_parallel first), the routed experts' state is sharded over `edp` instead.
   void shard(dist::Comm& comm);
-  int owner(const std::string& param) const;  // the rank holding its state (0 when not sharded)
+  int owner(const std::string& param) const;  // the rank holding its state (0 when not sharded; a routed expert's:
+                                              // its rank among the replicas holding that expert)
   size_t state_bytes() const;                 // the optimiser state this rank holds
   // Expert parallel (before shard and load_state): the store holds only this rank's routed experts
   // (model::ExpertShard). `ep`: the ranks that hold every expert once between them (the global gradient norm adds

@@ -776,12 +776,12 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
   const auto t_start = Clock::now();
   check_device(opt.device, cfg);  // first: nothing is written (no run folder, no tokenizer) for a run that cannot start
   if (cfg.parallel.cp > 1) cfg.validate("train");  // (a config built in code: its cp layout checked as a file's is)
+  if (cfg.parallel.ep > 1) check_expert_parallel(cfg, model::ModelConfig::load(cfg.model));
   const dist::Comm& comm = opt.comm ? *opt.comm : dist::world();
   LM_CHECK(comm.size() == cfg.parallel.world(),
            "train: the run config asks for {} process(es) (parallel.dp {} x parallel.cp {}) but this job has {} ({}); "
            "start it with mpirun -np {} or set parallel.dp (or cp) to the job's size",
            cfg.parallel.world(), cfg.parallel.dp, cfg.parallel.cp, comm.size(), comm.name(), cfg.parallel.world());
-  if (cfg.parallel.ep > 1) check_expert_parallel(cfg, model::ModelConfig::load(cfg.model));
   const InterruptScope interrupt_scope;
   Run run(cfg, opt, t_start);  // run folder, resume point, data and tokenizer, model and engine, metrics
   for (int64_t si = run.first_stage(); si < static_cast<int64_t>(cfg.stages.size()); ++si) {

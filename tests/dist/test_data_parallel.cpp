@@ -17,12 +17,14 @@
 #include "model/model.hpp"
 #include "train/optim.hpp"
 #include "train/run_dir.hpp"
+#include "testing.hpp"
 #include "train/tiny_run.hpp"
 #include "train/trainer.hpp"
 
 namespace fs = std::filesystem;
 using namespace lm;
 using namespace lm::train;
+using lm::testing::error_of;
 
 namespace {
 
@@ -218,12 +220,22 @@ TEST(DataParallel, TenStepsEqualOneProcess) {
 }
 
 TEST(DataParallel, LayoutsThatCannotSplitAreConfigErrors) {
-  RunConfig c = tiny::tiny_run(fs::path(::testing::TempDir()) / "lm_dp_layout", "x");
+  const fs::path root = fs::path(::testing::TempDir()) / ("lm_dp_layout_" + std::to_string(dist::world().rank()));
+  RunConfig c = tiny::tiny_run(root, "x");
   io::json j = c.to_json();
   j["parallel"] = {{"dp", 3}};  // batch_seqs 8 and 4 do not split in 3
   EXPECT_THROW(RunConfig::from_json(j, "dp3"), Error);
-  j["parallel"] = {{"dp", 2}, {"ep", 4}};  // expert parallel over every replica, or none
+  j["parallel"] = {{"dp", 2}, {"ep", 4}};  // groups of ep replicas: ep divides dp
   EXPECT_THROW(RunConfig::from_json(j, "ep4"), Error);
+  j["parallel"] = {{"dp", 2}, {"ep", 2}, {"zero", 0}};  // the experts' optimiser state lives with them
+  EXPECT_THROW(RunConfig::from_json(j, "ep2 zero0"), Error);
+  // ep must divide the model's 8 experts: refused before anything is written, whatever the job's size.
+  RunConfig three = c;
+  three.out = (root / "ep3").string();
+  three.parallel.dp = three.parallel.ep = 3;
+  EXPECT_NE(error_of([&] { lm::train::train(three, TrainOptions{}); }).find("divide the 8 routed experts"),
+            std::string::npos);
+  EXPECT_FALSE(fs::exists(three.out));
   j["parallel"] = {{"dp", 2}, {"cp", 2}};
   EXPECT_THROW(RunConfig::from_json(j, "cp2"), Error);
   j["parallel"] = {{"dp", 2}, {"ep", 2}};
