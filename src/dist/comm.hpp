@@ -7,10 +7,21 @@
 // Legend: n elements per rank, R = size() ranks.
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace lm::dist {
+
+// A collective started by a non-blocking call: its buffers stay untouched by the caller until wait() returns.
+// Destroying one that was not waited for waits for it.
+class Pending {
+ public:
+  virtual ~Pending() = default;
+  // Lets it progress (MPI moves non-blocking collectives on inside its calls); true once it has completed.
+  virtual bool test() = 0;
+  virtual void wait() = 0;
+};
 
 class Comm {
  public:
@@ -34,6 +45,14 @@ class Comm {
                             const std::vector<size_t>& recv_bytes) = 0;
   virtual void broadcast(void* x, size_t bytes, int root) = 0;
   virtual void barrier() = 0;
+
+  // Non-blocking all_reduce_sum: x [n] holds the sum once the Pending completes. By default the blocking call
+  // (a Pending already complete); MPI's run on a thread of their own (in the order they were started, on a
+  // duplicate of the communicator) while the caller computes.
+  virtual std::unique_ptr<Pending> iall_reduce_sum(float* x, size_t n);
+  // The ranks of the same `color` as a communicator of their own, ranked by `key` (then by rank here); collective
+  // over this one. lm::Error from a communicator that cannot split.
+  virtual std::unique_ptr<Comm> split(int color, int key);
 };
 
 // The job's communicator, made on first use: MPI when this process was started by an MPI launcher (mpirun sets

@@ -200,24 +200,33 @@ std::vector<std::string> save_checkpoint(const std::string& dir, const NamedTens
     return written;
   }
 
-  json wm = json::object();
-  uint64_t total = 0;
+  std::map<std::string, std::pair<std::string, uint64_t>> wm;
   const size_t n = shards.size();
   for (size_t s = 0; s < n; ++s) {
-    const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n);
+    const std::string file = shard_file_name(s, n);
     const std::string p = (d / file).string();
     save_safetensors(p, shards[s], md);
     written.push_back(p);
-    for (const auto& [name, t] : shards[s]) {
-      wm[name] = file;
-      total += t.nbytes();
-    }
+    for (const auto& [name, t] : shards[s]) wm[name] = {file, t.nbytes()};
+  }
+  written.push_back(write_checkpoint_index(dir, wm));  // last: only now does the folder name the new shards
+  return written;
+}
+
+std::string shard_file_name(size_t s, size_t n) { return fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, n); }
+
+std::string write_checkpoint_index(const std::string& dir,
+                                   const std::map<std::string, std::pair<std::string, uint64_t>>& weight_map) {
+  json wm = json::object();
+  uint64_t total = 0;
+  for (const auto& [name, where] : weight_map) {
+    wm[name] = where.first;
+    total += where.second;
   }
   json index = {{"metadata", {{"total_size", total}}}, {"weight_map", wm}};
-  const std::string ip = (d / kIndexFileName).string();
-  write_file_atomic(ip, index.dump(2) + "\n");  // last: only now does the folder name the new shards
-  written.push_back(ip);
-  return written;
+  const std::string ip = (fs::path(dir) / kIndexFileName).string();
+  write_file_atomic(ip, index.dump(2) + "\n");
+  return ip;
 }
 
 }  // namespace lm::io

@@ -58,5 +58,11 @@ class Checkpoint {
 // "format": "pt"). Returns the files written (shards, then the index).
 std::vector<std::string> save_checkpoint(const std::string& dir, const NamedTensors& tensors, uint64_t max_shard_bytes,
                                          const std::map<std::string, std::string>& metadata = {});
+// The pieces of that layout, for shards written by several processes: shard s of n's file name
+// (model-0000<s+1>-of-0000<n>.safetensors), and the index of `weight_map` (tensor -> (file, data bytes)), written
+// atomically into dir; returns its path.
+std::string shard_file_name(size_t s, size_t n);
+std::string write_checkpoint_index(const std::string& dir,
+                                   const std::map<std::string, std::pair<std::string, uint64_t>>& weight_map);
 
 }  // namespace lm::io

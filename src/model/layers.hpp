@@ -178,13 +178,19 @@ class LatentMoe {
   // Optional Switch-style auxiliary loss (baseline); 0 disables. The loss value is added by the trainer.
   double aux_coef = 0;
   double last_aux_loss = 0;
-  // Expert parallel (dist/moe_ep.hpp; null: every expert here): this rank runs only its share of the experts, over
-  // the rows every rank of `ep` routes to them; the other experts' weights get no gradient here (their owners'
-  // arrive through the data-parallel gradient sum). Every rank of `ep` runs each forward and backward together.
-  dist::Comm* ep = nullptr;
+  // Expert parallel (dist/moe_ep.hpp; null: off): this rank runs only the experts its store holds (its ExpertShard,
+  // which must be rank r's [r·E/R, (r+1)·E/R) of `ep`'s R ranks), over the rows every rank of `ep` routes to them,
+  // through buffers of dist::expert_capacity(rows, k, E, capacity_factor) rows per expert and source rank. Every rank
+  // of `ep` runs each forward and backward together, over the same number of rows. Without it the store must hold
+  // every expert.
+  void set_expert_parallel(dist::Comm* ep, double capacity_factor = 0);
+  dist::Comm* expert_parallel() const { return ep_; }
+  // This rank's assignments that the last forward dropped (beyond the capacity; 0 without expert parallel).
+  int64_t last_dropped() const { return ep_ ? ex_.dropped : 0; }
 
   Param<F> *Wr, *bias_, *Wdown = nullptr, *lnorm = nullptr, *Wup = nullptr;
-  std::vector<Param<F>*> W1, W3, W2;  // per expert: gate [I, l], up [I, l], down [l, I]
+  std::vector<Param<F>*> W1, W3, W2;  // per expert held here (experts e0.. of the store's shard): gate [I, l],
+                                      // up [I, l], down [l, I]
 
  private:
   const ModelConfig& c_;
@@ -197,12 +203,15 @@ class LatentMoe {
   Buf<F> x_, logits_, scores_, topk_w_, z_, zs_, eo_, u_, u_rstd_, un_;
   Buf<int32_t> topk_idx_;
   std::vector<int64_t> offsets_, perm_rows_, perm_pos_;
-  dist::ExpertExchange ex_;  // expert parallel: the last forward's exchange, its grouped rows and their outputs
+  int64_t e0_ = 0, El_ = 0;  // the experts held here: [e0_, e0_ + El_)
+  dist::Comm* ep_ = nullptr;
+  double capacity_ = 0;
+  dist::ExpertDispatch ex_;  // expert parallel: the last forward's plan, its grouped rows and their outputs
   Buf<F> gz_, geo_;
-  // Experts [e0, e0 + n) over rows grouped by expert (expert e0 + j: rows offs[j] .. offs[j + 1]), in parallel.
-  void experts_forward(const F* xs, const int64_t* offs, int64_t e0, int64_t n, F* eo);
-  void experts_backward(const F* xs, const int64_t* offs, int64_t e0, int64_t n, const F* d_eo, F* dxs);
-  std::vector<GluFfnActs<F>> ea_;  // per expert
+  // The experts held here over rows grouped by expert (local expert j: rows offs[j] .. offs[j + 1]), in parallel.
+  void experts_forward(const F* xs, const int64_t* offs, F* eo);
+  void experts_backward(const F* xs, const int64_t* offs, const F* d_eo, F* dxs);
+  std::vector<GluFfnActs<F>> ea_;  // per expert held here
 };
 
 }  // namespace lm::model

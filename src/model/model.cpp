@@ -36,7 +36,7 @@ void add_into(F* y, const F* x, int64_t n) {
 }  // namespace
 
 template <class F>
-Model<F>::Model(const ModelConfig& c) : cfg_(c), ps_(cfg_) {
+Model<F>::Model(const ModelConfig& c, ExpertShard experts) : cfg_(c), ps_(cfg_, experts) {
   cfg_.validate("model config");
   plan_ = StackPlan::build(cfg_);
   const int64_t L = cfg_.num_hidden_layers;
@@ -169,6 +169,13 @@ template <class F>
 void Model<F>::set_context_parallel(dist::Comm* comm) {
   cp_ = comm;
   for (auto& m : mixers_) std::visit([&](auto& x) { x.cp = comm; }, m);
+}
+
+template <class F>
+void Model<F>::set_expert_parallel(dist::Comm* ep, double capacity_factor) {
+  for (auto& m : moes_)
+    if (m) m->set_expert_parallel(ep, capacity_factor);
+  ep_ = ep;
 }
 
 template <class F>
@@ -315,6 +322,9 @@ void Model<F>::backward_impl(const Buf<F>& d_hn, const Seqs& s) {
       denses_[i]->backward(df, dyn, s);
     }
   };
+  auto final = [&](int64_t i) {
+    if (on_grads_final) on_grads_final(i);
+  };
   Buf<F> dh_final(rows * d), dnorm_out(rows * d), dx_in(rows * d);
   norm_bwd(h_final_, final_norm_, rstd_f_, d_hn.data(), dh_final.data());
   Buf<F> d_prefix(rows * d, F(0));
@@ -330,6 +340,7 @@ void Model<F>::backward_impl(const Buf<F>& d_hn, const Seqs& s) {
     std::vector<F*> dsrc;
     sources(plan_.out_closed, residual_, d_prefix, src, dsrc);
     read_backward(src, dsrc, out_w_, out_g_, rows, dh_final.data());
+    final(L);
     for (int64_t i = L - 1; i >= 0; --i) {
       const LayerPlan& lp = plan_[i];
       LayerActs& A = acts_[i];
@@ -353,9 +364,11 @@ void Model<F>::backward_impl(const Buf<F>& d_hn, const Seqs& s) {
         sources(nb_attn, A.prefix_in, d_prefix, src, dsrc);
         read_backward(src, dsrc, attn_w_[i], attn_g_[i], rows, dx_in.data());
       }
+      final(i);
     }
   } else {
     d_prefix = dh_final;
+    final(L);
     for (int64_t i = L - 1; i >= 0; --i) {
       LayerActs& A = acts_[i];
       ffn_bwd(i, d_prefix.data(), dnorm_out.data());
@@ -364,6 +377,7 @@ void Model<F>::backward_impl(const Buf<F>& d_hn, const Seqs& s) {
       mixer_bwd(i, d_prefix.data(), dnorm_out.data());
       norm_bwd(A.x_in, ln1_[i], A.rstd1, dnorm_out.data(), dx_in.data());
       add_into(d_prefix.data(), dx_in.data(), rows * d);
+      final(i);
     }
   }
   splice_backward(d_prefix.data());
@@ -371,6 +385,7 @@ void Model<F>::backward_impl(const Buf<F>& d_hn, const Seqs& s) {
     Timer t(profile.bwd[Profile::Embedding]);
     ops::embedding_backward(ids_.data(), rows, d_prefix.data(), V, d, embed_->g());
   }
+  final(-1);
 }
 
 template <class F>

@@ -57,7 +57,9 @@ struct Media {
 template <class F>
 class Model {
  public:
-  explicit Model(const ModelConfig& c);
+  // `experts`: the routed experts this rank holds (expert parallel; set_expert_parallel then runs the others on
+  // their ranks). Default: all.
+  explicit Model(const ModelConfig& c, ExpertShard experts = {});
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 
@@ -117,6 +119,15 @@ class Model {
   // (varlen) batches and media are refused. Every rank of `comm` runs each call together.
   void set_context_parallel(dist::Comm* comm);
   dist::Comm* context_parallel() const { return cp_; }
+  // Expert parallel (null: off): every MoE layer runs its experts over `ep` (LatentMoe::set_expert_parallel); this
+  // model's ExpertShard must be its rank's share. Every rank of `ep` runs each call together, over as many rows.
+  void set_expert_parallel(dist::Comm* ep, double capacity_factor = 0);
+  dist::Comm* expert_parallel() const { return ep_; }
+
+  // Called in every backward as parameter gradients become final (gradient reduction that overlaps the backward,
+  // dist::GradBuckets): with L once the head's are (lm_head, model.norm, the output read), then with i after decoder
+  // layer i (L−1 first), then with −1 after the embedding's and the tower's. Empty: not called.
+  std::function<void(int64_t)> on_grads_final;
 
   // Backward from d(final hidden after norm) — used by tests; forward_backward is the usual entry.
   void backward_from_hidden(const F* d_final_hidden, const Seqs& s);
@@ -173,6 +184,7 @@ class Model {
   std::unique_ptr<VisionTower<F>> tower_;
   int32_t placeholder_ = -1;
   dist::Comm* cp_ = nullptr;
+  dist::Comm* ep_ = nullptr;
 
   // Activations of the last forward.
   std::vector<int32_t> ids_;

@@ -9,6 +9,7 @@
 //   z  = x W_downᵀ [rows, l];  zs = gather(z) [a, l];  eo = E_j(zs rows of j) [a, l]
 //   u  = Σ_sel p · eo [rows, l];  y = RMSNorm_l(u) W_upᵀ + Shared(x)
 #include <algorithm>
+#include <cmath>
 
 #include "core/parallel.hpp"
 #include "model/layers.hpp"
@@ -32,7 +33,10 @@ LatentMoe<F>::LatentMoe(const ModelConfig& c, ParamStore<F>& ps, int layer)
   const std::string B = "model.layers." + std::to_string(layer) + ".block_sparse_moe.";
   Wr = &ps.at(B + "gate.weight");
   bias_ = &ps.at(B + "gate.e_score_correction_bias");
-  for (int64_t j = 0; j < E_; ++j) {
+  const ExpertShard& shard = ps.experts();
+  e0_ = shard.all() ? 0 : shard.first;
+  El_ = shard.all() ? E_ : shard.count;
+  for (int64_t j = e0_; j < e0_ + El_; ++j) {
     const std::string e = B + "experts." + std::to_string(j) + ".";
     W1.push_back(&ps.at(e + "w1.weight"));
     W3.push_back(&ps.at(e + "w3.weight"));
@@ -50,7 +54,22 @@ LatentMoe<F>::LatentMoe(const ModelConfig& c, ParamStore<F>& ps, int layer)
   rc_.k = k_;
   rc_.renormalize = c.moe_renormalize;
   rc_.routed_scaling_factor = c.routed_scaling_factor;
-  ea_.resize(E_);
+  ea_.resize(El_);
+}
+
+template <class F>
+void LatentMoe<F>::set_expert_parallel(dist::Comm* ep, double capacity_factor) {
+  LM_CHECK(capacity_factor >= 0 && std::isfinite(capacity_factor), "expert parallel: capacity factor {} must be >= 0",
+           capacity_factor);
+  if (ep) {
+    const int R = ep->size();
+    LM_CHECK(E_ % R == 0 && e0_ == ep->rank() * (E_ / R) && El_ == E_ / R,
+             "expert parallel over {} ranks: rank {} must hold experts [{}, {}) of {}, this layer holds [{}, {})", R,
+             ep->rank(), ep->rank() * (E_ / std::max(R, 1)), (ep->rank() + 1) * (E_ / std::max(R, 1)), E_, e0_,
+             e0_ + El_);
+  }
+  ep_ = ep;
+  capacity_ = capacity_factor;
 }
 
 template <class F>
@@ -74,14 +93,16 @@ void LatentMoe<F>::forward(const F* x, F* y, const Seqs& s) {
   ops::moe_build_permutation(topk_idx_.data(), rows, k, E, offsets_.data(), perm_rows_.data(), perm_pos_.data());
   zs_.resize(rows * k * l), eo_.resize(rows * k * l);
   ops::moe_gather(z, perm_rows_.data(), zs_.data(), rows, k, l);
-  if (ep) {
-    ex_ = dist::expert_exchange(*ep, offsets_.data(), E);
-    gz_.resize(ex_.rows() * l), geo_.resize(ex_.rows() * l);
-    dist::to_experts(*ep, ex_, zs_.data(), l, gz_.data());
-    experts_forward(gz_.data(), ex_.local_offsets.data(), ex_.first_expert(), ex_.El, geo_.data());
-    dist::from_experts(*ep, ex_, geo_.data(), l, eo_.data());
+  if (ep_) {
+    dist::plan_dispatch(*ep_, offsets_.data(), E, dist::expert_capacity(rows, k, E, capacity_), ex_);
+    dist::dispatch(*ep_, ex_, zs_.data(), l, gz_);
+    geo_.resize(gz_.size());
+    experts_forward(gz_.data(), ex_.local_offsets.data(), geo_.data());
+    dist::combine(*ep_, ex_, geo_.data(), l, eo_.data());
   } else {
-    experts_forward(zs_.data(), offsets_.data(), 0, E, eo_.data());
+    LM_CHECK(El_ == E, "MoE layer: this rank holds experts [{}, {}) of {} only; it runs under expert parallel", e0_,
+             e0_ + El_, E);
+    experts_forward(zs_.data(), offsets_.data(), eo_.data());
   }
   u_.resize(rows * l);
   ops::moe_combine(eo_.data(), topk_w_.data(), perm_pos_.data(), u_.data(), rows, k, l);
@@ -102,20 +123,20 @@ void LatentMoe<F>::forward(const F* x, F* y, const Seqs& s) {
 
 // Each expert runs single-threaded GEMMs over its own rows (no shared writes).
 template <class F>
-void LatentMoe<F>::experts_forward(const F* xs, const int64_t* offs, int64_t e0, int64_t n, F* eo) {
+void LatentMoe<F>::experts_forward(const F* xs, const int64_t* offs, F* eo) {
   const int64_t l = l_;
-  parallel_for_dynamic(n, [&](int64_t j) {
-    const int64_t r0 = offs[j], rows = offs[j + 1] - r0, e = e0 + j;
-    glu_ffn_forward(xs + r0 * l, rows, l, I_, W1[e]->w(), W3[e]->w(), W2[e]->w(), p_, eo + r0 * l, false, ea_[e]);
+  parallel_for_dynamic(El_, [&](int64_t j) {
+    const int64_t r0 = offs[j], rows = offs[j + 1] - r0;
+    glu_ffn_forward(xs + r0 * l, rows, l, I_, W1[j]->w(), W3[j]->w(), W2[j]->w(), p_, eo + r0 * l, false, ea_[j]);
   });
 }
 template <class F>
-void LatentMoe<F>::experts_backward(const F* xs, const int64_t* offs, int64_t e0, int64_t n, const F* d_eo, F* dxs) {
+void LatentMoe<F>::experts_backward(const F* xs, const int64_t* offs, const F* d_eo, F* dxs) {
   const int64_t l = l_;
-  parallel_for_dynamic(n, [&](int64_t j) {
-    const int64_t r0 = offs[j], rows = offs[j + 1] - r0, e = e0 + j;
-    glu_ffn_backward(xs + r0 * l, rows, l, I_, W1[e]->w(), W3[e]->w(), W2[e]->w(), p_, d_eo + r0 * l, dxs + r0 * l,
-                     false, W1[e]->g(), W3[e]->g(), W2[e]->g(), ea_[e]);
+  parallel_for_dynamic(El_, [&](int64_t j) {
+    const int64_t r0 = offs[j], rows = offs[j + 1] - r0;
+    glu_ffn_backward(xs + r0 * l, rows, l, I_, W1[j]->w(), W3[j]->w(), W2[j]->w(), p_, d_eo + r0 * l, dxs + r0 * l,
+                     false, W1[j]->g(), W3[j]->g(), W2[j]->g(), ea_[j]);
   });
 }
 
@@ -139,13 +160,13 @@ void LatentMoe<F>::backward(const F* dy, F* dx, const Seqs& s) {
   Buf<F> d_eo(rows * k * l), d_topk_w(rows * k), d_zs(rows * k * l);
   ops::moe_combine_backward(eo_.data(), topk_w_.data(), perm_pos_.data(), du.data(), d_eo.data(), d_topk_w.data(), rows,
                             k, l);
-  if (ep) {
-    Buf<F> gd_eo(ex_.rows() * l), gdz(ex_.rows() * l);
-    dist::to_experts(*ep, ex_, d_eo.data(), l, gd_eo.data());
-    experts_backward(gz_.data(), ex_.local_offsets.data(), ex_.first_expert(), ex_.El, gd_eo.data(), gdz.data());
-    dist::from_experts(*ep, ex_, gdz.data(), l, d_zs.data());
+  if (ep_) {
+    Buf<F> gd_eo, gdz(gz_.size());
+    dist::dispatch(*ep_, ex_, d_eo.data(), l, gd_eo);  // (the forward's plan: the same rows travel)
+    experts_backward(gz_.data(), ex_.local_offsets.data(), gd_eo.data(), gdz.data());
+    dist::combine(*ep_, ex_, gdz.data(), l, d_zs.data());
   } else {
-    experts_backward(zs_.data(), offsets_.data(), 0, E, d_eo.data(), d_zs.data());
+    experts_backward(zs_.data(), offsets_.data(), d_eo.data(), d_zs.data());
   }
   // Router: gradient through the unbiased scores of the selected experts (and the aux loss).
   Buf<F> d_logits(rows * E);

@@ -11,7 +11,10 @@
 namespace lm::model {
 
 template <class F>
-ParamStore<F>::ParamStore(const ModelConfig& c) : multimodal_(c.vision.has_value()) {
+ParamStore<F>::ParamStore(const ModelConfig& c, ExpertShard shard) : shard_(shard), multimodal_(c.vision.has_value()) {
+  LM_CHECK(shard.all() || (shard.first >= 0 && shard.count >= 1 && shard.first + shard.count <= c.num_experts),
+           "expert shard [{}, {}) is not a range of the {} routed experts", shard.first, shard.first + shard.count,
+           c.num_experts);
   add(model_param_specs(c), "this model configuration");
 }
 
@@ -22,14 +25,21 @@ ParamStore<F>::ParamStore(const std::vector<ParamSpec>& specs) {
 
 template <class F>
 void ParamStore<F>::add(const std::vector<ParamSpec>& specs, const char* what) {
+  auto here = [&](const ParamSpec& s) { return s.expert < 0 || shard_.holds(s.expert); };
   size_t bytes = 0;
-  for (const ParamSpec& s : specs) bytes += static_cast<size_t>(s.numel()) * sizeof(F);
+  for (const ParamSpec& s : specs) bytes += here(s) ? static_cast<size_t>(s.numel()) * sizeof(F) : 0;
   check_host_memory(bytes, fmt::format("the {:.3f}B parameters of {}", bytes / sizeof(F) / 1e9, what));
-  for (const ParamSpec& s : specs) {
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const ParamSpec& s = specs[i];
     LM_CHECK(!index_.count(s.name), "tensor '{}' is listed twice", s.name);
+    if (!here(s)) {
+      elsewhere_.push_back(s);
+      continue;
+    }
     Param<F> p;
     p.spec = s;
     p.value = Tensor::zeros(s.shape, dtype_of<F>);
+    p.stream = i;
     index_[s.name] = params_.size();
     params_.push_back(std::move(p));
   }
@@ -137,7 +147,7 @@ void ParamStore<F>::init(uint64_t seed, double init_scale) {
   }
   for (size_t ti = 0; ti < params_.size(); ++ti) {
     Param<F>& p = params_[ti];
-    const Rng r = Rng{seed, 0}.fork(ti);
+    const Rng r = Rng{seed, 0}.fork(p.stream);
     F* w = p.w();
     const int64_t N = p.value.numel();
     const int64_t L = is_vision_component(p.spec.component) ? L_vision : L_text;
@@ -200,14 +210,19 @@ void ParamStore<F>::load(const io::Checkpoint& ckpt) {
     specs.push_back(p.spec);
     specs.back().name = checkpoint_name(p);
   }
+  for (const ParamSpec& s : elsewhere_) {
+    specs.push_back(s);
+    specs.back().name = model::checkpoint_name(s, multimodal_);
+  }
   check_checkpoint(specs, ckpt);  // everything first, so a bad checkpoint changes nothing
   for (auto& p : params_) p.value.copy_from(ckpt.get(checkpoint_name(p)));
 }
 
 template <class F>
-io::NamedTensors ParamStore<F>::named(DType dt) const {
+io::NamedTensors ParamStore<F>::named(DType dt, const std::function<bool(const ParamSpec&)>& keep) const {
   io::NamedTensors r;
-  for (const auto& p : params_) r.emplace_back(checkpoint_name(p), p.value.to(dt));
+  for (const auto& p : params_)
+    if (!keep || keep(p.spec)) r.emplace_back(checkpoint_name(p), p.value.to(dt));
   return r;
 }
 

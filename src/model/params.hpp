@@ -1,6 +1,7 @@
 #pragma once
 // The model's parameters: one tensor per HF name (model/param_names), its gradient, and loading /
 // saving / initialisation. Layers hold raw pointers into these tensors.
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -18,6 +19,7 @@ struct Param {
   ParamSpec spec;
   Tensor value;  // dtype F, contiguous, shape spec.shape
   Tensor grad;   // same; allocated only when gradients are enabled (trainable params)
+  size_t stream = 0;  // its place in the whole tensor list: init's random stream (the same in every expert shard)
   F* w() const { return value.data<F>(); }
   F* g() const { return grad.defined() ? grad.data<F>() : nullptr; }
 };
@@ -32,12 +34,21 @@ double init_normal_sd(const ParamSpec& s, int64_t L, double init_scale = 1.0);
 template <class F>
 void init_fixed(const ParamSpec& s, const Rng& r, F* w);  // (float and double)
 
+// The routed experts a store holds (expert parallel: the others live on other ranks): experts [first, first + count)
+// of every MoE layer; count < 0: all of them.
+struct ExpertShard {
+  int64_t first = 0, count = -1;
+  bool all() const { return count < 0; }
+  bool holds(int64_t e) const { return all() || (e >= first && e < first + count); }
+};
+
 template <class F>
 class ParamStore {
  public:
   // Allocates every tensor of model_param_specs(c) (the text model's, then the tower's and projector's when
-  // c.vision), zero-filled; lm::Error first when they need more than the machine's memory.
-  explicit ParamStore(const ModelConfig& c);
+  // c.vision) but the routed experts outside `shard`, zero-filled; lm::Error first when they need more than the
+  // machine's memory, or for a shard outside the config's experts.
+  explicit ParamStore(const ModelConfig& c, ExpertShard shard = {});
   // The same over any tensor list (the vision tower's, vision_param_specs).
   explicit ParamStore(const std::vector<ParamSpec>& specs);
 
@@ -49,10 +60,12 @@ class ParamStore {
 
   // Loads every parameter from a checkpoint with HF names (checkpoint_name: K3's multimodal layout when the
   // config has a tower). Errors (naming the file and tensor) on a missing tensor, an unknown tensor, a shape
-  // mismatch or a non-float dtype; nothing is modified unless everything checks out.
+  // mismatch or a non-float dtype; nothing is modified unless everything checks out. An expert shard checks the
+  // whole checkpoint (every expert's tensors too) and reads its own.
   void load(const io::Checkpoint& ckpt);
-  // (checkpoint name, tensor) pairs in spec order, converted to `dt`, for io::save_checkpoint.
-  io::NamedTensors named(DType dt = DType::F32) const;
+  // (checkpoint name, tensor) pairs in spec order, converted to `dt`, for io::save_checkpoint; only the tensors
+  // `keep` accepts when given.
+  io::NamedTensors named(DType dt = DType::F32, const std::function<bool(const ParamSpec&)>& keep = {}) const;
   // A store built from a config with vision_config: its text tensors are saved under `language_model.`.
   bool multimodal() const { return multimodal_; }
   std::string checkpoint_name(const Param<F>& p) const;
@@ -60,6 +73,8 @@ class ParamStore {
   void enable_grads();
   void zero_grads();
   bool has_grads() const { return grads_; }
+  const ExpertShard& experts() const { return shard_; }
+  const std::vector<ParamSpec>& elsewhere() const { return elsewhere_; }  // the routed experts other shards hold
 
   Param<F>& at(const std::string& name);
   const Param<F>& at(const std::string& name) const;
@@ -74,6 +89,8 @@ class ParamStore {
  private:
   void add(const std::vector<ParamSpec>& specs, const char* what);
   std::vector<Param<F>> params_;
+  std::vector<ParamSpec> elsewhere_;  // the routed experts another shard holds
+  ExpertShard shard_;
   std::map<std::string, size_t> index_;
   bool grads_ = false;
   bool multimodal_ = false;

@@ -1,5 +1,6 @@
 #include "train/balancer.hpp"
 
+#include <algorithm>
 #include <cstring>
 
 namespace lm::train {
@@ -17,12 +18,14 @@ Balancer::Balancer(const RunConfig& cfg, model::Model<float>& m)
   scores_.resize(layers_.size());
   counts_.resize(layers_.size());
   loads_.resize(layers_.size());
+  dropped_.assign(layers_.size(), 0);
 }
 
 void Balancer::clear() {
   for (auto& s : scores_) s.clear();
   for (auto& c : counts_) c.clear();
   for (auto& l : loads_) l.assign(E_, 0);
+  dropped_.assign(layers_.size(), 0);
   aux_ = 0;
 }
 
@@ -46,23 +49,30 @@ void Balancer::accumulate(int64_t rows) {
       }
     }
     aux_ += moe->last_aux_loss;
+    dropped_[li] += moe->last_dropped();
   }
 }
 
 void Balancer::reduce(dist::Comm& comm) {
+  std::vector<int64_t> msg;
   for (size_t li = 0; li < layers_.size(); ++li) {
-    comm.all_reduce_sum(loads_[li].data(), loads_[li].size());
-    if (kind_ != Balance::QB) continue;
-    if (hist_) {
-      counts_[li].resize(E_ * ops::qb_hist_slots(h_), 0);
-      comm.all_reduce_sum(counts_[li].data(), counts_[li].size());
-    } else {  // every replica's rows, in rank order (the exact estimator does not depend on the order)
+    // One all-reduce per layer: the loads, the dropped assignments, then the histogram counts (hist QB).
+    const bool hist = kind_ == Balance::QB && hist_;
+    if (hist) counts_[li].resize(E_ * ops::qb_hist_slots(h_), 0);
+    msg.assign(loads_[li].begin(), loads_[li].end());
+    msg.push_back(dropped_[li]);
+    if (hist) msg.insert(msg.end(), counts_[li].begin(), counts_[li].end());
+    comm.all_reduce_sum(msg.data(), msg.size());
+    std::copy_n(msg.begin(), E_, loads_[li].begin());
+    dropped_[li] = msg[size_t(E_)];
+    if (hist) std::copy(msg.begin() + E_ + 1, msg.end(), counts_[li].begin());
+    if (kind_ == Balance::QB && !hist) {  // every replica's rows, in rank order (the exact estimator needs no order)
       const std::vector<char> all = comm.all_gather_v(scores_[li].data(), scores_[li].size() * sizeof(float));
       scores_[li].resize(all.size() / sizeof(float));
       std::memcpy(scores_[li].data(), all.data(), all.size());
     }
   }
-  comm.all_reduce_sum(&aux_, 1);
+  if (kind_ == Balance::Aux) comm.all_reduce_sum(&aux_, 1);
 }
 
 void Balancer::update() {

@@ -31,8 +31,9 @@ class Balancer {
   // After a forward of `rows` tokens on the host model: every MoE layer's loads, router statistics (qb)
   // and auxiliary loss.
   void accumulate(int64_t rows);
-  // Data parallel: the loads, router statistics and auxiliary loss summed (scores gathered) over the replicas,
-  // so that update() sees the whole step.
+  // Data parallel (and every layout whose ranks route different tokens): the loads, router statistics and auxiliary
+  // loss summed (scores gathered) over the ranks, so that update() sees the whole step. One all-reduce per MoE layer
+  // carries its loads, dropped assignments and (the histogram estimator) counts, whatever the number of tokens.
   void reduce(dist::Comm& comm);
   // The new bias of every MoE layer of the host model from the step's statistics (qb, sign).
   void update();
@@ -40,6 +41,12 @@ class Balancer {
   const std::vector<int64_t>& layers() const { return layers_; }  // MoE layer indices
   const std::vector<std::vector<int64_t>>& loads() const { return loads_; }
   double aux_loss() const { return aux_; }
+  // Token-expert assignments the expert-parallel buffers dropped in the step (beyond their capacity), all layers.
+  int64_t dropped() const {
+    int64_t n = 0;
+    for (int64_t d : dropped_) n += d;
+    return n;
+  }
 
  private:
   model::Model<float>& m_;
@@ -52,6 +59,7 @@ class Balancer {
   std::vector<std::vector<float>> scores_;    // per MoE layer: [m, E] of the step (exact QB)
   std::vector<std::vector<int64_t>> counts_;  // per MoE layer: histogram counts (hist QB)
   std::vector<std::vector<int64_t>> loads_;   // per MoE layer: [E] selections this step
+  std::vector<int64_t> dropped_;               // per MoE layer: assignments dropped by expert parallel
   double aux_ = 0;                            // summed in micro-batch, then layer order
 };
 

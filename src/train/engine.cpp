@@ -13,9 +13,9 @@ void check_device(const std::string& device, const RunConfig& cfg) {
 }
 
 std::unique_ptr<Engine> make_engine(const std::string& device, const RunConfig& cfg, model::Model<float>& host,
-                                    Optimizer& optim, dist::Comm& comm) {
+                                    Optimizer& optim, dist::Comm& comm, dist::Comm* expert_dp) {
   check_device(device, cfg);
-  return device == "cuda" ? make_cuda_engine(cfg, host, optim) : make_cpu_engine(cfg, host, optim, comm);
+  return device == "cuda" ? make_cuda_engine(cfg, host, optim) : make_cpu_engine(cfg, host, optim, comm, expert_dp);
 }
 
 }  // namespace lm::train

@@ -47,8 +47,9 @@ class Engine {
   // Steps of micro-batches of `rows` tokens follow (a new stage): the engine fits its memory to them and says how
   // (the GPU's memory plan), or returns nothing. lm::Error when they cannot fit.
   virtual std::string plan(int64_t /*rows*/) { return {}; }
-  // A new step: zero gradients and no expert loads or router statistics yet.
-  virtual void zero_grads() = 0;
+  // A new step of `micro_batches` forward_backward calls (0: not said): zero gradients and no expert loads or router
+  // statistics yet. Knowing which call is the last lets the CPU engine reduce gradients during its backward.
+  virtual void zero_grads(int64_t micro_batches = 0) = 0;
   // One micro-batch: forward, cross-entropy normalised by the step's n_valid_total targets (so that
   // accumulation equals one big batch), backward into the gradients; adds the micro-batch's expert loads
   // and router statistics to the step's. NonFinite on a NaN/Inf loss (naming the first bad layer where it can).
@@ -66,6 +67,8 @@ class Engine {
   virtual const std::vector<std::vector<int64_t>>& expert_loads() const = 0;
   // The MoE layers' auxiliary losses summed over the step's micro-batches (non-zero with balance aux).
   virtual double aux_loss() const = 0;
+  // Token-expert assignments that expert parallel's fixed-capacity buffers dropped in this step, over every rank.
+  virtual int64_t ep_dropped() const { return 0; }
   // The engine's weights and optimiser state into the host model and optimiser (before a checkpoint).
   virtual void sync_to_host() = 0;
 
@@ -82,13 +85,15 @@ class Engine {
 void check_device(const std::string& device, const RunConfig& cfg);
 // The engine for `device` (check_device first) over the host model and optimiser, which hold the starting
 // weights and state and must outlive it.
-// `comm`: the data-parallel replicas (each engine sums its gradients and router statistics across them).
+// `comm`: the data-parallel replicas (each engine sums its gradients and router statistics across them); with experts
+// sharded over expert-parallel groups (Model::set_expert_parallel), the routed experts' gradients are summed over
+// `expert_dp` instead, the ranks that hold the same experts.
 std::unique_ptr<Engine> make_engine(const std::string& device, const RunConfig& cfg, model::Model<float>& host,
-                                    Optimizer& optim, dist::Comm& comm);
+                                    Optimizer& optim, dist::Comm& comm, dist::Comm* expert_dp = nullptr);
 
 // The two implementations behind make_engine / check_device.
 std::unique_ptr<Engine> make_cpu_engine(const RunConfig& cfg, model::Model<float>& host, Optimizer& optim,
-                                        dist::Comm& comm);
+                                        dist::Comm& comm, dist::Comm* expert_dp = nullptr);
 std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, model::Model<float>& host, Optimizer& optim);
 void check_cuda_run(const RunConfig& cfg);
 

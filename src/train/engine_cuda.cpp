@@ -55,7 +55,7 @@ class CudaEngine final : public Engine {
   std::string where() const override { return "on the GPU"; }
   std::string plan(int64_t rows) override { return model::gpu_training_summary(gm_.plan_memory(rows), gm_.config()); }
 
-  void zero_grads() override {
+  void zero_grads(int64_t) override {
     gm_.zero_grads();
     bal_.clear();
   }

@@ -52,14 +52,16 @@ struct NormResult {
   int first_bad = -1;  // index into ps.all() of the first parameter with a non-finite element
 };
 
-// Squared norms per piece (parallel), summed in piece order (serial): deterministic.
-NormResult array_norm(const ParamStore<float>& ps, bool grads) {
+// Squared norms per piece (parallel), summed in piece order (serial): deterministic. `experts`: only the routed
+// experts' arrays (1), only the others' (0), or all (-1).
+NormResult array_norm(const ParamStore<float>& ps, bool grads, int experts = -1) {
   std::vector<int64_t> sizes;
   std::vector<int32_t> ids;
   const auto& all = ps.all();
   for (size_t i = 0; i < all.size(); ++i) {
     const Tensor& t = grads ? all[i].grad : all[i].value;
     if (!t.defined()) continue;
+    if (experts >= 0 && (all[i].spec.component == Component::RoutedExpert) != (experts == 1)) continue;
     sizes.push_back(t.numel());
     ids.push_back(static_cast<int32_t>(i));
   }
@@ -77,7 +79,12 @@ NormResult array_norm(const ParamStore<float>& ps, bool grads) {
     if (!std::isfinite(part[k]) && r.first_bad < 0) r.first_bad = pieces[k].param;
     s += part[k];
   }
-  r.norm = std::sqrt(s);
+  r.norm = s;  // (squared here; the square root below)
+  return r;
+}
+NormResult array_norm_sqrt(const ParamStore<float>& ps, bool grads) {
+  NormResult r = array_norm(ps, grads);
+  r.norm = std::sqrt(r.norm);
   return r;
 }
 
@@ -242,22 +249,22 @@ void newton_schulz(float* x, int64_t r, int64_t c, int steps) {
 // ---------------------------------------------------------------------------------------------
 // gradient norm, clipping, finiteness
 
-double grad_norm(const ParamStore<float>& ps) { return array_norm(ps, true).norm; }
+double grad_norm(const ParamStore<float>& ps) { return array_norm_sqrt(ps, true).norm; }
 
 std::optional<std::string> nonfinite_grad(const ParamStore<float>& ps) {
-  const NormResult r = array_norm(ps, true);
+  const NormResult r = array_norm_sqrt(ps, true);
   if (r.first_bad < 0) return std::nullopt;
   return ps.all()[static_cast<size_t>(r.first_bad)].spec.name;
 }
 
 std::optional<std::string> nonfinite_value(const ParamStore<float>& ps) {
-  const NormResult r = array_norm(ps, false);
+  const NormResult r = array_norm_sqrt(ps, false);
   if (r.first_bad < 0) return std::nullopt;
   return ps.all()[static_cast<size_t>(r.first_bad)].spec.name;
 }
 
 double clip_grad_norm(ParamStore<float>& ps, double max_norm) {
-  const NormResult r = array_norm(ps, true);
+  const NormResult r = array_norm_sqrt(ps, true);
   if (r.first_bad >= 0) fail_nonfinite(ps.all()[static_cast<size_t>(r.first_bad)], -1);
   if (max_norm > 0 && r.norm > max_norm) {
     const float coef = static_cast<float>(max_norm / (r.norm + 1e-6));
@@ -299,6 +306,8 @@ Optimizer::Optimizer(ParamStore<float>& ps, const model::ModelConfig& mc, const 
     index_[p.spec.name] = i;
     slots_.push_back(std::move(s));
   }
+  for (const model::ParamSpec& p : ps_.elsewhere())
+    for (auto& n : state_names(p.name, param_rule(p, mc, oc_).group)) elsewhere_names_.insert(std::move(n));
   // Largest blocks first so the dynamic schedule ends with small ones (does not affect results).
   auto cost = [&](const Block& b) {
     const int64_t c = slots_[static_cast<size_t>(b.slot)].p->spec.shape[1];
@@ -325,11 +334,9 @@ StepInfo Optimizer::step(double lr_factor) {
   LM_CHECK(ps_.has_grads(), "optimizer: gradients are not enabled on the parameter store");
   LM_CHECK(std::isfinite(lr_factor) && lr_factor >= 0, "optimizer: learning-rate factor must be >= 0, got {}",
            lr_factor);
-  const NormResult nr = array_norm(ps_, true);
-  if (nr.first_bad >= 0) fail_nonfinite(ps_.all()[static_cast<size_t>(nr.first_bad)], t_ + 1);
   StepInfo info;
-  info.grad_norm = nr.norm;
-  if (oc_.clip > 0 && nr.norm > oc_.clip) info.clip_coef = oc_.clip / (nr.norm + 1e-6);
+  info.grad_norm = global_grad_norm(t_ + 1);
+  if (oc_.clip > 0 && info.grad_norm > oc_.clip) info.clip_coef = oc_.clip / (info.grad_norm + 1e-6);
   info.lr_adamw = oc_.lr_adamw * lr_factor;
   info.lr_muon = oc_.lr_muon * lr_factor;
   ++t_;
@@ -388,20 +395,40 @@ StepInfo Optimizer::step(double lr_factor) {
       for (int64_t i = 0; i < n; ++i) w[i] = w[i] * keep - scale * u[static_cast<size_t>(i)];
     });
   }
-  if (comm_) gather_weights();
+  if (comm_) gather_weights(false);
+  if (edp_ && edp_->size() > 1 && comm_) gather_weights(true);
   return info;
+}
+
+// The norm of every gradient of the model; under expert parallel the routed experts' part is summed over the ranks
+// that hold them between them. Throws, on every rank, when a gradient is not finite (naming it where it lives).
+double Optimizer::global_grad_norm(int64_t step) const {
+  if (!ep_) {
+    const NormResult nr = array_norm_sqrt(ps_, true);
+    if (nr.first_bad >= 0) fail_nonfinite(ps_.all()[static_cast<size_t>(nr.first_bad)], step);
+    return nr.norm;
+  }
+  const NormResult rep = array_norm(ps_, true, 0), exp = array_norm(ps_, true, 1);
+  double sq = exp.norm;
+  ep_->all_reduce_sum(&sq, 1);  // (a NaN or Inf on any rank reaches every rank)
+  if (rep.first_bad >= 0) fail_nonfinite(ps_.all()[static_cast<size_t>(rep.first_bad)], step);
+  if (exp.first_bad >= 0) fail_nonfinite(ps_.all()[static_cast<size_t>(exp.first_bad)], step);
+  LM_CHECK(std::isfinite(sq), "non-finite gradient (NaN or Inf) in a routed expert of another rank at optimiser step "
+           "{}; the update was not applied", step);
+  return std::sqrt(rep.norm + sq);
 }
 
 // ---------------------------------------------------------------------------------------------
 // state
 
-std::vector<std::string> Optimizer::state_names(const Slot& s) const {
-  if (s.rule.group == Group::AdamW) return {"optim.adamw.m." + s.p->spec.name, "optim.adamw.v." + s.p->spec.name};
-  if (s.rule.group == Group::Muon) return {"optim.muon.momentum." + s.p->spec.name};
+std::vector<std::string> Optimizer::state_names(const std::string& param, Group g) const {
+  if (g == Group::AdamW) return {"optim.adamw.m." + param, "optim.adamw.v." + param};
+  if (g == Group::Muon) return {"optim.muon.momentum." + param};
   return {};
 }
 std::set<std::string> Optimizer::all_state_names() const {
-  std::set<std::string> r{"optim.step"};
+  std::set<std::string> r = elsewhere_names_;
+  r.insert("optim.step");
   for (const auto& s : slots_)
     for (auto& n : state_names(s)) r.insert(std::move(n));
   return r;
@@ -419,18 +446,29 @@ io::NamedTensors Optimizer::state() const {
   return r;
 }
 
+void Optimizer::set_expert_parallel(dist::Comm& ep, dist::Comm& edp) {
+  LM_CHECK(t_ == 0 && !comm_ && !ep_, "optimizer: set_expert_parallel() before shard, any step or load_state, once");
+  ep_ = &ep, edp_ = &edp;
+  for (auto& s : slots_) s.expert = s.p->spec.component == Component::RoutedExpert;
+}
+
 void Optimizer::shard(dist::Comm& comm) {
-  if (comm.size() <= 1) return;
+  if (comm.size() <= 1 && !(edp_ && edp_->size() > 1)) return;
   LM_CHECK(t_ == 0 && !comm_, "optimizer: shard() before any step or load_state, once");
   comm_ = &comm;
-  // Contiguous runs of parameters by element count: slot i goes to the rank whose share its first element is in.
-  int64_t total = 0, before = 0;
-  for (const auto& s : slots_) total += s.p->spec.numel();
-  const int R = comm.size();
-  for (auto& s : slots_) {
-    s.owner = static_cast<int>(std::min<int64_t>(R - 1, total ? before * R / total : 0));
-    before += s.p->spec.numel();
-    if (!owned(s)) s.m = Tensor(), s.v = Tensor();
+  // Per group (the replicated parameters over comm, the experts over edp), contiguous runs of parameters by element
+  // count: slot i goes to the rank whose share its first element is in.
+  for (const bool experts : {false, true}) {
+    int64_t total = 0, before = 0;
+    for (const auto& s : slots_)
+      if (s.expert == experts) total += s.p->spec.numel();
+    for (auto& s : slots_) {
+      if (s.expert != experts) continue;
+      const int R = group(s)->size();
+      s.owner = static_cast<int>(std::min<int64_t>(R - 1, total ? before * R / total : 0));
+      before += s.p->spec.numel();
+      if (!owned(s)) s.m = Tensor(), s.v = Tensor();
+    }
   }
   auto mine = [&](int32_t slot) { return owned(slots_[static_cast<size_t>(slot)]); };
   std::erase_if(adam_chunks_, [&](const Chunk& c) { return !mine(c.slot); });
@@ -449,20 +487,23 @@ size_t Optimizer::state_bytes() const {
   return b;
 }
 
-// ZeRO-1: each rank's updated parameters, concatenated in slot order, to every rank.
-void Optimizer::gather_weights() {
+// ZeRO-1: each rank's updated parameters of one group (the replicated ones, or the routed experts), concatenated in
+// slot order, to every rank of the group.
+void Optimizer::gather_weights(bool experts) {
+  dist::Comm& g = experts ? *edp_ : *comm_;
+  auto in = [&](const Slot& s) { return s.expert == experts && s.rule.group != Group::None; };
   std::vector<float> mine;
   for (const auto& s : slots_)
-    if (owned(s) && s.rule.group != Group::None) mine.insert(mine.end(), s.p->w(), s.p->w() + s.p->spec.numel());
-  const std::vector<char> all = comm_->all_gather_v(mine.data(), mine.size() * sizeof(float));
+    if (in(s) && owned(s)) mine.insert(mine.end(), s.p->w(), s.p->w() + s.p->spec.numel());
+  const std::vector<char> all = g.all_gather_v(mine.data(), mine.size() * sizeof(float));
   // Every rank's part lies in rank order, and within it in slot order: the owners are non-decreasing in slot order.
   size_t off = 0;
-  for (int r = 0; r < comm_->size(); ++r)
+  for (int r = 0; r < g.size(); ++r)
     for (auto& s : slots_)
-      if (s.owner == r && s.rule.group != Group::None) {
+      if (in(s) && s.owner == r) {
         const size_t n = static_cast<size_t>(s.p->spec.numel()) * sizeof(float);
         LM_CHECK(off + n <= all.size(), "optimizer: the gathered weights are short ({} bytes)", all.size());
-        if (r != comm_->rank()) std::memcpy(s.p->w(), all.data() + off, n);
+        if (r != g.rank()) std::memcpy(s.p->w(), all.data() + off, n);
         off += n;
       }
   LM_CHECK(off == all.size(), "optimizer: gathered {} bytes of weights, expected {}", all.size(), off);

@@ -103,6 +103,10 @@ struct StepInfo {
   double grad_norm = 0;  // before clipping
   double clip_coef = 1;  // factor the gradients were multiplied by
   double lr_adamw = 0, lr_muon = 0;  // effective learning rates of this step
+  // Several ranks (the CPU engine): the step's gradient buckets, those started while the backward still had layers
+  // to go, those already reduced when the backward ended, and the seconds the step then waited for the rest.
+  int64_t buckets = 0, buckets_early = 0, buckets_hidden = 0;
+  double reduce_wait_s = 0;
 };
 
 class Optimizer {
@@ -125,9 +129,15 @@ class Optimizer {
   // rank holds about 1/R of it. step() then updates the owned parameters (from the full, already reduced
   // gradients: the norm and the clip are the same on every rank) and all-gathers the new weights, so every
   // replica ends the step with the same weights. A comm of one process changes nothing.
+  // With experts sharded (set_expert_parallel first), the routed experts' state is sharded over `edp` instead.
   void shard(dist::Comm& comm);
-  int owner(const std::string& param) const;  // the rank holding its state (0 when not sharded)
+  int owner(const std::string& param) const;  // the rank holding its state (0 when not sharded; a routed expert's:
+                                              // its rank among the replicas holding that expert)
   size_t state_bytes() const;                 // the optimiser state this rank holds
+  // Expert parallel (before shard and load_state): the store holds only this rank's routed experts
+  // (model::ExpertShard). `ep`: the ranks that hold every expert once between them (the global gradient norm adds
+  // their experts' parts); `edp`: the ranks holding the same experts as this one (shard() shards their state there).
+  void set_expert_parallel(dist::Comm& ep, dist::Comm& edp);
 
   // State as tensors: optim.step (I64 [1]), optim.adamw.m.<name>, optim.adamw.v.<name>,
   // optim.muon.momentum.<name> (F32, the parameter's shape) of the parameters this rank owns (all, unsharded).
@@ -147,12 +157,16 @@ class Optimizer {
     model::Param<float>* p = nullptr;
     ParamRule rule;
     Tensor m, v;  // AdamW moments, or m = Muon momentum (empty where another rank owns the parameter)
-    int owner = 0;
+    int owner = 0;        // its rank in group(slot)
+    bool expert = false;  // a routed expert's, under expert parallel: sharded over edp_
   };
-  bool owned(const Slot& s) const { return !comm_ || s.owner == comm_->rank(); }
-  void gather_weights();
+  dist::Comm* group(const Slot& s) const { return s.expert ? edp_ : comm_; }
+  bool owned(const Slot& s) const { return !group(s) || s.owner == group(s)->rank(); }
+  void gather_weights(bool experts);
+  double global_grad_norm(int64_t step) const;
   void load_state(const std::vector<std::string>& files, const io::SafeTensorsFile* one);
-  std::vector<std::string> state_names(const Slot& s) const;
+  std::vector<std::string> state_names(const std::string& param, Group g) const;
+  std::vector<std::string> state_names(const Slot& s) const { return state_names(s.p->spec.name, s.rule.group); }
   std::set<std::string> all_state_names() const;
   struct Chunk {  // a fixed piece of an AdamW parameter, for the parallel elementwise update
     int32_t slot;
@@ -166,11 +180,13 @@ class Optimizer {
   model::ParamStore<float>& ps_;
   OptimConfig oc_;
   std::vector<Slot> slots_;
+  std::set<std::string> elsewhere_names_;  // the state of the routed experts other ranks hold (expert parallel)
   std::map<std::string, size_t> index_;
   std::vector<Chunk> adam_chunks_;
   std::vector<Block> muon_blocks_;
   int64_t t_ = 0;
   dist::Comm* comm_ = nullptr;  // sharded (ZeRO-1) over these ranks
+  dist::Comm *ep_ = nullptr, *edp_ = nullptr;  // expert parallel
 };
 
 }  // namespace lm::train

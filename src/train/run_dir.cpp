@@ -4,6 +4,7 @@
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
+#include <map>
 #include <vector>
 
 #include "core/env.hpp"
@@ -116,6 +117,8 @@ std::string save_checkpoint(const fs::path& out, const CheckpointContent& c, con
                             const std::string& also_as) {
   const bool writer = !c.comm || c.comm->rank() == 0;
   const bool shards = c.sharded && c.comm && c.comm->size() > 1;
+  const bool expert_shards = c.experts && c.experts->size() > 1;
+  const std::map<std::string, std::string> md{{"longmoe_step", std::to_string(st.global_step)}, {"format", "pt"}};
   const fs::path ck = out / "ckpt";
   const std::string name = fmt::format("step-{:08}", st.global_step);
   const fs::path tmp = ck / (".tmp-" + name), dst = ck / name, old = ck / (".old-" + name);
@@ -125,19 +128,44 @@ std::string save_checkpoint(const fs::path& out, const CheckpointContent& c, con
     fs::create_directories(tmp);
     c.config.save((tmp / "config.json").string());
     fs::copy_file(c.tokenizer, tmp / "tokenizer.model", fs::copy_options::overwrite_existing);
-    io::save_checkpoint(tmp.string(), c.params.named(DType::F32), uint64_t{2} << 30,
-                        {{"longmoe_step", std::to_string(st.global_step)}});
+    if (!expert_shards)
+      io::save_checkpoint(tmp.string(), c.params.named(DType::F32), uint64_t{2} << 30,
+                          {{"longmoe_step", std::to_string(st.global_step)}});
     if (!shards) io::save_safetensors((tmp / "optimizer.safetensors").string(), c.optim.state());
   }
   std::vector<std::string> shard_files;
-  if (shards) {
-    const int R = c.comm->size();
-    for (int r = 0; r < R; ++r) shard_files.push_back(fmt::format("optimizer-{:05}-of-{:05}.safetensors", r, R));
+  std::map<std::string, std::pair<std::string, uint64_t>> weight_map;
+  if (shards || expert_shards) {
     c.comm->barrier();  // the folder exists
-    io::save_safetensors((tmp / shard_files[size_t(c.comm->rank())]).string(), c.optim.state());
+    if (shards) {
+      const int R = c.comm->size();
+      for (int r = 0; r < R; ++r) shard_files.push_back(fmt::format("optimizer-{:05}-of-{:05}.safetensors", r, R));
+      io::save_safetensors((tmp / shard_files[size_t(c.comm->rank())]).string(), c.optim.state());
+    }
+    if (expert_shards) {  // this rank's experts (rank 0: and every other tensor) as one model shard
+      io::json mine = io::json::object();
+      if (c.writes_experts) {
+        const io::NamedTensors t = c.params.named(DType::F32, [&](const model::ParamSpec& p) {
+          return writer || p.component == model::Component::RoutedExpert;
+        });
+        const std::string file = io::shard_file_name(size_t(c.experts->rank()), size_t(c.experts->size()));
+        io::save_safetensors((tmp / file).string(), t, md);
+        for (const auto& [tensor, x] : t) mine[tensor] = {file, x.nbytes()};
+      }
+      const std::string m = mine.dump() + "\n";  // (a compact dump holds no raw newline)
+      const std::vector<char> all = c.comm->all_gather_v(m.data(), m.size());
+      for (auto from = all.begin(); from != all.end();) {
+        const auto end = std::find(from, all.end(), '\n');
+        const io::json theirs = io::json::parse(from, end);
+        for (const auto& [tensor, v] : theirs.items())
+          weight_map[tensor] = {v[0].get<std::string>(), v[1].get<uint64_t>()};
+        from = end == all.end() ? end : end + 1;
+      }
+    }
     c.comm->barrier();  // every shard is in it
   }
   if (!writer) return dst.string();
+  if (expert_shards) io::write_checkpoint_index(tmp.string(), weight_map);
   if (shards) {
     io::json idx = {{"format", "longmoe optimizer shards"}, {"world", shard_files.size()}, {"files", shard_files}};
     io::write_file_atomic((tmp / "optimizer.index.json").string(), idx.dump(2) + "\n");

@@ -54,6 +54,11 @@ struct CheckpointContent {
   // More files of the checkpoint, name -> contents (e.g. the RL loop's rl_state.json), written into the temporary
   // folder with the rest, so they appear with the checkpoint or not at all.
   std::vector<std::pair<std::string, std::string>> extra_files = {};
+  // Expert parallel (null: off): the ranks of this rank's expert-parallel group, which hold every routed expert once
+  // between them. The ranks of one group (those with `writes_experts`, rank 0's among them) each write their
+  // experts as one model shard, rank 0's with every other tensor, listed by one model.safetensors.index.json.
+  dist::Comm* experts = nullptr;
+  bool writes_experts = false;
 };
 
 // Writes out/ckpt/step-<global_step> (config.json, tokenizer.model, model.safetensors, the optimiser state,
@@ -61,7 +66,9 @@ struct CheckpointContent {
 // (non-empty) hard-links it as out/<also_as>. Keeps the newest `keep` step folders. Returns its path.
 // The optimiser state is optimizer.safetensors, or with a sharded optimiser on several ranks one
 // optimizer-<r>-of-<R>.safetensors per rank (each written atomically by its rank into the temporary folder, between
-// two barriers) listed by optimizer.index.json. Collective when comm has several ranks: every rank calls it.
+// two barriers) listed by optimizer.index.json. The weights are model.safetensors, or with experts sharded one
+// model-<k>-of-<ep>.safetensors per expert-parallel rank plus model.safetensors.index.json (any world size, and one
+// process, reads them back by name). Collective when comm has several ranks: every rank calls it.
 std::string save_checkpoint(const std::filesystem::path& out, const CheckpointContent& c, const TrainerState& st,
                             int64_t keep, const std::string& also_as);
 

@@ -145,17 +145,16 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
     c.eval_retrieval = io::RetrievalOptions::from_json(j["eval_retrieval"], ctx + " eval_retrieval");
   if (j.contains("parallel")) {
     const json& p = j["parallel"];
-    io::check_known_fields(p, {"dp", "ep", "cp", "zero"}, ctx + " parallel");
+    io::check_known_fields(p, {"dp", "ep", "cp", "zero", "bucket_mb", "ep_capacity"}, ctx + " parallel");
     c.parallel.dp = io::get_or<int64_t>(p, "dp", 1, ctx + " parallel");
     c.parallel.zero = static_cast<int>(io::get_or<int64_t>(p, "zero", 1, ctx + " parallel"));
     LM_CHECK(c.parallel.zero == 0 || c.parallel.zero == 1,
              "{}: parallel.zero must be 0 (a whole optimiser state per replica) or 1 (sharded), got {}", ctx,
              c.parallel.zero);
     c.parallel.ep = io::get_or<int64_t>(p, "ep", 1, ctx + " parallel");
-    LM_CHECK(c.parallel.ep == 1 || c.parallel.ep == c.parallel.dp,
-             "{}: parallel.ep must be 1 or equal parallel.dp ({}: one expert-parallel group of every replica), got {}",
-             ctx, c.parallel.dp, c.parallel.ep);
+    c.parallel.ep_capacity = io::get_or<double>(p, "ep_capacity", 0.0, ctx + " parallel");
     c.parallel.cp = io::get_or<int64_t>(p, "cp", 1, ctx + " parallel");
+    c.parallel.bucket_mb = io::get_or<double>(p, "bucket_mb", c.parallel.bucket_mb, ctx + " parallel");
   }
   c.validate(ctx);
   return c;
@@ -203,6 +202,8 @@ json RunConfig::to_json() const {
   if (parallel.dp != 1 || parallel.ep != 1 || parallel.zero != 1 || parallel.cp != 1) {
     j["parallel"] = {{"dp", parallel.dp}, {"ep", parallel.ep}, {"zero", parallel.zero}};
     if (parallel.cp != 1) j["parallel"]["cp"] = parallel.cp;
+    j["parallel"]["bucket_mb"] = parallel.bucket_mb;
+    if (parallel.ep_capacity != 0) j["parallel"]["ep_capacity"] = parallel.ep_capacity;
   }
   if (!eval_retrieval.empty()) j["eval_retrieval"] = eval_retrieval.to_json();
   return j;
@@ -265,6 +266,16 @@ void RunConfig::validate(const std::string& ctx) const {
            parallel.dp);
   LM_CHECK(parallel.cp >= 1 && parallel.cp <= 65536, "{}: parallel.cp must be in [1, 65536], got {}", ctx,
            parallel.cp);
+  LM_CHECK(parallel.bucket_mb > 0 && parallel.bucket_mb <= 65536,
+           "{}: parallel.bucket_mb (MiB of gradients per all-reduce) must be in (0, 65536], got {}", ctx,
+           parallel.bucket_mb);
+  LM_CHECK(parallel.ep >= 1 && parallel.dp % parallel.ep == 0,
+           "{}: parallel.ep {} must divide parallel.dp {} (groups of ep replicas share the experts)", ctx, parallel.ep,
+           parallel.dp);
+  LM_CHECK(parallel.ep_capacity >= 0 && std::isfinite(parallel.ep_capacity),
+           "{}: parallel.ep_capacity must be >= 0 (0: no token is ever dropped), got {}", ctx, parallel.ep_capacity);
+  LM_CHECK(parallel.ep == 1 || parallel.zero == 1, "{}: parallel.ep {} shards the experts' optimiser state with them: "
+           "it needs zero 1", ctx, parallel.ep);
   if (parallel.cp > 1) {
     // What the context-parallel model and step support so far (Model::set_context_parallel): one group of cp ranks
     // over whole sequences of one document window each, no media, no batch-dependent auxiliary loss.
@@ -286,6 +297,14 @@ void RunConfig::validate(const std::string& ctx) const {
 // ---- the run ---------------------------------------------------------------------------------
 
 namespace {
+
+// The expert-parallel layout against the model: lm::Error unless its MoE layers' experts split over ep ranks.
+void check_expert_parallel(const RunConfig& cfg, const model::ModelConfig& m) {
+  if (cfg.parallel.ep == 1) return;
+  LM_CHECK(m.num_moe_layers() > 0 && m.num_experts % cfg.parallel.ep == 0,
+           "{}: parallel.ep {} must divide the {} routed experts of the MoE layers (the model has {} MoE layers)",
+           cfg.model, cfg.parallel.ep, m.num_experts, m.num_moe_layers());
+}
 
 using Clock = std::chrono::steady_clock;
 
@@ -314,6 +333,7 @@ struct Stage {
 // One optimiser step, for the log.
 struct StepReport {
   double loss = 0, aux_loss = 0, seconds = 0;
+  int64_t ep_dropped = 0;
   StepInfo info;
   std::vector<double> maxvio;  // per MoE layer
   double maxvio_worst = 0;
@@ -348,6 +368,9 @@ class Run {
   const TrainOptions& opt_;
   dist::Comm& comm_;   // the job's processes: data-parallel replicas that run the same steps on their shards
   const bool writer_;  // rank 0: the one that writes the run folder and logs
+  // Expert parallel: this rank's group (its ranks hold every expert once between them) and the replicas holding
+  // the same experts as this one.
+  std::unique_ptr<dist::Comm> ep_comm_, edp_comm_;
   const Clock::time_point t_start_;
   const fs::path out_;
   const bool tty_;
@@ -467,14 +490,20 @@ void Run::load_model() {
     mcfg_.save((out_ / "config.json").string());
     io::write_file_atomic((out_ / "run.json").string(), cfg_.to_json().dump(2) + "\n");
   }
-  model_ = std::make_unique<model::Model<float>>(mcfg_);
+  // Expert parallel: replicas [g·ep, (g+1)·ep) share the experts (group g), and the replicas of the same place in
+  // every group hold the same ones.
+  model::ExpertShard shard;
   if (cfg_.parallel.ep > 1) {
     LM_CHECK(opt_.device == "cpu", "parallel.ep: expert parallelism runs on the CPU only so far");
-    LM_CHECK(mcfg_.num_experts % cfg_.parallel.ep == 0, "{}: parallel.ep = {} does not divide the {} routed experts",
-             cfg_.model, cfg_.parallel.ep, mcfg_.num_experts);
-    for (int64_t i = 0; i < mcfg_.num_hidden_layers; ++i)
-      if (model_->moe(i)) model_->moe(i)->ep = &comm_;
+    check_expert_parallel(cfg_, mcfg_);
+    const int ep = static_cast<int>(cfg_.parallel.ep);
+    ep_comm_ = comm_.split(comm_.rank() / ep, comm_.rank());
+    edp_comm_ = comm_.split(comm_.rank() % ep, comm_.rank());
+    const int64_t El = mcfg_.num_experts / ep;
+    shard = {ep_comm_->rank() * El, El};
   }
+  model_ = std::make_unique<model::Model<float>>(mcfg_, shard);
+  if (ep_comm_) model_->set_expert_parallel(ep_comm_.get(), cfg_.parallel.ep_capacity);
   if (cfg_.parallel.cp > 1) {
     LM_CHECK(opt_.device == "cpu", "parallel.cp: context parallelism runs on the CPU only so far");
     model_->set_context_parallel(&comm_);  // (dp 1: the job's ranks are the one context-parallel group)
@@ -482,7 +511,7 @@ void Run::load_model() {
   const auto counts = model::count_params(mcfg_);
   const fs::path resume(resume_dir_);
   if (!resume_dir_.empty()) {
-    model_->params().load(io::Checkpoint::open((resume / "model.safetensors").string()));
+    model_->params().load(io::Checkpoint::open(resume.string()));  // (one file, or the index of its shards)
   } else if (!cfg_.init.empty()) {  // fine-tuning: the weights of another run, checked against this config first
     const io::Checkpoint ckpt = io::Checkpoint::open(cfg_.init);
     model::check_checkpoint(model::param_specs(mcfg_), ckpt);
@@ -493,9 +522,10 @@ void Run::load_model() {
   }
   model_->params().enable_grads();
   optim_ = std::make_unique<Optimizer>(model_->params(), mcfg_, cfg_.optim);
+  if (ep_comm_) optim_->set_expert_parallel(*ep_comm_, *edp_comm_);
   if (cfg_.parallel.zero == 1) optim_->shard(comm_);  // (one process: nothing)
   if (!resume_dir_.empty()) optim_->load_state(optimizer_files(resume));
-  engine_ = make_engine(opt_.device, cfg_, *model_, *optim_, comm_);
+  engine_ = make_engine(opt_.device, cfg_, *model_, *optim_, comm_, edp_comm_.get());
   const std::string vision = mcfg_.vision ? fmt::format(" + {:.2f}M vision tower and projector",
                                                          model::count_vision_params(*mcfg_.vision).total() / 1e6)
                                           : std::string();
@@ -597,7 +627,7 @@ StepReport Run::train_step(const Stage& st, int64_t step) {
   StepReport r;
   double loss_sum = 0;
   try {
-    engine_->zero_grads();
+    engine_->zero_grads(static_cast<int64_t>(mb.size()) + (n_img > 0 ? 1 : 0));
     for (const Batch& b : mb) loss_sum += engine_->forward_backward(b, n_valid).loss_sum;
     if (n_img > 0) loss_sum += engine_->forward_backward(img.batch, n_valid, &img.media).loss_sum;
     comm_.all_reduce_sum(&loss_sum, 1);
@@ -609,6 +639,8 @@ StepReport Run::train_step(const Stage& st, int64_t step) {
   engine_->balance();  // the new biases are installed for the next step
   r.loss = loss_sum / static_cast<double>(std::max<int64_t>(n_valid, 1));
   r.aux_loss = engine_->aux_loss();
+  r.ep_dropped = engine_->ep_dropped();
+  result_.ep_dropped += r.ep_dropped;
   for (const auto& l : engine_->expert_loads())
     r.maxvio.push_back(ops::max_violation(l.data(), static_cast<int64_t>(l.size())));
 
@@ -634,6 +666,10 @@ void Run::log_step(const Stage& st, int64_t step, const StepReport& r) {
                 {"grad_norm", r.info.grad_norm}, {"tok_per_s", st.per_step / r.seconds}, {"maxvio", r.maxvio},
                 {"elapsed", seconds_since(t_start_)}};
     if (cfg_.balance == Balance::Aux) row["aux_loss"] = r.aux_loss;
+    if (cfg_.parallel.ep > 1) row["ep_dropped"] = r.ep_dropped;
+    if (r.info.buckets > 0)  // several ranks: how much of the gradient reduction ran under the backward
+      row["grad_buckets"] = {{"n", r.info.buckets}, {"in_backward", r.info.buckets_early},
+                             {"hidden", r.info.buckets_hidden}, {"wait_s", r.info.reduce_wait_s}};
     if (metrics_) metrics_->write(row);
   }
   const bool every_20th = (step + 1) % std::max<int64_t>(1, st.steps / 20) == 0 || step + 1 == st.steps;
@@ -724,12 +760,14 @@ double Run::evaluate(int64_t seq_len, int64_t max_batches) {
 
 void Run::save(int64_t stage, int64_t step_in_stage, const std::string& also_as) {
   engine_->sync_to_host();
-  // The replicas hold the same weights: rank 0 writes the checkpoint, every rank its optimiser shard (ZeRO-1).
+  // The replicas hold the same weights: rank 0 writes the checkpoint (with experts sharded, the ranks of its
+  // expert-parallel group one model shard each), every rank its optimiser shard (ZeRO-1).
   TrainerState st = at_;
   st.stage = stage, st.step_in_stage = step_in_stage, st.position = loader_->position();
-  const std::string dst = save_checkpoint(out_, {mcfg_, data_->tokenizer_file(), model_->params(), *optim_, &comm_,
-                                                 cfg_.parallel.zero == 1}, st, cfg_.keep_checkpoints, also_as);
-  last_ckpt_ = dst;
+  CheckpointContent c{mcfg_, data_->tokenizer_file(), model_->params(), *optim_, &comm_, cfg_.parallel.zero == 1};
+  c.experts = ep_comm_.get();  // (expert parallel: the first group's ranks write the model, one shard each)
+  c.writes_experts = edp_comm_ && edp_comm_->rank() == 0;
+  last_ckpt_ = save_checkpoint(out_, c, st, cfg_.keep_checkpoints, also_as);
 }
 
 }  // namespace
@@ -738,6 +776,7 @@ TrainResult train(const RunConfig& cfg, const TrainOptions& opt) {
   const auto t_start = Clock::now();
   check_device(opt.device, cfg);  // first: nothing is written (no run folder, no tokenizer) for a run that cannot start
   if (cfg.parallel.cp > 1) cfg.validate("train");  // (a config built in code: its cp layout checked as a file's is)
+  if (cfg.parallel.ep > 1) check_expert_parallel(cfg, model::ModelConfig::load(cfg.model));
   const dist::Comm& comm = opt.comm ? *opt.comm : dist::world();
   LM_CHECK(comm.size() == cfg.parallel.world(),
            "train: the run config asks for {} process(es) (parallel.dp {} x parallel.cp {}) but this job has {} ({}); "

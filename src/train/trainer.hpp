@@ -56,12 +56,22 @@ struct ParallelConfig {
   // ZeRO stage over the data-parallel replicas: 1 (default) shards the optimiser state (Optimizer::shard; the
   // checkpoints then hold one optimiser shard per rank), 0 keeps a whole copy on every replica.
   int zero = 1;
-  // Routed experts split over the replicas (dist/moe_ep.hpp): 1, or dp (one expert-parallel group of every replica;
-  // each holds every weight still, but runs only its share of the experts, over the rows every replica routes there).
+  // Routed experts split over groups of ep replicas (dist/moe_ep.hpp; ep divides dp and the experts): replicas
+  // [g·ep, (g+1)·ep) form expert-parallel group g, rank j of a group holding experts [j·E/ep, (j+1)·E/ep) (weights,
+  // gradients and optimiser state) and running them over the rows its whole group routes there. The replicas that
+  // hold the same experts (dp / ep of them) sum those gradients and shard that optimiser state; the checkpoints hold
+  // one model shard per expert-parallel rank (the HF index layout). Needs zero 1.
   int64_t ep = 1;
+  // Rows per expert and source rank in the expert-parallel buffers, as a multiple of the balanced load m·k/E (m a
+  // micro-batch's tokens per rank): assignments beyond it are dropped (deterministically: an expert's first rows in
+  // token order are kept) and counted (metrics "ep_dropped"). 0 (default): m rows, nothing ever dropped.
+  double ep_capacity = 0;
   // Context parallel: every sequence of a step split into cp contiguous segments, rank r taking tokens
   // [r·T/cp, (r+1)·T/cp) (each sequence one document window: stages with concat_documents).
   int64_t cp = 1;
+  // Gradients are summed over the ranks in buckets of about this many MiB, each started as soon as the backward has
+  // made its gradients final (dist::GradBuckets), so the reduction runs under the rest of the backward.
+  double bucket_mb = 4;
   int64_t world() const { return dp * cp; }
 };
 
@@ -140,6 +150,7 @@ struct TrainResult {
   // MoE balance, per step of this process: MaxVio of the worst MoE layer (empty without MoE layers).
   std::vector<double> maxvio_worst;
   bool interrupted = false;        // stopped by SIGINT/SIGTERM (a checkpoint was saved; no summary.json)
+  int64_t ep_dropped = 0;          // assignments expert parallel's buffers dropped, over the steps of this process
   int64_t first_step = 0;          // global step of maxvio_worst[0] / losses[0] (non-zero after --resume)
   double train_seconds = 0;        // time in optimiser steps (no evaluation, no saving)
   std::vector<double> stage_heldout_ppl;  // held-out perplexity at the end of each stage finished here

@@ -76,3 +76,28 @@ TEST(Comm, SingleProcessIsAlwaysThere) {
   s.all_reduce_sum(&x, 1);
   EXPECT_EQ(x, 3.f);
 }
+
+// Non-blocking all-reduce: the sum once waited for, several under way at once (progressed by test()); and groups
+// split off the job (rank parity here): their collectives stay inside the group.
+TEST(Comm, NonBlockingAllReduceAndSplitGroups) {
+  dist::Comm& w = dist::world();
+  const int R = w.size(), r = w.rank();
+  std::vector<float> a(100, float(r + 1)), b(3, 2.0f);
+  auto pa = w.iall_reduce_sum(a.data(), a.size());
+  auto pb = w.iall_reduce_sum(b.data(), b.size());
+  pb->test();
+  pa->wait();
+  pb->wait();
+  EXPECT_TRUE(pa->test());
+  EXPECT_EQ(a[99], float(R * (R + 1) / 2));
+  EXPECT_EQ(b[0], 2.0f * float(R));
+  const std::unique_ptr<dist::Comm> g = w.split(r % 2, r);
+  EXPECT_EQ(g->size(), (R + 1 - r % 2) / 2);
+  EXPECT_EQ(g->rank(), r / 2);
+  int64_t x = r;  // the ranks of my parity: r % 2, r % 2 + 2, ...
+  g->all_reduce_sum(&x, 1);
+  int64_t want = 0;
+  for (int q = r % 2; q < R; q += 2) want += q;
+  EXPECT_EQ(x, want);
+  EXPECT_EQ(dist::single().split(0, 0)->size(), 1);
+}

@@ -7,20 +7,24 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "core/error.hpp"
 #include "dist/comm.hpp"
+#include "io/checkpoint.hpp"
 #include "io/file.hpp"
 #include "model/model.hpp"
 #include "train/optim.hpp"
 #include "train/run_dir.hpp"
+#include "testing.hpp"
 #include "train/tiny_run.hpp"
 #include "train/trainer.hpp"
 
 namespace fs = std::filesystem;
 using namespace lm;
 using namespace lm::train;
+using lm::testing::error_of;
 
 namespace {
 
@@ -42,35 +46,135 @@ RunConfig ten_steps(const fs::path& root, const std::string& out) {
   return c;
 }
 
+// ten_steps trained by one process (on every rank, once for all the tests: the reference they compare with).
+const TrainResult& one_process(dist::Comm& w) {
+  static const TrainResult r = [&] {
+    const fs::path root = shared_root(w, "lm_one");
+    TrainOptions o;
+    o.quiet = true;
+    o.comm = &dist::single();
+    return lm::train::train(ten_steps(root, "one-" + std::to_string(w.rank())), o);
+  }();
+  return r;
+}
+
 }  // namespace
 
-// Expert parallel over the replicas (parallel.ep = dp): each runs its share of the experts over the rows every
-// replica routes there; 10 steps give the losses of one process (within 1e-6 relative), and the final weights too.
+// Expert parallel (parallel.ep): groups of ep replicas share the experts, each holding and running its share of
+// them over the rows its whole group routes there; 10 steps give the losses of one process (within 1e-6 relative),
+// and so does the held-out loss. ep = the world size, and at 4 ranks also ep 2 (two groups of two).
 TEST(ExpertParallel, TenStepsEqualOneProcess) {
   dist::Comm& w = dist::world();
   const fs::path root = shared_root(w, "lm_ep");
   TrainOptions o;
   o.quiet = true;
   const RunConfig one = ten_steps(root, "one-" + std::to_string(w.rank()));
-  o.comm = &dist::single();
-  const TrainResult ref = lm::train::train(one, o);
-  RunConfig ep = one;
-  ep.out = (root / "ep").string();
-  ep.parallel.dp = ep.parallel.ep = w.size();
-  o.comm = &w;
-  const TrainResult got = lm::train::train(ep, o);
-  ASSERT_EQ(got.losses.size(), ref.losses.size());
-  double worst = 0;
-  for (size_t i = 0; i < ref.losses.size(); ++i)
-    worst = std::max(worst, std::abs(got.losses[i] - ref.losses[i]) / std::abs(ref.losses[i]));
-  if (w.rank() == 0)
-    std::printf("[ measure  ] expert parallel over %d replica(s) vs one process, 10 steps: worst loss difference "
-                "%.2e relative\n", w.size(), worst);
-  EXPECT_LE(worst, 1e-6);
-  EXPECT_NEAR(got.heldout_loss, ref.heldout_loss, 1e-6 * std::abs(ref.heldout_loss));
-  RunConfig bad = ep;
-  bad.parallel.ep = w.size() + 1;
+  const TrainResult& ref = one_process(w);
+  for (int64_t ep_size = w.size(); ep_size >= 2 || ep_size == w.size(); ep_size /= 2) {
+    RunConfig ep = one;
+    ep.out = (root / ("ep" + std::to_string(ep_size))).string();
+    ep.parallel.dp = w.size(), ep.parallel.ep = ep_size;
+    o.comm = &w;
+    const TrainResult got = lm::train::train(ep, o);
+    ASSERT_EQ(got.losses.size(), ref.losses.size());
+    double worst = 0;
+    for (size_t i = 0; i < ref.losses.size(); ++i)
+      worst = std::max(worst, std::abs(got.losses[i] - ref.losses[i]) / std::abs(ref.losses[i]));
+    if (w.rank() == 0)
+      std::printf("[ measure  ] expert parallel, %d replica(s) in groups of %ld, vs one process, 10 steps: worst loss "
+                  "difference %.2e relative, %ld assignments dropped\n", w.size(), long(ep_size), worst,
+                  long(got.ep_dropped));
+    EXPECT_LE(worst, 1e-6);
+    EXPECT_EQ(got.ep_dropped, 0);  // (capacity 0: lossless)
+    EXPECT_NEAR(got.heldout_loss, ref.heldout_loss, 1e-6 * std::abs(ref.heldout_loss));
+    if (ep_size == 1) break;
+  }
+  RunConfig bad = one;
+  bad.parallel.dp = w.size(), bad.parallel.ep = w.size() + 1;
   EXPECT_THROW(RunConfig::from_json(bad.to_json(), "bad"), lm::Error);
+}
+
+// Sharded checkpoints under expert parallel: 5 steps with the experts split over every rank write one model shard
+// per rank (the HF index layout) and one optimiser shard per rank; every tensor reads back through the index; one
+// process resumes and continues exactly (steps 6-10 equal the uninterrupted run's within 1e-6 relative), and so does
+// the job in another layout (at 4 ranks ep 2, at 2 ranks plain data parallel).
+TEST(ExpertParallel, ShardedCheckpointsResumeOnAnotherLayout) {
+  dist::Comm& w = dist::world();
+  if (w.size() == 1) GTEST_SKIP() << "needs several ranks";
+  const fs::path root = shared_root(w, "lm_ep_ckpt");
+  TrainOptions o;
+  o.quiet = true;
+  const TrainResult& ref = one_process(w);
+  RunConfig part = ten_steps(root, "ep");
+  part.max_steps = 5;
+  part.parallel.dp = part.parallel.ep = w.size();
+  o.comm = &w;
+  lm::train::train(part, o);
+  w.barrier();
+  const fs::path ck = root / "ep" / "ckpt" / "step-00000005";
+  EXPECT_FALSE(fs::exists(ck / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(ck / "model.safetensors.index.json"));
+  for (int r = 0; r < w.size(); ++r) EXPECT_TRUE(fs::exists(ck / io::shard_file_name(size_t(r), size_t(w.size()))));
+  EXPECT_EQ(optimizer_files(ck).size(), size_t(w.size()));
+  const model::ModelConfig mc = model::ModelConfig::load((ck / "config.json").string());
+  EXPECT_NO_THROW(model::check_checkpoint(model::param_specs(mc), io::Checkpoint::open(ck.string())));
+  if (w.rank() == 0) fs::copy(root / "ep", root / "ep-copy", fs::copy_options::recursive);
+  w.barrier();
+  auto worst_rest = [&](const TrainResult& rest) {
+    EXPECT_EQ(rest.losses.size(), 5u);
+    double worst = 0;
+    for (size_t i = 0; i < std::min<size_t>(5, rest.losses.size()); ++i)
+      worst = std::max(worst, std::abs(rest.losses[i] - ref.losses[5 + i]) / std::abs(ref.losses[5 + i]));
+    return worst;
+  };
+  // The job in another layout resumes the copy.
+  RunConfig other = part;
+  other.out = (root / "ep-copy").string();
+  other.max_steps = 10;
+  other.parallel.ep = w.size() >= 4 ? w.size() / 2 : 1;
+  o.resume = true;
+  const double worst_other = worst_rest(lm::train::train(other, o));
+  EXPECT_LE(worst_other, 1e-6);
+  // One process resumes the original.
+  if (w.rank() == 0) {
+    RunConfig one = part;
+    one.max_steps = 10;
+    one.parallel = {};
+    o.comm = &dist::single();
+    const double worst_one = worst_rest(lm::train::train(one, o));
+    EXPECT_LE(worst_one, 1e-6);
+    std::printf("[ measure  ] EP over %d ranks for 5 steps, its sharded checkpoint resumed by one process and by %d "
+                "ranks with ep %ld: worst loss difference %.2e / %.2e relative\n", w.size(), w.size(),
+                long(other.parallel.ep), worst_one, worst_other);
+  }
+  w.barrier();
+}
+
+// Buffers below the load (ep_capacity 0.5 of the balanced load): the overflow is dropped, counted in the result and
+// in every metrics line.
+TEST(ExpertParallel, DroppedAssignmentsAreReported) {
+  dist::Comm& w = dist::world();
+  if (w.size() == 1) GTEST_SKIP() << "needs several ranks";
+  const fs::path root = shared_root(w, "lm_ep_drop");
+  TrainOptions o;
+  o.quiet = true;
+  o.comm = &w;
+  RunConfig c = ten_steps(root, "run");
+  c.max_steps = 2;
+  c.parallel.dp = c.parallel.ep = w.size();
+  c.parallel.ep_capacity = 0.5;
+  const TrainResult r = lm::train::train(c, o);
+  EXPECT_GT(r.ep_dropped, 0);
+  w.barrier();
+  std::ifstream f(root / "run" / "metrics.jsonl");
+  std::string line;
+  int64_t logged = 0;
+  while (std::getline(f, line))
+    if (const io::json j = io::json::parse(line); j.contains("ep_dropped")) logged += j["ep_dropped"].get<int64_t>();
+  EXPECT_EQ(logged, r.ep_dropped);
+  if (w.rank() == 0)
+    std::printf("[ measure  ] capacity 0.5 x the balanced load over %d ranks: %ld assignments dropped in 2 steps\n",
+                w.size(), long(r.ep_dropped));
 }
 
 TEST(DataParallel, TenStepsEqualOneProcess) {
@@ -80,8 +184,7 @@ TEST(DataParallel, TenStepsEqualOneProcess) {
   o.quiet = true;
   // The reference: one process, in a folder of its own on every rank.
   const RunConfig one = ten_steps(root, "one-" + std::to_string(w.rank()));
-  o.comm = &dist::single();
-  const TrainResult ref = lm::train::train(one, o);
+  const TrainResult& ref = one_process(w);
   RunConfig dp = one;
   dp.out = (root / "dp").string();
   dp.parallel.dp = w.size();
@@ -115,12 +218,22 @@ TEST(DataParallel, TenStepsEqualOneProcess) {
 }
 
 TEST(DataParallel, LayoutsThatCannotSplitAreConfigErrors) {
-  RunConfig c = tiny::tiny_run(fs::path(::testing::TempDir()) / "lm_dp_layout", "x");
+  const fs::path root = fs::path(::testing::TempDir()) / ("lm_dp_layout_" + std::to_string(dist::world().rank()));
+  RunConfig c = tiny::tiny_run(root, "x");
   io::json j = c.to_json();
   j["parallel"] = {{"dp", 3}};  // batch_seqs 8 and 4 do not split in 3
   EXPECT_THROW(RunConfig::from_json(j, "dp3"), Error);
-  j["parallel"] = {{"dp", 2}, {"ep", 4}};  // expert parallel over every replica, or none
+  j["parallel"] = {{"dp", 2}, {"ep", 4}};  // groups of ep replicas: ep divides dp
   EXPECT_THROW(RunConfig::from_json(j, "ep4"), Error);
+  j["parallel"] = {{"dp", 2}, {"ep", 2}, {"zero", 0}};  // the experts' optimiser state lives with them
+  EXPECT_THROW(RunConfig::from_json(j, "ep2 zero0"), Error);
+  // ep must divide the model's 8 experts: refused before anything is written, whatever the job's size.
+  RunConfig three = c;
+  three.out = (root / "ep3").string();
+  three.parallel.dp = three.parallel.ep = 3;
+  EXPECT_NE(error_of([&] { lm::train::train(three, TrainOptions{}); }).find("divide the 8 routed experts"),
+            std::string::npos);
+  EXPECT_FALSE(fs::exists(three.out));
   j["parallel"] = {{"dp", 2}, {"cp", 2}};
   EXPECT_THROW(RunConfig::from_json(j, "cp2"), Error);
   j["parallel"] = {{"dp", 2}, {"ep", 2}};
@@ -202,12 +315,10 @@ TEST(DataParallel, ResumeOnAnotherWorldSizeContinuesExactly) {
   const fs::path root = shared_root(w, "lm_dp_resume");
   TrainOptions o;
   o.quiet = true;
-  const RunConfig full = ten_steps(root, "full-" + std::to_string(w.rank()));
-  o.comm = &dist::single();
-  const TrainResult ref = lm::train::train(full, o);
-  RunConfig part = full;
-  part.out = (root / "part").string();
+  const TrainResult& ref = one_process(w);
+  RunConfig part = ten_steps(root, "part");
   part.max_steps = 5;
+  o.comm = &dist::single();
   if (w.rank() == 0) lm::train::train(part, o);  // one process writes steps 1-5
   w.barrier();
   part.max_steps = 10;
@@ -235,8 +346,7 @@ TEST(DataParallel, ShardedOptimizerStateAndCheckpoints) {
   TrainOptions o;
   o.quiet = true;
   const RunConfig full = ten_steps(root, "full-" + std::to_string(w.rank()));
-  o.comm = &dist::single();
-  const TrainResult ref = lm::train::train(full, o);
+  const TrainResult& ref = one_process(w);
   // The state a replica holds: Optimizer::shard on this world.
   {
     model::Model<float> m(model::ModelConfig::load(full.model));
