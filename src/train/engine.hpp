@@ -7,7 +7,8 @@
 // from their weights and state and, when it keeps its own copy on a device, writes that back in sync_to_host.
 //
 // Implementations: engine_cpu.cpp (model::Model<float> + train::Optimizer + the host Balancer) and
-// engine_cuda.cpp (model::cuda::GpuModel: forward, backward, AdamW and Quantile Balancing on the GPU).
+// engine_cuda.cpp (model::cuda::GpuModel: forward, backward, AdamW and Quantile Balancing on the GPU; data parallel
+// over NCCL).
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -49,6 +50,9 @@ class Engine {
   virtual std::string plan(int64_t /*rows*/) { return {}; }
   // A new step: zero gradients and no expert loads or router statistics yet.
   virtual void zero_grads() = 0;
+  // The step that follows runs n forward_backward calls: a data-parallel engine sends the gradients during the last
+  // one's backward (without this call it sends them all in step()).
+  virtual void set_micro_batches(int64_t /*n*/) {}
   // One micro-batch: forward, cross-entropy normalised by the step's n_valid_total targets (so that
   // accumulation equals one big batch), backward into the gradients; adds the micro-batch's expert loads
   // and router statistics to the step's. NonFinite on a NaN/Inf loss (naming the first bad layer where it can).
@@ -89,7 +93,10 @@ std::unique_ptr<Engine> make_engine(const std::string& device, const RunConfig& 
 // The two implementations behind make_engine / check_device.
 std::unique_ptr<Engine> make_cpu_engine(const RunConfig& cfg, model::Model<float>& host, Optimizer& optim,
                                         dist::Comm& comm);
-std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, model::Model<float>& host, Optimizer& optim);
+// The CUDA engine over `comm`'s replicas: one GPU per process, the gradients summed over NCCL (train/cuda/
+// data_parallel.hpp) when comm has several processes or LONGMOE_NCCL=1 (core/env.hpp).
+std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, model::Model<float>& host, Optimizer& optim,
+                                         dist::Comm& comm);
 void check_cuda_run(const RunConfig& cfg);
 
 }  // namespace lm::train

@@ -598,6 +598,7 @@ StepReport Run::train_step(const Stage& st, int64_t step) {
   double loss_sum = 0;
   try {
     engine_->zero_grads();
+    engine_->set_micro_batches(static_cast<int64_t>(mb.size()) + (n_img > 0 ? 1 : 0));
     for (const Batch& b : mb) loss_sum += engine_->forward_backward(b, n_valid).loss_sum;
     if (n_img > 0) loss_sum += engine_->forward_backward(img.batch, n_valid, &img.media).loss_sum;
     comm_.all_reduce_sum(&loss_sum, 1);

@@ -1,6 +1,6 @@
 // The CPU training engine against the model and optimiser it wraps: the same losses, steps and weights bit
 // for bit, the step's expert loads, which balancing kinds move the selection bias, NaN/Inf reports that name the
-// layer, and the device checks.
+// layer, and the device checks (with the GPU's parallel layouts).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "core/error.hpp"
+#include "dist/nccl.hpp"
 #include "model/cuda/gpu_model.hpp"
 #include "model/model.hpp"
 #include "train/engine.hpp"
@@ -169,6 +170,24 @@ TEST(Engine, DeviceChecks) {
   rc.balance = Balance::Sign;
   EXPECT_THROW(check_device("cuda", rc), Error);
   rc.balance = Balance::QB;
+  // The GPU runs data parallel alone, over NCCL, and ZeRO-1 there splits each bucket into dp equal blocks.
+  auto refused = [&](const RunConfig& bad, const std::string& needle) {
+    try {
+      check_device("cuda", bad);
+      ADD_FAILURE() << "accepted: " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  RunConfig bad = rc;
+  bad.parallel.dp = bad.parallel.ep = 2;
+  refused(bad, "expert parallelism (parallel.ep 2) runs on the CPU only");
+  bad = rc;
+  bad.parallel.cp = 2;
+  refused(bad, "context parallelism (parallel.cp 2) runs on the CPU only");
+  bad = rc;
+  bad.parallel.dp = 3;
+  refused(bad, dist::built_with_nccl() ? "needs dp dividing 64 (got dp 3); use parallel.zero 0" : "built without it");
   if (!model::cuda::available()) {
     const model::ModelConfig c = two_layers();
     Host h(c, rc.optim);
