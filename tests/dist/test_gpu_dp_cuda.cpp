@@ -27,7 +27,8 @@
 #include "train/cuda/adamw.hpp"
 #include "train/cuda/data_parallel.hpp"
 #include "train/engine.hpp"
-#include "train/tiny_gpu_run.hpp"
+#include "train/engine_testing.hpp"
+#include "train/tiny_run.hpp"
 
 namespace fs = std::filesystem;
 using namespace lm;
@@ -197,27 +198,8 @@ TEST(GpuDataParallel, EveryBucketGoesOutDuringAnArmedBackward) {
   EXPECT_TRUE(std::isfinite(dp.grad_norm()));
 }
 
-// B sequences of T tokens of a fixed pattern; each predicts its next token (the last predicts nothing).
-Batch batch(int64_t B, int64_t T, int32_t vocab) {
-  Batch b;
-  b.seqs = B, b.seq_len = T;
-  for (int64_t s = 0; s < B; ++s) {
-    for (int64_t t = 0; t < T; ++t) b.ids.push_back(static_cast<int32_t>((s * 7 + t * t * 3 + t) % vocab));
-    for (int64_t t = 0; t < T; ++t) b.targets.push_back(t + 1 < T ? b.ids[size_t(s * T + t + 1)] : kIgnore);
-  }
-  for (int64_t s = 0; s <= B; ++s) b.cu_seqlens.push_back(s * T);
-  return b;
-}
-
-struct Host {
-  Host(const model::ModelConfig& c, const OptimConfig& oc) : m(c) {
-    m.params().init(3);
-    m.params().enable_grads();
-    optim = std::make_unique<Optimizer>(m.params(), c, oc);
-  }
-  model::Model<float> m;
-  std::unique_ptr<Optimizer> optim;
-};
+using engine_testing::batch;
+using engine_testing::Host;
 
 // Every replica's copy of the host weights: the same bytes on every rank.
 bool same_on_every_rank(dist::Comm& w, const model::ParamStore<float>& ps) {

@@ -12,7 +12,7 @@
 #include "io/json.hpp"
 #include "model/cuda/gpu_model.hpp"
 #include "model/model.hpp"
-#include "train/tiny_gpu_run.hpp"
+#include "train/tiny_run.hpp"
 
 using namespace lm;
 using namespace lm::model;
@@ -45,7 +45,7 @@ TEST(GpuGradReady, EveryStageOnceInOrderAndItsGradientsFinal) {
     gpu.set_offload_states(cs.offload);
     const cuda::GpuModel::Flat f = gpu.flat();
     float* snap = nullptr;
-    ASSERT_EQ(cudaMalloc(&snap, f.P * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&snap), f.P * 4), cudaSuccess);
     ASSERT_EQ(cudaMemset(snap, 0xff, f.P * 4), cudaSuccess);  // NaN: a parameter never announced shows
     std::vector<int64_t> seen;
     gpu.set_grad_ready([&](int64_t stage) {

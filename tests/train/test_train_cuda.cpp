@@ -11,7 +11,7 @@
 #include "core/error.hpp"
 #include "io/json.hpp"
 #include "model/cuda/gpu_model.hpp"
-#include "train/tiny_gpu_run.hpp"
+#include "train/tiny_run.hpp"
 #include "train/trainer.hpp"
 
 namespace fs = std::filesystem;
