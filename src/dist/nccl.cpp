@@ -29,26 +29,28 @@ namespace lm::dist {
 
 namespace {
 
-// This process's index among the job's processes on its host, and their number.
-std::pair<int, int> local_index(Comm& host) {
+std::string host_name() {
   char name[HOST_NAME_MAX + 1] = {};
   LM_CHECK(gethostname(name, sizeof name - 1) == 0, "gethostname failed: {}", std::strerror(errno));
-  const size_t len = std::strlen(name) + 1;  // (with its terminator: names are split at the zeros)
-  const std::vector<char> all = host.all_gather_v(name, len);
+  return name;
+}
+
+// This process's index among the job's processes whose `key` equals its own, and their number (collective).
+std::pair<int, int> index_among(Comm& host, const std::string& key) {
+  const std::vector<char> all = host.all_gather_v(key.c_str(), key.size() + 1);  // (split at the zeros)
   int index = -1, count = 0, r = 0;
   for (size_t o = 0; o < all.size(); o += std::strlen(all.data() + o) + 1, ++r) {
-    if (std::strcmp(all.data() + o, name) != 0) continue;
+    if (key != all.data() + o) continue;
     if (r == host.rank()) index = count;
     ++count;
   }
-  LM_CHECK(index >= 0 && r == host.size(), "use_local_device: the host names of {} ranks came back as {}",
-           host.size(), r);
+  LM_CHECK(index >= 0 && r == host.size(), "nccl: the keys of {} ranks came back as {}", host.size(), r);
   return {index, count};
 }
 
 }  // namespace
 
-int local_processes(Comm& host) { return local_index(host).second; }
+int local_processes(Comm& host) { return index_among(host, host_name()).second; }
 
 #ifndef LONGMOE_HAVE_NCCL
 
@@ -101,15 +103,20 @@ ncclDataType_t nccl_type(DType t) {
 }  // namespace
 
 int use_local_device(Comm& host) {
-  const auto [index, count] = local_index(host);
+  const std::string name = host_name();
+  const auto [index, count] = index_among(host, name);
   int n = 0;
   ck(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
-  char name[HOST_NAME_MAX + 1] = {};
-  gethostname(name, sizeof name - 1);
-  LM_CHECK(count <= n, "{} processes of this job run on host {}, which has {} GPU(s): NCCL takes one GPU per "
-           "process (start at most {} there)", count, name, n, n);
-  ck(cudaSetDevice(index), "cudaSetDevice");
-  return index;
+  // Fewer GPUs visible than processes is fine where each process sees a GPU of its own (CUDA_VISIBLE_DEVICES set per
+  // process): told by the first visible GPU's PCI bus id (gathered on every rank, so the gathers stay collective).
+  char bus[64] = {};
+  if (n > 0) ck(cudaDeviceGetPCIBusId(bus, sizeof bus, 0), "cudaDeviceGetPCIBusId");
+  const int sharing = index_among(host, name + "/" + bus).second;
+  const bool own = count <= n;
+  LM_CHECK(own || (n > 0 && sharing == 1), "{} processes of this job run on host {}, which has {} GPU(s) visible to "
+           "each: NCCL takes one GPU per process (start at most {} there)", count, name, n, n);
+  ck(cudaSetDevice(own ? index : 0), "cudaSetDevice");
+  return own ? index : 0;
 }
 
 struct DeviceComm::Impl {

@@ -28,9 +28,10 @@ namespace lm::dist {
 
 bool built_with_nccl();
 
-// This process's GPU: its index among the job's processes on its host (host names gathered over `host`). Sets the
-// CUDA device and returns it; lm::Error when the host runs more processes than it has GPUs (NCCL takes one GPU per
-// rank). Collective over `host`; call it before anything allocates on a GPU.
+// This process's GPU: its index among the job's processes on its host (host names gathered over `host`), or the one
+// GPU it sees where each process sees a different one (CUDA_VISIBLE_DEVICES set per process). Sets the CUDA device
+// and returns it; lm::Error when processes would share a GPU (NCCL takes one per rank). Collective over `host`; call
+// it before anything allocates on a GPU.
 int use_local_device(Comm& host);
 // Processes of the job on this host (by host name; collective over `host`).
 int local_processes(Comm& host);

@@ -310,8 +310,9 @@ TEST(GpuDataParallel, ZeroOneStateThroughTheHostIsUnchanged) {
   }
 }
 
-// A whole run (tiny_gpu_run, 12 steps) over the replicas against one process: the losses within 2e-2 (GPU steps are
-// not bit-reproducible); rank 0 writes the run folder, with one optimizer shard per rank (ZeRO-1) when several.
+// A whole run (tiny_gpu_run, 12 steps) over the replicas against one process: the losses within 1e-2 plus three times
+// the difference between two runs of one process up to that step (GPU steps are not bit-reproducible); rank 0 writes
+// the run folder, with one optimizer shard per rank (ZeRO-1) when several.
 TEST(GpuDataParallel, TrainingRunFollowsOneProcess) {
   REQUIRE_NCCL();
   nccl_testing::shared_comm();
@@ -324,9 +325,13 @@ TEST(GpuDataParallel, TrainingRunFollowsOneProcess) {
   w.barrier();
   TrainOptions o;
   o.quiet = true, o.device = "cuda", o.comm = &dist::single();
-  RunConfig one = tiny::tiny_gpu_run(root, (root / ("one-" + std::to_string(w.rank()))).string());
+  const std::string r = std::to_string(w.rank());
+  RunConfig one = tiny::tiny_gpu_run(root, (root / ("one-" + r)).string());
   if (w.size() > 1) one.balance = Balance::None;  // (QB over the replicas' rows is not one process's)
   const TrainResult ref = lm::train::train(one, o);
+  RunConfig again = one;
+  again.out = (root / ("again-" + r)).string();
+  const TrainResult ref2 = lm::train::train(again, o);
   RunConfig dp = one;
   dp.out = (root / "dp").string();
   dp.parallel.dp = w.size();
@@ -337,15 +342,18 @@ TEST(GpuDataParallel, TrainingRunFollowsOneProcess) {
     got = lm::train::train(dp, o);
   }
   ASSERT_EQ(got.losses.size(), ref.losses.size());
-  double worst = 0;
+  ASSERT_EQ(ref2.losses.size(), ref.losses.size());
+  double noise = 0, worst = 0;
   for (size_t i = 0; i < ref.losses.size(); ++i) {
+    noise = std::max(noise, std::abs(ref2.losses[i] - ref.losses[i]));
     worst = std::max(worst, std::abs(got.losses[i] - ref.losses[i]));
-    EXPECT_NEAR(got.losses[i], ref.losses[i], 2e-2) << "step " << i + 1;
+    EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-2 + 3 * noise) << "step " << i + 1 << " (run-to-run " << noise << ")";
   }
   if (w.rank() == 0)
-    std::printf("[ measure  ] %d GPU replica(s) vs one GPU, %zu steps: losses %.4f -> %.4f, worst difference %.2e\n",
-                w.size(), ref.losses.size(), ref.losses.front(), ref.losses.back(), worst);
-  EXPECT_NEAR(got.heldout_loss, ref.heldout_loss, 2e-2);
+    std::printf("[ measure  ] %d GPU replica(s) vs one GPU, %zu steps: losses %.4f -> %.4f, worst difference %.2e "
+                "(one GPU run to run: %.2e)\n", w.size(), ref.losses.size(), ref.losses.front(), ref.losses.back(),
+                worst, noise);
+  EXPECT_NEAR(got.heldout_loss, ref.heldout_loss, 1e-2 + 3 * noise);
   w.barrier();
   const fs::path last = got.checkpoint;
   EXPECT_TRUE(fs::exists(last / "model.safetensors")) << last;
