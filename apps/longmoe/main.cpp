@@ -11,6 +11,7 @@
 #include "core/error.hpp"
 #include "core/parallel.hpp"
 #include "dist/comm.hpp"
+#include "dist/nccl.hpp"
 
 namespace lm::app {
 std::vector<Command>& registry() {
@@ -76,11 +77,11 @@ int main(int argc, char** argv) {
       if (sub->parsed()) return act();
   } catch (const lm::Error& e) {
     std::fprintf(stderr, "longmoe: error: %s\n", e.what());
-    lm::dist::abort_job(2);  // under mpirun: the other ranks must not wait for this one in a collective
+    lm::dist::abort_job_and_devices(2);  // under mpirun: no other rank may wait for this one in a collective
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "longmoe: internal error: %s\n", e.what());
-    lm::dist::abort_job(3);
+    lm::dist::abort_job_and_devices(3);
     return 3;
   }
   return 1;

@@ -33,6 +33,8 @@ inline constexpr const char* kGgOrder = "LONGMOE_GG_ORDER";
 inline constexpr const char* kGgEpi = "LONGMOE_GG_EPI";
 inline constexpr const char* kGgBn = "LONGMOE_GG_BN";
 inline constexpr const char* kCrashInSaveAtStep = "LONGMOE_CRASH_IN_SAVE_AT_STEP";
+inline constexpr const char* kNccl = "LONGMOE_NCCL";
+inline constexpr const char* kDpBucketMb = "LONGMOE_DP_BUCKET_MB";
 inline constexpr const char* kNoReexec = "LONGMOE_NO_REEXEC";
 inline constexpr const char* kPeerScript = "LONGMOE_PEER_SCRIPT";
 inline constexpr const char* kGoldenDir = "LONGMOE_GOLDEN_DIR";
@@ -112,6 +114,13 @@ inline int64_t crash_in_save_at_step() {
   const char* v = detail::raw(kCrashInSaveAtStep);
   return v ? std::atoll(v) : -1;
 }
+
+// LONGMOE_NCCL=1: the GPU trainer takes the data-parallel path over NCCL (train/cuda/data_parallel.hpp) also in a job
+// of one process (tests: world size 1 through NCCL). Read when an engine is made. Default off: only jobs of several.
+inline bool nccl() { return detail::first_is(kNccl, '1'); }
+// LONGMOE_DP_BUCKET_MB=N: MiB of fp32 gradients per bucket that the GPU trainer's data parallel reduces at once while
+// the backward goes on (train/cuda/data_parallel.hpp). Read when an engine is made. Default 32.
+inline int dp_bucket_mb() { return detail::int_or(kDpBucketMb, 32); }
 
 // ---- the CLI (apps/longmoe, bench/) ------------------------------------------------------------------------
 

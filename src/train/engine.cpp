@@ -6,16 +6,13 @@ namespace lm::train {
 void check_device(const std::string& device, const RunConfig& cfg) {
   LM_CHECK(device == "cpu" || device == "cuda", "train: --device must be cpu or cuda, not '{}'", device);
   if (device == "cuda") check_cuda_run(cfg);
-  LM_CHECK(device == "cpu" || cfg.parallel.dp == 1, "train: parallel.dp > 1 runs on the CPU only so far (got --device "
-           "{} with dp {})", device, cfg.parallel.dp);
-  LM_CHECK(device == "cpu" || cfg.parallel.cp == 1, "train: parallel.cp > 1 runs on the CPU only so far (got --device "
-           "{} with cp {})", device, cfg.parallel.cp);
 }
 
 std::unique_ptr<Engine> make_engine(const std::string& device, const RunConfig& cfg, model::Model<float>& host,
                                     Optimizer& optim, dist::Comm& comm, dist::Comm* expert_dp) {
   check_device(device, cfg);
-  return device == "cuda" ? make_cuda_engine(cfg, host, optim) : make_cpu_engine(cfg, host, optim, comm, expert_dp);
+  return device == "cuda" ? make_cuda_engine(cfg, host, optim, comm)
+                          : make_cpu_engine(cfg, host, optim, comm, expert_dp);
 }
 
 }  // namespace lm::train

@@ -7,7 +7,8 @@
 // from their weights and state and, when it keeps its own copy on a device, writes that back in sync_to_host.
 //
 // Implementations: engine_cpu.cpp (model::Model<float> + train::Optimizer + the host Balancer) and
-// engine_cuda.cpp (model::cuda::GpuModel: forward, backward, AdamW and Quantile Balancing on the GPU).
+// engine_cuda.cpp (model::cuda::GpuModel: forward, backward, AdamW and Quantile Balancing on the GPU; data parallel
+// over NCCL).
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -48,7 +49,8 @@ class Engine {
   // (the GPU's memory plan), or returns nothing. lm::Error when they cannot fit.
   virtual std::string plan(int64_t /*rows*/) { return {}; }
   // A new step of `micro_batches` forward_backward calls (0: not said): zero gradients and no expert loads or router
-  // statistics yet. Knowing which call is the last lets the CPU engine reduce gradients during its backward.
+  // statistics yet. Knowing which call is the last lets a data-parallel engine reduce gradients during its
+  // backward (without it they are all reduced in step()).
   virtual void zero_grads(int64_t micro_batches = 0) = 0;
   // One micro-batch: forward, cross-entropy normalised by the step's n_valid_total targets (so that
   // accumulation equals one big batch), backward into the gradients; adds the micro-batch's expert loads
@@ -94,7 +96,10 @@ std::unique_ptr<Engine> make_engine(const std::string& device, const RunConfig& 
 // The two implementations behind make_engine / check_device.
 std::unique_ptr<Engine> make_cpu_engine(const RunConfig& cfg, model::Model<float>& host, Optimizer& optim,
                                         dist::Comm& comm, dist::Comm* expert_dp = nullptr);
-std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, model::Model<float>& host, Optimizer& optim);
+// The CUDA engine over `comm`'s replicas: one GPU per process, the gradients summed over NCCL (train/cuda/
+// data_parallel.hpp) when comm has several processes or LONGMOE_NCCL=1 (core/env.hpp).
+std::unique_ptr<Engine> make_cuda_engine(const RunConfig& cfg, model::Model<float>& host, Optimizer& optim,
+                                         dist::Comm& comm);
 void check_cuda_run(const RunConfig& cfg);
 
 }  // namespace lm::train

@@ -1,6 +1,6 @@
 // The CPU training engine against the model and optimiser it wraps: the same losses, steps and weights bit
 // for bit, the step's expert loads, which balancing kinds move the selection bias, NaN/Inf reports that name the
-// layer, and the device checks.
+// layer, and the device checks (with the GPU's parallel layouts).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -8,9 +8,11 @@
 #include <numeric>
 
 #include "core/error.hpp"
+#include "dist/nccl.hpp"
 #include "model/cuda/gpu_model.hpp"
 #include "model/model.hpp"
 #include "train/engine.hpp"
+#include "train/engine_testing.hpp"
 
 namespace lm::train {
 namespace {
@@ -31,28 +33,8 @@ model::ModelConfig two_layers() {
                                        "two layers");
 }
 
-// B sequences of T tokens of a fixed pattern; each predicts its next token (the last predicts nothing).
-Batch batch(int64_t B, int64_t T, int32_t vocab) {
-  Batch b;
-  b.seqs = B, b.seq_len = T;
-  for (int64_t s = 0; s < B; ++s) {
-    for (int64_t t = 0; t < T; ++t) b.ids.push_back(static_cast<int32_t>((s * 7 + t * t * 3 + t) % vocab));
-    for (int64_t t = 0; t < T; ++t) b.targets.push_back(t + 1 < T ? b.ids[s * T + t + 1] : kIgnore);
-  }
-  for (int64_t s = 0; s <= B; ++s) b.cu_seqlens.push_back(s * T);
-  return b;
-}
-
-// A host model and optimiser, initialised and ready for gradients.
-struct Host {
-  Host(const model::ModelConfig& c, const OptimConfig& oc) : m(c) {
-    m.params().init(3);
-    m.params().enable_grads();
-    optim = std::make_unique<Optimizer>(m.params(), c, oc);
-  }
-  model::Model<float> m;
-  std::unique_ptr<Optimizer> optim;
-};
+using engine_testing::batch;
+using engine_testing::Host;
 
 std::vector<float> values(const model::Param<float>& p) { return {p.w(), p.w() + p.value.numel()}; }
 
@@ -169,6 +151,24 @@ TEST(Engine, DeviceChecks) {
   rc.balance = Balance::Sign;
   EXPECT_THROW(check_device("cuda", rc), Error);
   rc.balance = Balance::QB;
+  // The GPU runs data parallel alone, over NCCL, and ZeRO-1 there splits each bucket into dp equal blocks.
+  auto refused = [&](const RunConfig& bad, const std::string& needle) {
+    try {
+      check_device("cuda", bad);
+      ADD_FAILURE() << "accepted: " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  RunConfig bad = rc;
+  bad.parallel.dp = bad.parallel.ep = 2;
+  refused(bad, "expert parallelism (parallel.ep 2) runs on the CPU only");
+  bad = rc;
+  bad.parallel.cp = 2;
+  refused(bad, "context parallelism (parallel.cp 2) runs on the CPU only");
+  bad = rc;
+  bad.parallel.dp = 3;
+  refused(bad, dist::built_with_nccl() ? "needs dp dividing 64 (got dp 3); use parallel.zero 0" : "built without it");
   if (!model::cuda::available()) {
     const model::ModelConfig c = two_layers();
     Host h(c, rc.optim);

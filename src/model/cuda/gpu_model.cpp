@@ -9,6 +9,14 @@
 
 #include "core/error.hpp"
 
+namespace lm::model::cuda {
+// The backward (stack.cpp) ends with the embedding and the tower's blocks (whose `layer` is their block index).
+int64_t GpuModel::grad_stage(const ParamSpec& s, int64_t layers) {
+  if (s.component == Component::Embedding || is_vision_component(s.component)) return -1;
+  return s.layer >= 0 ? s.layer : layers;
+}
+}  // namespace lm::model::cuda
+
 #ifndef LONGMOE_HAVE_CUDA
 
 namespace lm::model::cuda {
@@ -48,6 +56,8 @@ std::vector<float> GpuModel::forward_backward_logp(const int32_t*, const int32_t
 }
 int32_t GpuModel::media_placeholder() const { no_cuda(); }
 GpuModel::Flat GpuModel::flat() const { no_cuda(); }
+void GpuModel::balance(const std::function<RouterRows(const RouterRows&)>&) { no_cuda(); }
+void GpuModel::set_grad_ready(std::function<void(int64_t)>) { no_cuda(); }
 ParamSlot GpuModel::slot(const std::string&) const { no_cuda(); }
 void GpuModel::weights_updated() { no_cuda(); }
 void GpuModel::balance() { no_cuda(); }
@@ -354,15 +364,19 @@ GpuModel::Flat GpuModel::flat() const {
 ParamSlot GpuModel::slot(const std::string& name) const { return p_->slot(name); }
 void GpuModel::weights_updated() { p_->refresh_transposed(); }
 
-void GpuModel::balance() {
+void GpuModel::balance() { balance([](const RouterRows& mine) { return mine; }); }
+void GpuModel::balance(const std::function<RouterRows(const RouterRows&)>& gather) {
   Impl& m = *p_;
   for (int64_t i = 0; i < m.L; ++i) {
     if (!m.plan[i].moe()) continue;
     const std::string b = m.P_(i) + ".block_sparse_moe.gate.e_score_correction_bias";
-    oc::qb_update(got<float>(m.acts[i].moe.scores, i, "scores"), got<float>(m.acts[i].moe.alpha, i, "alpha"), m.M(b),
-                  m.rows, m.c.num_experts, m.c.num_experts_per_token);
+    const RouterRows all = gather(
+        RouterRows{got<float>(m.acts[i].moe.scores, i, "scores"), got<float>(m.acts[i].moe.alpha, i, "alpha"), m.rows});
+    oc::qb_update(all.scores, all.alpha, m.M(b), all.rows, m.c.num_experts, m.c.num_experts_per_token);
   }
 }
+
+void GpuModel::set_grad_ready(std::function<void(int64_t)> hook) { p_->grad_ready = std::move(hook); }
 
 double GpuModel::grad_norm() const {
   return std::sqrt(sum_squares(as<float>(p_->grad.p), static_cast<int64_t>(p_->train_end)));

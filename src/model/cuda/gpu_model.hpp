@@ -131,6 +131,22 @@ class GpuModel {
   void weights_updated();
   // Quantile Balancing: each MoE layer's e_score_correction_bias from the last forward's routing.
   void balance();
+  // The same over several data-parallel replicas: per MoE layer, `gather` receives this model's router statistics of
+  // the last forward (device scores [rows, E] fp32, alpha [rows] fp32) and returns every replica's, concatenated
+  // (device buffers valid until its next call, ready on the null stream); every replica then installs the same bias.
+  struct RouterRows {
+    const float* scores = nullptr;
+    const float* alpha = nullptr;
+    int64_t rows = 0;
+  };
+  void balance(const std::function<RouterRows(const RouterRows& mine)>& gather);
+  // The backward's progress, for a reducer that sends gradients while the backward goes on (data parallel): during
+  // every backward, hook(stage) once the gradient writes of that stage's parameters are all queued on the walk's
+  // stream (the null stream, core/cuda/stream.hpp), in the order L (lm_head, the final norm and AttnRes read),
+  // L − 1, ..., 0 (decoder layer i), −1 (the embedding and the vision tower: the end). Null: none.
+  void set_grad_ready(std::function<void(int64_t stage)> hook);
+  // The stage (above) after which parameter `s`'s gradient is final, in a model of `layers` decoder layers.
+  static int64_t grad_stage(const ParamSpec& s, int64_t layers);
   // Global L2 norm of the trainable parameters' gradients (double, deterministic).
   double grad_norm() const;
   // Tokens routed to each expert of MoE layer `layer` in the last forward [E].

@@ -463,6 +463,12 @@ struct GpuModel::Impl {
   bool splice_grad = false;           // the last forward spliced the tower's features (its backward runs)
   VisionActs vis;
 
+  // GpuModel::set_grad_ready's hook: ready(stage) once the backward has queued that stage's gradient writes.
+  std::function<void(int64_t)> grad_ready;
+  void ready(int64_t stage) const {
+    if (grad_ready) grad_ready(stage);
+  }
+
   // layout.cpp
   Impl(const ModelConfig& cfg, const std::function<bool(const ParamSpec&)>& decays, bool inference_only);
   ~Impl();

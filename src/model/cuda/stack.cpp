@@ -11,6 +11,7 @@
 //            h_final = h, hn = RMSNorm(h_final)
 //   backward scratch: d_prefix (the running state gradient), dnorm, dx_in fp32, dy_bf bf16, d_block[j] per closed
 //            block, ar_delta/ar_coef/ar_q[r] per deferred read of a block group.
+//   grad_ready: ready(L) after the top (LM head, final read and norm), ready(i) after layer i, ready(-1) at the end.
 #ifdef LONGMOE_HAVE_CUDA
 
 #include "model/cuda/gpu_model_impl.hpp"
@@ -362,6 +363,7 @@ void GpuModel::Impl::backward(const float* d_hn) {
     sources(plan.out_closed, state_last);
     read_norm_bwd(src, dsrc, "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight",
                   "model.norm.weight", got<float>(top.rstd_f, "rstd_f"), d_hn, dyb, deferred(plan.out_closed));
+    ready(L);
     for (int64_t i = L - 1; i >= 0; --i) {
       const LayerPlan& lp = plan[i];
       const std::string Pi = P_(i);
@@ -390,11 +392,13 @@ void GpuModel::Impl::backward(const float* d_hn) {
                       deferred(nb_attn));
       }
       ring_release(i);
+      ready(i);
     }
     flush();  // (layer 0 opens a block, so nothing is left here)
   } else {
     norm_bwd(got<float>(top.h_final, "h_final"), "model.norm.weight", got<float>(top.rstd_f, "rstd_f"), d_hn,
              d_prefix);
+    ready(L);
     for (int64_t i = L - 1; i >= 0; --i) {
       const std::string Pi = P_(i);
       const float* x_in = offload ? ring_load(i) : got<float>(acts[size_t(i)].x_in, i, "x_in");
@@ -408,6 +412,7 @@ void GpuModel::Impl::backward(const float* d_hn) {
       norm_bwd(x_in, Pi + ".input_layernorm.weight", got<float>(la.rstd1, i, "rstd1"), dnorm, dx_in);
       add_f32(d_prefix, dx_in, rows * d);
       ring_release(i);
+      ready(i);
     }
   }
   if (splice_grad) {  // the placeholders' rows: their gradient into the tower, none into the embedding
@@ -416,8 +421,11 @@ void GpuModel::Impl::backward(const float* d_hn) {
     splice_rows_backward(d_prefix, as<int32_t>(splice_pos.p), dfeat, Mf, d);
     vision_backward(dfeat);
   }
-  Timed t(part(Profile::Embedding, true));
-  oc::embedding_backward(ids_h.data(), rows, d_prefix, V, d, G("model.embed_tokens.weight"));
+  {
+    Timed t(part(Profile::Embedding, true));
+    oc::embedding_backward(ids_h.data(), rows, d_prefix, V, d, G("model.embed_tokens.weight"));
+  }
+  ready(-1);
 }
 
 }  // namespace lm::model::cuda

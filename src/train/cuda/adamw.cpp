@@ -7,6 +7,19 @@
 #include "core/error.hpp"
 #include "model/cuda/gpu_model.hpp"
 
+#include <cmath>
+
+namespace lm::train::cuda {
+AdamWArgs adamw_args(const AdamWStep& a) {
+  AdamWArgs k;
+  k.lr = static_cast<float>(a.lr), k.b1 = static_cast<float>(a.beta1), k.b2 = static_cast<float>(a.beta2);
+  k.eps = static_cast<float>(a.eps), k.gscale = static_cast<float>(a.grad_scale);
+  k.bc1 = static_cast<float>(1.0 - std::pow(a.beta1, static_cast<double>(a.step)));
+  k.bc2 = static_cast<float>(1.0 - std::pow(a.beta2, static_cast<double>(a.step)));
+  return k;
+}
+}  // namespace lm::train::cuda
+
 #ifndef LONGMOE_HAVE_CUDA
 
 namespace lm::train::cuda {
@@ -22,8 +35,6 @@ size_t AdamW::device_bytes() const { no_cuda(); }
 #else
 
 #include <cuda_runtime_api.h>
-
-#include <cmath>
 
 #include "core/cuda/check.hpp"
 
@@ -55,11 +66,7 @@ AdamW::~AdamW() {
 
 void AdamW::step(const AdamWStep& a) {
   const model::cuda::GpuModel::Flat f = model_.flat();
-  AdamWArgs k;
-  k.lr = static_cast<float>(a.lr), k.b1 = static_cast<float>(a.beta1), k.b2 = static_cast<float>(a.beta2);
-  k.eps = static_cast<float>(a.eps), k.gscale = static_cast<float>(a.grad_scale);
-  k.bc1 = static_cast<float>(1.0 - std::pow(a.beta1, static_cast<double>(a.step)));
-  k.bc2 = static_cast<float>(1.0 - std::pow(a.beta2, static_cast<double>(a.step)));
+  AdamWArgs k = adamw_args(a);
   auto run = [&](size_t b, size_t e, float wd) {
     k.wd = wd;
     adamw_update(f.master + b, f.grad + b, m_ + b, v_ + b, static_cast<uint16_t*>(f.bf16) + b,

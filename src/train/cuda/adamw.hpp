@@ -32,6 +32,8 @@ struct AdamWArgs {
 };
 void adamw_update(float* w, const float* g, float* m, float* v, void* wb, int64_t n, const AdamWArgs& a,
                   void* stream = nullptr);
+// The kernel's arguments of a step (bias corrections from a.step); wd is left 0: each launch sets its own.
+AdamWArgs adamw_args(const AdamWStep& a);
 
 // The optimiser of a GpuModel (which must outlive it): moments fp32 [P] each, zero at the start.
 class AdamW {
