@@ -225,7 +225,9 @@ std::vector<std::string> optimizer_files(const fs::path& dir) {
            dir.string());
   const io::json j = io::load_json_file(ip.string());
   const std::string ctx = ip.string();
-  LM_CHECK(j.is_object() && j.value("format", "") == "longmoe optimizer shards" && j.contains("files") &&
+  // (find, not value("format", ""): GCC 12's -Wnull-dereference misfires inside nlohmann's value())
+  const bool tagged = j.is_object() && j.find("format") != j.end() && *j.find("format") == "longmoe optimizer shards";
+  LM_CHECK(tagged && j.contains("files") &&
                j["files"].is_array() && !j["files"].empty(),
            "{}: not a longmoe optimizer index (format \"longmoe optimizer shards\" with a non-empty \"files\" list)",
            ctx);
