@@ -366,7 +366,8 @@ TEST(OpenAI, LogprobsOfTheSampledDistribution) {
     for (const auto& b : t["bytes"]) bytes += static_cast<char>(b.get<int>());
   }
   // The text leaves out a partial UTF-8 character at the very end (TextStream::finish); the tokens' bytes hold it.
-  EXPECT_EQ(as_json_text(bytes.substr(0, infer::utf8_complete_prefix(bytes))), j["choices"][0]["message"]["content"]);
+  EXPECT_EQ(as_json_text(bytes.substr(0, infer::utf8_complete_prefix(bytes))),
+            j["choices"][0]["message"]["content"].get<std::string>());
   // Completions, sampled: the drawn token's log-probability is finite and no larger than the best one.
   const json c = post_json(h, "/v1/completions",
                            {{"prompt", "alpha"}, {"max_tokens", 5}, {"temperature", 0.9}, {"seed", 11}, {"logprobs", 2}},
