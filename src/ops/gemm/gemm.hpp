@@ -2,7 +2,9 @@
 // Row-major GEMM on the CPU through OpenBLAS, for float and double:
 //   C[M,N] = alpha * op(A)[M,K] @ op(B)[K,N] + beta * C
 // op(X) = X or Xᵀ; lda/ldb/ldc are row strides of the matrices as stored.
-// Called from inside OpenMP loops it runs single-threaded (OpenBLAS OpenMP flavour).
+// Called from inside OpenMP loops it runs single-threaded (OpenBLAS OpenMP flavour). float A Bᵀ with at most 8 rows
+// (decode steps, short prefill pieces) runs a kernel of its own that does not repack B per call; each row's result
+// is then the same whatever the row count or the thread count.
 #include <cstdint>
 
 namespace lm::ops {
