@@ -23,6 +23,7 @@
 // are evicted least recently used first: for a new one when all are taken, and for latent blocks when a prefill or
 // a decode step needs more than the pool has free (reservations count only the open sequences: snapshots give way).
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -68,6 +69,9 @@ class Engine {
   virtual PrefixStats prefix_stats() const = 0;
   virtual int64_t cache_bytes() const = 0;      // the caches held now (all sequences)
   virtual std::string describe() const = 0;     // e.g. "cpu" or "cuda: 16 slots, latent pool 1048576 tokens"
+  // `f` runs between two sublayers of each prefill (Session::set_prefill_yield; empty: none). The GPU engine
+  // ignores it: its chunk is one stream of kernels.
+  virtual void set_prefill_yield(std::function<void()> f) { (void)f; }
 };
 
 // The CPU Session (borrowed: the caller keeps it alive).
@@ -91,6 +95,7 @@ class CpuEngine final : public Engine {
   PrefixStats prefix_stats() const override { return s_.prefix_stats(); }
   int64_t cache_bytes() const override;
   std::string describe() const override { return "cpu"; }
+  void set_prefill_yield(std::function<void()> f) override { s_.set_prefill_yield(std::move(f)); }
 
  private:
   const Sequence& get(Id id) const;

@@ -192,6 +192,15 @@ void Session::walk(const std::vector<Sequence*>& seqs, const int32_t* ids, int64
     };
     serial_if(decode && rows <= kSerialRows, run);
   };
+  auto yield = [&] {  // (set_prefill_yield)
+    if (decode || !yield_ || yielding_) return;
+    yielding_ = true;
+    struct Reset {
+      bool& b;
+      ~Reset() { b = false; }
+    } reset{yielding_};
+    yield_();
+  };
   auto norm = [&](const float* in, const float* w, float* out) {
     Timer t(profile.other);
     ops::rmsnorm_forward(in, w, out, static_cast<float*>(nullptr), rows, d, eps);
@@ -200,9 +209,11 @@ void Session::walk(const std::vector<Sequence*>& seqs, const int32_t* ids, int64
     for (int64_t i = 0; i < L; ++i) {
       norm(prefix.data(), ln1_[i], xn.data());
       mixer(i, xn.data(), a.data());
+      yield();
       add_into(prefix.data(), a.data(), nd);
       norm(prefix.data(), ln2_[i], xn.data());
       ffn(i, xn.data(), f.data());
+      yield();
       add_into(prefix.data(), f.data(), nd);
     }
     norm(prefix.data(), final_norm_, hn);
@@ -251,11 +262,13 @@ void Session::walk(const std::vector<Sequence*>& seqs, const int32_t* ids, int64
       norm(x.data(), ln1_[i], xn.data());
     }
     mixer(i, xn.data(), a.data());
+    yield();
     if (first) std::copy(a.begin(), a.end(), prefix.begin());
     else add_into(prefix.data(), a.data(), nd);
     phase2(mlp_w_[i], mlp_g_[i], x.data());
     norm(x.data(), ln2_[i], xn.data());
     ffn(i, xn.data(), f.data());
+    yield();
     add_into(prefix.data(), f.data(), nd);
   }
   phase2(out_w_, out_g_, x.data());

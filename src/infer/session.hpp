@@ -22,6 +22,7 @@
 // Not thread-safe: one thread drives a Session (the server's scheduler).
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -111,6 +112,11 @@ class Session {
   // The longest stored snapshot whose tokens are a prefix of `tokens[0 : max_len]` (null if none).
   Snapshot lookup_prefix(std::span<const int32_t> tokens, int64_t max_len);
 
+  // Called between two sublayers of every prefill walk while set (never inside a layer's own call, never in a
+  // decode walk, never re-entered): the CPU server runs newly arrived requests there instead of after a long
+  // prompt's piece. It may prefill and decode other sequences; the walking sequence's bits do not change.
+  void set_prefill_yield(std::function<void()> f) { yield_ = std::move(f); }
+
   SessionProfile profile;
 
  private:
@@ -146,6 +152,8 @@ class Session {
   const float* out_g_ = nullptr;
 
   PrefixIndex<Snapshot> prefix_;  // within opt_.prefix_cache_bytes
+  std::function<void()> yield_;
+  bool yielding_ = false;
 };
 
 // The context limit of a model: `requested` when positive, else max_position_embeddings, else 131072.

@@ -526,6 +526,10 @@ struct Server::Impl {
   ServerStats st;
   std::vector<std::shared_ptr<Request>> active, prefilling;  // scheduler thread only
   double prefill_debt_s = 0;  // continued-prefill time not yet matched by decode time (scheduler thread)
+  bool preemptible = false;   // a continued piece is in the engine: preempt() may run new requests
+  double preempted_s = 0;     // seconds spent in preempt() (scheduler thread), kept out of the pieces' times
+  Clock::time_point piece_t0;  // when the continued piece in the engine started
+  double piece_preempted0 = 0;  // preempted_s then
   std::vector<int32_t> chat_stops, completion_stops;
   int32_t placeholder = -1;  // the media placeholder (with o.vision)
   Budget budget;
@@ -1231,14 +1235,21 @@ struct Server::Impl {
       }
       r.skipped = 0;
       const auto t0 = Clock::now();
+      const double preempted0 = preempted_s;
       try {
         // Only the prompt's last grid point is worth a prefix-cache snapshot (as in one prefill call).
         const bool store = p + piece >= n / Cp * Cp;
+        preemptible = !fresh, piece_t0 = t0, piece_preempted0 = preempted0;
+        struct Off {
+          bool& b;
+          ~Off() { b = false; }
+        } off{preemptible};
         const std::vector<float> logits =
             engine.prefill(r.seq, std::span<const int32_t>(r.prompt).subspan(static_cast<size_t>(p),
                                                                               static_cast<size_t>(piece)),
                             nullptr, store);
-        const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+        const double took =
+            std::chrono::duration<double>(Clock::now() - t0).count() - (preempted_s - preempted0);
         r.s_per_token = took / static_cast<double>(piece);
         {
           std::lock_guard<std::mutex> lk(smu);
@@ -1291,7 +1302,72 @@ struct Server::Impl {
     }
   }
 
+  // Moves queued requests that are still in time into `admit` while the batch has room (qmu held).
+  void take_queued(std::vector<std::shared_ptr<Request>>& admit) {
+    const auto now = Clock::now();
+    for (auto it = queue.begin(); it != queue.end();)
+      if (expired(**it, now)) it = queue.erase(it);
+      else ++it;
+    while (!queue.empty() && static_cast<int64_t>(active.size() + prefilling.size() + admit.size()) < o.max_batch) {
+      admit.push_back(std::move(queue.front()));
+      queue.pop_front();
+    }
+  }
+
+  // First come, first served while the engine can hold the next one to its limit (the GPU's latent pool);
+  // the rest go back to the head of the queue, in order.
+  void start_admitted(std::vector<std::shared_ptr<Request>>& admit) {
+    size_t started = 0;
+    for (; started < admit.size(); ++started) {
+      Request& r = *admit[started];
+      if (expired(r, Clock::now())) continue;
+      if (!engine.fits(r.reserve)) break;
+      try {
+        start(r);
+        prefilling.push_back(admit[started]);
+      } catch (const std::exception& e) {
+        finish(r, "error", e.what());
+      }
+    }
+    if (started < admit.size()) {
+      std::lock_guard<std::mutex> lk(qmu);
+      queue.insert(queue.begin(), admit.begin() + static_cast<std::ptrdiff_t>(started), admit.end());
+    }
+    n_prefilling = static_cast<int64_t>(prefilling.size());
+  }
+
+  // Between two sublayers of a continued prefill piece (Engine::set_prefill_yield): requests that arrived meanwhile
+  // get their first piece and a decode step now, not after the piece, while the piece has had at least as much time
+  // as the requests run inside it (a flood of short requests cannot stop a long prompt). The piece's own sequence
+  // is not touched, so its bits are those of an uninterrupted prefill.
+  void preempt() {
+    if (!preemptible) return;
+    const double inside = preempted_s - piece_preempted0;
+    if (inside > std::chrono::duration<double>(Clock::now() - piece_t0).count() - inside) return;
+    std::vector<std::shared_ptr<Request>> admit;
+    {
+      std::lock_guard<std::mutex> lk(qmu);
+      if (queue.empty() || stopping) return;
+      take_queued(admit);
+    }
+    if (admit.empty()) return;
+    const auto t0 = Clock::now();
+    preemptible = false;  // (restored below: the requests started here run whole)
+    start_admitted(admit);
+    prefill_round(true);
+    decode_round();
+    preemptible = true;
+    preempted_s += std::chrono::duration<double>(Clock::now() - t0).count();
+    std::lock_guard<std::mutex> lk(smu);
+    ++st.preemptions;
+  }
+
   void loop() {
+    engine.set_prefill_yield([this] { preempt(); });
+    struct Unhook {
+      infer::Engine& e;
+      ~Unhook() { e.set_prefill_yield({}); }
+    } unhook{engine};
     while (true) {
       std::vector<std::shared_ptr<Request>> admit;
       {
@@ -1299,35 +1375,9 @@ struct Server::Impl {
         if (!stopping && active.empty() && prefilling.empty() && queue.empty())
           qcv.wait_for(lk, std::chrono::milliseconds(100));
         if (stopping) break;
-        const auto now = Clock::now();
-        for (auto it = queue.begin(); it != queue.end();)
-          if (expired(**it, now)) it = queue.erase(it);
-          else ++it;
-        while (!queue.empty() &&
-               static_cast<int64_t>(active.size() + prefilling.size() + admit.size()) < o.max_batch) {
-          admit.push_back(std::move(queue.front()));
-          queue.pop_front();
-        }
+        take_queued(admit);
       }
-      // First come, first served while the engine can hold the next one to its limit (the GPU's latent pool);
-      // the rest go back to the head of the queue, in order.
-      size_t started = 0;
-      for (; started < admit.size(); ++started) {
-        Request& r = *admit[started];
-        if (expired(r, Clock::now())) continue;
-        if (!engine.fits(r.reserve)) break;
-        try {
-          start(r);
-          prefilling.push_back(admit[started]);
-        } catch (const std::exception& e) {
-          finish(r, "error", e.what());
-        }
-      }
-      if (started < admit.size()) {
-        std::lock_guard<std::mutex> lk(qmu);
-        queue.insert(queue.begin(), admit.begin() + static_cast<std::ptrdiff_t>(started), admit.end());
-      }
-      n_prefilling = static_cast<int64_t>(prefilling.size());
+      start_admitted(admit);
       const auto now = Clock::now();
       std::erase_if(prefilling, [&](const std::shared_ptr<Request>& r) { return expired(*r, now); });
       std::erase_if(active, [&](const std::shared_ptr<Request>& r) { return expired(*r, now); });
@@ -1672,6 +1722,7 @@ Server::Server(std::unique_ptr<infer::Engine> own, infer::Engine* engine, const 
                               {"decode_tokens", s.decode_tokens},
                               {"decode_seconds", s.decode_s},
                               {"prefill_chunks", s.prefill_chunks},
+                              {"preemptions", s.preemptions},
                               {"prompt_tokens", s.prompt_tokens},
                               {"prefill_seconds", s.prefill_s},
                               {"prefix_cache", json{{"entries", s.prefix.entries},

@@ -90,7 +90,7 @@ struct ServerOptions {
   int64_t max_inflight_bytes = int64_t(512) << 20;  // bodies, parsing and prompts of all requests together
   double header_timeout_s = 10;    // a request's line, headers and body must arrive within this, in all
   double keep_alive_s = 5;         // an idle keep-alive connection closes after this
-  double prefill_slice_s = 0.01;   // prefill work per scheduler round (whole grid units; at least one)
+  double prefill_slice_s = 0.003;  // prefill work per scheduler round (whole grid units; at least one)
   std::string api_key;             // non-empty: required as "Authorization: Bearer <key>" (not for /health)
   std::vector<std::string> cors_origins;   // browser origins allowed ("*": any); empty: none
   std::vector<std::string> allowed_hosts;  // Host names accepted besides the loopback names
@@ -105,6 +105,7 @@ struct ServerOptions {
 struct ServerStats {
   int64_t requests = 0, bad_requests = 0, completed = 0, timeouts = 0, cancelled = 0, active = 0, queued = 0;
   int64_t prefilling = 0, prefill_chunks = 0;
+  int64_t preemptions = 0;   // times new requests ran between two sublayers of another prompt's prefill piece
   int64_t decode_steps = 0, decode_tokens = 0, prompt_tokens = 0, max_batch_seen = 0;
   int64_t rejected = 0;      // 401 / 403 / 405 / 413 / 415 at the door
   int64_t busy = 0;          // 503: memory budget or connections

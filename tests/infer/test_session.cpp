@@ -265,6 +265,44 @@ TEST(Session, SnapshotResumeIsBitIdentical) {
   EXPECT_EQ(snap->pos(), 64);
 }
 
+// The server's preemption (Session::set_prefill_yield): other sequences prefilled and decoded between the sublayers
+// of a prefill leave that prefill's logits and caches bit for bit as without them, get the bits they get alone, and
+// the hook is never re-entered from their own walks.
+TEST(Session, PreemptedPrefillIsBitIdentical) {
+  const auto cfg = parse(random_cases()[2].json);
+  model::Model<float> m(cfg);
+  randomise(m.params(), 5);
+  const int64_t V = cfg.vocab_size;
+  const auto ids = random_ids(90, V, 31), other = random_ids(21, V, 32);
+  Session plain(m, SessionOptions{16, 0, 0});
+  Sequence a = plain.new_sequence(), b = plain.new_sequence();
+  const auto la = plain.prefill(a, ids);
+  plain.prefill(b, other);
+  const auto lb = plain.decode({&b}, std::span(ids.data(), 1));
+
+  Session s(m, SessionOptions{16, 0, 0});
+  Sequence a2 = s.new_sequence(), b2 = s.new_sequence();
+  int calls = 0, nested = 0;
+  std::vector<float> lb2;
+  s.set_prefill_yield([&] {
+    ++calls;
+    if (calls == 7) {  // inside the first chunk's walk: b2's whole prefill and a decode step
+      ++nested;
+      s.prefill(b2, other);
+      lb2 = s.decode({&b2}, std::span(ids.data(), 1));
+    }
+  });
+  const auto la2 = s.prefill(a2, ids);
+  s.set_prefill_yield({});
+  EXPECT_EQ(nested, 1);
+  EXPECT_EQ(calls, 2 * cfg.num_hidden_layers * 6);  // two sublayers per layer, 6 chunks of 16, none from b2's walks
+  EXPECT_EQ(std::memcmp(la.data(), la2.data(), la.size() * sizeof(float)), 0) << "the preempted prefill's logits";
+  EXPECT_TRUE(same_caches(a, a2)) << "the preempted prefill's caches";
+  ASSERT_EQ(lb2.size(), lb.size());
+  EXPECT_EQ(std::memcmp(lb.data(), lb2.data(), lb.size() * sizeof(float)), 0) << "the nested sequence's logits";
+  EXPECT_TRUE(same_caches(b, b2));
+}
+
 TEST(Session, PrefixCacheEvictsWithinBudget) {
   const auto cfg = parse(random_cases()[0].json);
   model::Model<float> m(cfg);

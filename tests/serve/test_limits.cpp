@@ -464,6 +464,34 @@ TEST(Limits, ShortRequestsFinishWhileALongPrefillGoesOn) {
   big.close();
 }
 
+// Preemption: with a slice longer than the whole prompt, everything after its first unit is one engine call, which
+// takes seconds here. Short requests sent meanwhile run between its sublayers and are answered before it ends; a
+// scheduler that waited for the piece would answer them only after all 6000 tokens.
+TEST(Limits, NewRequestsRunInsideALongPiece) {
+  serve::ServerOptions o = opts();
+  o.prefill_slice_s = 60;
+  Harness h(o, 8192, 16);
+  Raw big(h.port);
+  ASSERT_TRUE(big.ok());
+  big.send(http_request("POST", "/v1/completions", "Content-Type: application/json\r\n",
+                        json{{"prompt", long_prompt_ids(6000)}, {"max_tokens", 1}}.dump()));
+  const auto t0 = Clock::now();
+  while (h.server.stats().prefill_chunks < 1 && ms_since(t0) < 20000)  // the first unit done: the long piece runs
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  int answered_inside = 0;
+  for (int i = 0; i < 3; ++i) {
+    auto r = h.post("/v1/completions", R"({"prompt": "alpha", "max_tokens": 2})");
+    EXPECT_TRUE(r && r->status == 200);
+    answered_inside += h.server.stats().prompt_tokens < 6000;  // the long prompt has not finished
+  }
+  EXPECT_EQ(answered_inside, 3);
+  EXPECT_GE(h.server.stats().preemptions, 2);  // (one may arrive between the two pieces)
+  const auto t1 = Clock::now();
+  while (h.server.stats().prompt_tokens < 6000 && ms_since(t1) < 60000)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(Raw::status_of(big.read_all(2.0)), 200);  // and the long one completes
+}
+
 TEST(Limits, TimeoutInterruptsALongPrefill) {
   serve::ServerOptions o = opts();
   o.request_timeout_s = 0.2;
