@@ -153,7 +153,7 @@ app::Register reg({"serve", "OpenAI-compatible HTTP server (completions, chat co
                          ->check(CLI::Range(1e-3, 3600.0));
                      auto slice_ms = std::make_shared<double>(so.prefill_slice_s * 1e3);
                      sub.add_option("--prefill-slice-ms", *slice_ms,
-                                    "prefill work per scheduler round between decode steps, ms (default 10; whole "
+                                    "prefill work per scheduler round between decode steps, ms (default 3; whole "
                                     "--prefill-chunk units, at least one)")
                          ->check(CLI::Range(0.1, 60000.0));
                      return [a, body_mb, inflight_mb, dmt, slice_ms] {
