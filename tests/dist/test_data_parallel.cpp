@@ -31,9 +31,10 @@ namespace {
 // A fresh folder `name` for this world size, with the tiny run's model and corpus (rank 0 writes them before any
 // rank reads them), and the tiny run in `out` below it: its first stage in one piece per replica, 10 steps.
 fs::path shared_root(dist::Comm& w, const std::string& name) {
-  // The test's name in the folder's: ctest runs each test in a process of its own, two at once, and each builds
+  // The test's full name in the folder's: ctest runs each test in a process of its own, two at once, and each builds
   // the reference run (one_process) afresh; the ranks of one job share the name.
-  const std::string test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string test = std::string(info->test_suite_name()) + "_" + info->name();
   const fs::path root = fs::path(::testing::TempDir()) / (name + "_" + test + "_" + std::to_string(w.size()));
   if (w.rank() == 0) {
     fs::remove_all(root);
