@@ -32,12 +32,8 @@ bool empty_product(int64_t M, int64_t N, int64_t K, F beta, F* C, int64_t ldc) {
 constexpr int64_t kFewRows = 8;
 using v8 = float __attribute__((vector_size(32)));
 
-inline v8 load8(const float* p) {
-  v8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline float sum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+// (Macros, not functions: a 32-byte vector passed or returned changes the ABI where AVX is off.)
+#define LM_LOAD8(v, p) std::memcpy(&(v), (p), sizeof(v8))
 
 // R rows of A (a[r] = A + r * lda) against one row b of B: out[r] = dot(a[r], b), each in the order of R = 1.
 template <int R>
@@ -46,18 +42,25 @@ inline void dots(const float* const* a, const float* b, int64_t K, float* out) {
   for (int r = 0; r < R; ++r) s0[r] = v8{}, s1[r] = v8{};
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
-    const v8 b0 = load8(b + k), b1 = load8(b + k + 8);
+    v8 b0, b1, x0, x1;
+    LM_LOAD8(b0, b + k);
+    LM_LOAD8(b1, b + k + 8);
     for (int r = 0; r < R; ++r) {
-      s0[r] += load8(a[r] + k) * b0;
-      s1[r] += load8(a[r] + k + 8) * b1;
+      LM_LOAD8(x0, a[r] + k);
+      LM_LOAD8(x1, a[r] + k + 8);
+      s0[r] += x0 * b0;
+      s1[r] += x1 * b1;
     }
   }
   for (int r = 0; r < R; ++r) {
-    float t = sum8(s0[r] + s1[r]);
+    const v8 v = s0[r] + s1[r];
+    float t = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
     for (int64_t j = k; j < K; ++j) t += a[r][j] * b[j];
     out[r] = t;
   }
 }
+
+#undef LM_LOAD8
 
 void few_rows_abt(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
                   int64_t ldb, float beta, float* C, int64_t ldc) {
