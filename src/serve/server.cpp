@@ -1239,7 +1239,10 @@ struct Server::Impl {
       try {
         // Only the prompt's last grid point is worth a prefix-cache snapshot (as in one prefill call).
         const bool store = p + piece >= n / Cp * Cp;
-        preemptible = !fresh, piece_t0 = t0, piece_preempted0 = preempted0;
+        // A fresh piece (also one run inside preempt()) keeps the outer piece's clock: that piece's share is measured
+        // from its own start.
+        preemptible = !fresh;
+        if (!fresh) piece_t0 = t0, piece_preempted0 = preempted0;
         struct Off {
           bool& b;
           ~Off() { b = false; }
@@ -1254,6 +1257,7 @@ struct Server::Impl {
         {
           std::lock_guard<std::mutex> lk(smu);
           ++st.prefill_chunks;
+          st.prefill_tokens += piece;
           st.prefill_s += took;
           st.prefix = engine.prefix_stats();
         }
@@ -1722,6 +1726,7 @@ Server::Server(std::unique_ptr<infer::Engine> own, infer::Engine* engine, const 
                               {"decode_tokens", s.decode_tokens},
                               {"decode_seconds", s.decode_s},
                               {"prefill_chunks", s.prefill_chunks},
+                              {"prefill_tokens", s.prefill_tokens},
                               {"preemptions", s.preemptions},
                               {"prompt_tokens", s.prompt_tokens},
                               {"prefill_seconds", s.prefill_s},

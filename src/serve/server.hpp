@@ -105,6 +105,7 @@ struct ServerOptions {
 struct ServerStats {
   int64_t requests = 0, bad_requests = 0, completed = 0, timeouts = 0, cancelled = 0, active = 0, queued = 0;
   int64_t prefilling = 0, prefill_chunks = 0;
+  int64_t prefill_tokens = 0;  // prompt tokens prefilled, over all pieces (prompt_tokens counts prompts that ended)
   int64_t preemptions = 0;   // times new requests ran between two sublayers of another prompt's prefill piece
   int64_t decode_steps = 0, decode_tokens = 0, prompt_tokens = 0, max_batch_seen = 0;
   int64_t rejected = 0;      // 401 / 403 / 405 / 413 / 415 at the door
