@@ -166,6 +166,9 @@ void attention_backward(const AttnShape& s_in, const void* q, const void* k, con
   check(cudaFreeAsync(base, st), "scratch free");
 }
 
+// The combine kernel holds one weight per split in shared memory.
+constexpr int kMaxDecodeSplits = 8192;
+
 void mla_decode(const DecodeShape& s, const void* q_lat, const void* q_rope, const void* cache, void* o_lat,
                 float* lse, void* stream) {
   if (s.R != 512 || s.Dr != 64) check.fail("decode supports R = 512, Dr = 64 only");
@@ -177,7 +180,7 @@ void mla_decode(const DecodeShape& s, const void* q_lat, const void* q_rope, con
   const int MH = s.H >= 32 ? 32 : 16, HG = int((s.H + MH - 1) / MH);
   const int ntiles = int((s.Tc + 63) / 64);
   int splits = s.splits > 0 ? s.splits : std::max(1, sms / HG);
-  splits = std::min(splits, ntiles);
+  splits = std::min({splits, ntiles, kMaxDecodeSplits});
   const int tps = (ntiles + splits - 1) / splits;
   splits = (ntiles + tps - 1) / tps;
   detail::DecParams p{};
@@ -196,6 +199,7 @@ void mla_decode(const DecodeShape& s, const void* q_lat, const void* q_rope, con
 }
 
 int mla_decode_paged_splits(const PagedDecodeShape& s) {
+  if (s.splits > kMaxDecodeSplits) check.fail("paged decode: at most " + std::to_string(kMaxDecodeSplits) + " splits");
   if (s.splits > 0) return s.splits;
   const int HG = int((s.H + (s.H >= 32 ? 31 : 15)) / (s.H >= 32 ? 32 : 16));
   const int64_t want = (2 * cu::sm_count() + HG * s.S - 1) / (HG * s.S);  // two waves of blocks

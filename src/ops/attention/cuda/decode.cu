@@ -88,24 +88,37 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const DecParams
     if (it + 1 < te) load_tile(it + 1, buf ^ 1);
     cp_commit();
 
-    // S: warp w, positions 16w..16w+15 (two n8 tiles)
-    float s[MT][2][4];
+    // S: warp w, positions 16w..16w+15 (two n8 tiles). Even and odd k steps go to two accumulators: with one warp
+    // per scheduler, a single chain of 36 dependent mma's would leave the tensor cores waiting on their latency.
+    float s[MT][2][4], s_odd[MT][2][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int n = 0; n < 2; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
-#pragma unroll 4
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t b[4];
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][n][e] = s_odd[mt][n][e] = 0.f;
+#pragma unroll 2
+    for (int kk = 0; kk < kD / 16; kk += 2) {
+      uint32_t b[4], b_odd[4];
       ldsm4(b, cC + (warp * 16) * kLDC + kk * 16 + bn_off(lane, kLDC));
+      ldsm4(b_odd, cC + (warp * 16) * kLDC + (kk + 1) * 16 + bn_off(lane, kLDC));
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        uint32_t a[4];
+        uint32_t a[4], a_odd[4];
         ldsm4(a, sQ + (mt * 16) * kLDC + kk * 16 + a_off(lane, kLDC));
+        ldsm4(a_odd, sQ + (mt * 16) * kLDC + (kk + 1) * 16 + a_off(lane, kLDC));
         mma_bf16(s[mt][0], a, b[0], b[1]);
         mma_bf16(s[mt][1], a, b[2], b[3]);
+        mma_bf16(s_odd[mt][0], a_odd, b_odd[0], b_odd[1]);
+        mma_bf16(s_odd[mt][1], a_odd, b_odd[2], b_odd[3]);
       }
     }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][n][e] += s_odd[mt][n][e];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -189,28 +202,63 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const DecParams
   }
 }
 
-// One block per (head, sequence): o_lat = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s.
-__global__ void mla_decode_combine_kernel(const DecParams p, bf16* o_lat, float* lse) {
-  const int h = blockIdx.x, seq = blockIdx.y, c = threadIdx.x * 4;
+// One block per (head, sequence): o_lat = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s. The splits' partials are
+// read by kCombGroups groups of 128 threads (every kCombGroups-th split each, 4 columns a thread), so that a hundred
+// splits are a few rounds of independent loads rather than a hundred dependent ones.
+constexpr int kCombThreads = 512, kCombGroups = kCombThreads / (kR / 4);
+
+template <bool Max>
+__device__ float block_reduce(float v, float* red) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = Max ? fmaxf(v, w) : v + w;
+  }
+  __syncthreads();  // red is reused by the next call
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = red[0];
+  for (int w = 1; w < kCombThreads / 32; ++w) v = Max ? fmaxf(v, red[w]) : v + red[w];
+  return v;
+}
+
+__global__ void __launch_bounds__(kCombThreads) mla_decode_combine_kernel(const DecParams p, bf16* o_lat, float* lse) {
+  extern __shared__ float sW[];  // [splits]: 2^(m_s − M)
+  __shared__ float red[kCombThreads / 32];
+  __shared__ float4 sO[kCombGroups - 1][kR / 4];
+  const int h = blockIdx.x, seq = blockIdx.y, tid = threadIdx.x, grp = tid / (kR / 4), c = (tid % (kR / 4)) * 4;
   const float* part_o = p.part_o + int64_t(seq) * p.splits * p.H * kR;
   const float* part_ml = p.part_ml + int64_t(seq) * p.splits * 2 * p.H;
-  o_lat += (int64_t(seq) * p.H) * kR;
-  if (lse) lse += int64_t(seq) * p.H;
   float M = -INFINITY;
-  for (int s = 0; s < p.splits; ++s) M = fmaxf(M, part_ml[int64_t(s) * 2 * p.H + h]);
-  float Lsum = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int s = 0; s < p.splits; ++s) {
+  for (int s = tid; s < p.splits; s += kCombThreads) M = fmaxf(M, part_ml[int64_t(s) * 2 * p.H + h]);
+  M = block_reduce<true>(M, red);
+  float Lsum = 0.f;
+  for (int s = tid; s < p.splits; s += kCombThreads) {
     const float w = M == -INFINITY ? 0.f : exp2f(part_ml[int64_t(s) * 2 * p.H + h] - M);  // empty splits: w = 0
+    sW[s] = w;
     Lsum += w * part_ml[(int64_t(s) * 2 + 1) * p.H + h];
+  }
+  Lsum = block_reduce<false>(Lsum, red);  // (its barriers also publish sW)
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int s = grp; s < p.splits; s += kCombGroups) {
+    const float w = sW[s];
     const float4 a = *reinterpret_cast<const float4*>(part_o + (int64_t(s) * p.H + h) * kR + c);
-    o[0] += w * a.x, o[1] += w * a.y, o[2] += w * a.z, o[3] += w * a.w;
+    o.x += w * a.x, o.y += w * a.y, o.z += w * a.z, o.w += w * a.w;
+  }
+  if (grp > 0) sO[grp - 1][c / 4] = o;
+  __syncthreads();
+  if (grp > 0) return;
+#pragma unroll
+  for (int g = 0; g < kCombGroups - 1; ++g) {
+    const float4 a = sO[g][c / 4];
+    o.x += a.x, o.y += a.y, o.z += a.z, o.w += a.w;
   }
   const float inv = Lsum > 0.f ? 1.f / Lsum : 0.f;
   uint2 out;
-  out.x = pack_bf16(o[0] * inv, o[1] * inv);
-  out.y = pack_bf16(o[2] * inv, o[3] * inv);
-  *reinterpret_cast<uint2*>(o_lat + int64_t(h) * kR + c) = out;
-  if (lse && threadIdx.x == 0) lse[h] = (M + log2f(Lsum)) * 0.69314718055994531f;
+  out.x = pack_bf16(o.x * inv, o.y * inv);
+  out.y = pack_bf16(o.z * inv, o.w * inv);
+  *reinterpret_cast<uint2*>(o_lat + (int64_t(seq) * p.H + h) * kR + c) = out;
+  if (lse && tid == 0) lse[int64_t(seq) * p.H + h] = (M + log2f(Lsum)) * 0.69314718055994531f;
 }
 
 template <int MT>
@@ -233,7 +281,8 @@ void launch_decode(const DecParams& p, cudaStream_t s) {
 }
 
 void launch_decode_combine(const DecParams& p, void* o_lat, float* lse, cudaStream_t s) {
-  mla_decode_combine_kernel<<<dim3(p.H, p.S), kR / 4, 0, s>>>(p, static_cast<bf16*>(o_lat), lse);
+  mla_decode_combine_kernel<<<dim3(p.H, p.S), kCombThreads, p.splits * sizeof(float), s>>>(
+      p, static_cast<bf16*>(o_lat), lse);
 }
 
 }  // namespace lm::ops::cuda::detail
