@@ -373,7 +373,7 @@ TEST(Limits, LongPromptDoesNotStallShortRequests) {
 // sublayers would wait for the short requests that arrived meanwhile. Its progress is counted in tokens: every
 // prefilled token is the long prompt's or a short one's (counted in prompt_tokens when it ends, in the same piece).
 // Not in pieces: the short requests that run inside its pieces make them fewer and longer, the more so the slower
-// the build (6 under ASan + UBSan, 8 or more in Release).
+// the build.
 TEST(Limits, AFloodOfShortRequestsAndALongPromptShareTheScheduler) {
   serve::ServerOptions o = opts();
   o.max_batch = 16;
@@ -409,7 +409,7 @@ TEST(Limits, AFloodOfShortRequestsAndALongPromptShareTheScheduler) {
   for (int i = 0; i < 5000 && h.server.stats().requests == requests; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   const int64_t at = done;
-  wait_done(at + 150);
+  wait_done(at + 300);
   const int64_t tokens = long_tokens(), shorts = done - at;
   stop = true;
   for (auto& t : flood) t.join();
@@ -417,8 +417,10 @@ TEST(Limits, AFloodOfShortRequestsAndALongPromptShareTheScheduler) {
   std::printf("[ measure  ] %lld short prompts and %lld tokens of the long one while the flood ran\n",
               static_cast<long long>(shorts), static_cast<long long>(tokens));
   EXPECT_EQ(failed, 0);
-  EXPECT_GE(shorts, 150);
-  EXPECT_GE(tokens, 8 * 32 + short_len);  // at least 8 chunks: the long prompt takes its turns among the short ones
+  EXPECT_GE(shorts, 300);
+  // At least 10 chunks. Seen: 1,408-1,696 tokens in Release, 576-608 under ASan + UBSan (whose pieces are one chunk
+  // each); without the half-share rule 160-192 in Release.
+  EXPECT_GE(tokens, 10 * 32 + short_len);
 }
 
 // Prefill rounds are bounded in time: a prompt's pieces are as many grid units as its measured speed fits into the
