@@ -156,8 +156,15 @@ app::Register reg({"serve", "OpenAI-compatible HTTP server (completions, chat co
                                     "prefill work per scheduler round between decode steps, ms (default 3; whole "
                                     "--prefill-chunk units, at least one)")
                          ->check(CLI::Range(0.1, 60000.0));
-                     return [a, body_mb, inflight_mb, dmt, slice_ms] {
+                     auto nice = std::make_shared<int>(-1);
+                     sub.add_option("--compute-nice", *nice,
+                                    "the engine's threads run this much nicer than the HTTP threads, 0-19 (default "
+                                    "10 on the CPU: a request is taken in without waiting behind a prefill for a "
+                                    "time slice; 0 on the GPU)")
+                         ->check(CLI::Range(0, 19));
+                     return [a, body_mb, inflight_mb, dmt, slice_ms, nice] {
                        a->so.prefill_slice_s = *slice_ms * 1e-3;
+                       a->so.compute_nice = *nice >= 0 ? *nice : a->device == "cpu" ? 10 : 0;
                        a->default_max_tokens_given = dmt->count() > 0;
                        a->so.max_body_bytes = static_cast<int64_t>(*body_mb * 1048576.0);
                        a->so.max_inflight_bytes = static_cast<int64_t>(*inflight_mb * 1048576.0);

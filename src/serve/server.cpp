@@ -10,6 +10,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -448,6 +449,7 @@ void ServerOptions::validate() const {
            keep_alive_s);
   LM_CHECK(std::isfinite(prefill_slice_s) && prefill_slice_s > 0 && prefill_slice_s <= 60,
            "prefill slice {} s is outside (0, 60]", prefill_slice_s);
+  LM_CHECK(compute_nice >= 0 && compute_nice <= 19, "compute nice {} is outside [0, 19]", compute_nice);
   for (const char c : api_key)
     LM_CHECK(c > ' ' && c < 127, "the API key must be printable ASCII without spaces");
   for (const auto& o : cors_origins)
@@ -1367,6 +1369,12 @@ struct Server::Impl {
   }
 
   void loop() {
+    if (o.compute_nice > 0) {  // (a thread may always lower its own priority)
+      const auto tid = static_cast<id_t>(gettid());
+      errno = 0;
+      const int now = getpriority(PRIO_PROCESS, tid);
+      if (errno == 0) setpriority(PRIO_PROCESS, tid, std::min(19, now + o.compute_nice));
+    }
     engine.set_prefill_yield([this] { preempt(); });
     struct Unhook {
       infer::Engine& e;

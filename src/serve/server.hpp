@@ -91,6 +91,10 @@ struct ServerOptions {
   double header_timeout_s = 10;    // a request's line, headers and body must arrive within this, in all
   double keep_alive_s = 5;         // an idle keep-alive connection closes after this
   double prefill_slice_s = 0.003;  // prefill work per scheduler round (whole grid units; at least one)
+  // The scheduler thread, which does the engine's work (and the OpenMP team it starts, which inherits it), runs this
+  // much nicer than the HTTP threads, in [0, 19]: on a busy CPU a request's hand-over then need not wait for a time
+  // slice behind a prefill. `serve` sets 10 on the CPU, 0 on the GPU (whose scheduler thread feeds the device).
+  int compute_nice = 0;
   std::string api_key;             // non-empty: required as "Authorization: Bearer <key>" (not for /health)
   std::vector<std::string> cors_origins;   // browser origins allowed ("*": any); empty: none
   std::vector<std::string> allowed_hosts;  // Host names accepted besides the loopback names

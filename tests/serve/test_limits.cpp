@@ -6,11 +6,17 @@
 // chunk by chunk between the decode steps of other requests (with the same result as one prefill call).
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <numeric>
+#include <sstream>
 #include <thread>
 
 #include "tests/serve/harness.hpp"
@@ -421,6 +427,30 @@ TEST(Limits, AFloodOfShortRequestsAndALongPromptShareTheScheduler) {
   // At least 10 chunks. Seen: 1,408-1,696 tokens in Release, 576-608 under ASan + UBSan (whose pieces are one chunk
   // each); without the half-share rule 160-192 in Release.
   EXPECT_GE(tokens, 10 * 32 + short_len);
+}
+
+// The engine's threads run nicer than the HTTP threads (ServerOptions::compute_nice): after a request, the scheduler
+// thread and its OpenMP team have this process's nice + 7; this thread and the HTTP threads keep theirs.
+TEST(Limits, EngineThreadsRunNicer) {
+  const int base = getpriority(PRIO_PROCESS, static_cast<id_t>(gettid()));
+  serve::ServerOptions o = opts();
+  o.compute_nice = 7;
+  Harness h(o);
+  auto r = h.post("/v1/completions", R"({"prompt": "alpha", "max_tokens": 2})");
+  ASSERT_TRUE(r && r->status == 200);
+  int niced = 0, others = 0;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream f(task.path() / "stat");
+    std::string line;
+    std::getline(f, line);
+    std::istringstream fields(line.substr(line.rfind(')') + 2));  // from field 3 (state) on; nice is field 19
+    std::vector<std::string> v{std::istream_iterator<std::string>(fields), std::istream_iterator<std::string>()};
+    ASSERT_GT(v.size(), 16u) << line;
+    (std::stoi(v[16]) == std::min(19, base + 7) ? niced : others)++;
+  }
+  EXPECT_GE(niced, 1);   // the scheduler (and its OpenMP workers)
+  EXPECT_GE(others, 2);  // this thread and the HTTP threads
+  EXPECT_EQ(getpriority(PRIO_PROCESS, static_cast<id_t>(gettid())), base);
 }
 
 // Prefill rounds are bounded in time: a prompt's pieces are as many grid units as its measured speed fits into the
