@@ -442,8 +442,10 @@ TEST(Limits, EngineThreadsRunNicer) {
   for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
     std::ifstream f(task.path() / "stat");
     std::string line;
-    if (!std::getline(f, line) || line.rfind(')') == std::string::npos) continue;  // a thread that just ended
-    std::istringstream fields(line.substr(line.rfind(')') + 1));  // from field 3 (state) on; nice is field 19
+    if (!std::getline(f, line)) continue;  // a thread that just ended
+    const size_t comm_end = line.rfind(')');
+    if (comm_end == std::string::npos) continue;
+    std::istringstream fields(line.substr(comm_end + 1));  // from field 3 (state) on; nice is field 19
     std::vector<std::string> v{std::istream_iterator<std::string>(fields), std::istream_iterator<std::string>()};
     ASSERT_GT(v.size(), 16u) << line;
     (std::stoi(v[16]) == std::min(19, base + 7) ? niced : others)++;

@@ -118,15 +118,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const DecParams
 #pragma unroll
       for (int n = 0; n < 2; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][n][e] += s_odd[mt][n][e];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = mt * 16 + g + (e >> 1) * 8, c = warp * 16 + n * 8 + 2 * t + (e & 1);
-          sS[r * kLDS + c] = it * kBt + c < Tc ? s[mt][n][e] * p.scale_log2 : -INFINITY;
+          sS[r * kLDS + c] = it * kBt + c < Tc ? (s[mt][n][e] + s_odd[mt][n][e]) * p.scale_log2 : -INFINITY;
         }
     __syncthreads();
 
