@@ -22,6 +22,7 @@
 
 #include "bench/cuda/benches.hpp"
 #include "bench/cuda/common.cuh"
+#include "core/cuda/device.hpp"
 #include "core/env.hpp"
 #include "ops/gemm/cuda/gemm_cuda.hpp"
 #include "ops/moe/cuda/moe_cuda.hpp"
@@ -163,6 +164,66 @@ int moe(int reps_arg) {
     result("RESULT wgrad_%s_speedup %.3f\nRESULT wgrad_%s_err %.2e\n", n, tb / tg, n, rel);
     std::fflush(stdout);
     for (void* p : std::vector<void*>{dy, x, dw, dw_ref, doff}) CK(cudaFree(p));
+  }
+
+  // Decode: the expert FFN of a few tokens (GLU product, then W2), the few-row kernel (few_rows.cu) against the
+  // wgmma one (LONGMOE_MOE_FEW_ROWS=0) in the same run, also past M = 64, where the default switches. Each timed
+  // call routes the m tokens to k distinct experts drawn afresh (16 routings in turn), so the weights come from
+  // device memory, not L2. GB = the selected experts' weights (3·d·I bf16 each, the bytes a decode step must
+  // read), against the device copy bandwidth.
+  {
+    const double bw = cu::copy_bandwidth();
+    std::printf("expert FFN at decode (device copy bandwidth %.2f TB/s, measured here):\n", bw / 1e12);
+    struct DecCase {
+      const char* name;
+      int E, k, d, I;
+    };
+    for (const DecCase& dc : {DecCase{"kimi_linear_48b", 256, 8, 2304, 1024}, DecCase{"k3_1b", 64, 8, 768, 384}})
+      for (const int m : {1, 4, 8, 32}) {
+        const int E = dc.E, k = dc.k, M = m * k, d = dc.d, I = dc.I;
+        constexpr int kRoutings = 16;
+        std::vector<int32_t*> offs;
+        double distinct = 0;
+        for (int r = 0; r < kRoutings; ++r) {
+          std::vector<int> counts(size_t(E), 0);
+          for (int t = 0; t < m; ++t)  // k distinct experts per token
+            for (int j = 0; j < k; ++j) {
+              int e = int((uint64_t(r + 1) * 2654435761u + uint64_t(t) * 40503u + uint64_t(j) * 97u) % uint64_t(E));
+              while (counts[size_t(e)] > t) e = (e + 1) % E;
+              ++counts[size_t(e)];
+            }
+          for (int c : counts) distinct += c > 0;
+          int32_t* dv = nullptr;
+          offsets_of(counts, &dv);
+          offs.push_back(dv);
+        }
+        distinct /= kRoutings;
+        auto* xs = rand_bf16(size_t(M) * d, 11, 1.f);
+        auto* w13 = rand_bf16(size_t(E) * 2 * I * d, 12, 0.02f);
+        auto* w2 = rand_bf16(size_t(E) * d * I, 13, 0.02f);
+        auto* h = dalloc<__nv_bfloat16>(size_t(M) * I);
+        auto* eo = dalloc<__nv_bfloat16>(size_t(M) * d);
+        int it = 0;
+        auto run = [&] {
+          for (int r = 0; r < kRoutings; ++r, ++it)
+            oc::moe_expert_ffn(xs, w13, w2, eo, offs[size_t(it % kRoutings)], M, d, I, E, {}, h);
+        };
+        const double gb = distinct * 3.0 * d * I * 2 / 1e9;
+        setenv(env::kMoeFewRows, "1000000", 1);  // (also past the default's limit, to see where they cross)
+        const double t_few = median_ms(run, 2, reps) / kRoutings;
+        setenv(env::kMoeFewRows, "0", 1);
+        const double t_mma = median_ms(run, 2, reps) / kRoutings;
+        unsetenv(env::kMoeFewRows);
+        std::printf("  %-16s m %2d (M %3d, %5.1f experts, %.3f GB): few-row %7.1f us %5.2f TB/s (%4.1f%% of copy) | "
+                    "wgmma %7.1f us %5.2f TB/s (%4.1f%%) | speed-up %.2f\n",
+                    dc.name, m, M, distinct, gb, t_few * 1e3, gb / t_few, 100 * gb / t_few * 1e12 / bw, t_mma * 1e3,
+                    gb / t_mma, 100 * gb / t_mma * 1e12 / bw, t_mma / t_few);
+        result("RESULT decode_ffn_%s_m%d_few_us %.1f\nRESULT decode_ffn_%s_m%d_wgmma_us %.1f\n", dc.name, m,
+               t_few * 1e3, dc.name, m, t_mma * 1e3);
+        std::fflush(stdout);
+        for (int32_t* o : offs) CK(cudaFree(o));
+        for (void* p : std::vector<void*>{xs, w13, w2, h, eo}) CK(cudaFree(p));
+      }
   }
 
   // Routing path at a K3-like step: m tokens, n = 896 experts, k = 16, d = 3584 (latent rows).

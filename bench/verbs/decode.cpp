@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <memory>
 
 #include "bench/verbs/bench.hpp"
@@ -68,6 +69,7 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::Model<fl
               "GB/step", "TB/s", "of copy", "eager t/s", "ratio", "eager synchronised ms/step: kda mla ffn attnres");
   using Clock = std::chrono::steady_clock;
   auto secs = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  std::map<std::string, double> sections_before;
   for (int64_t c : ctx) {
     std::vector<int32_t> ids;
     for (int64_t i = 0; i < c; ++i) ids.push_back(tok(static_cast<uint64_t>(i)));
@@ -102,6 +104,12 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::Model<fl
     std::printf("%9ld %11.0f %11.1f %8.3f %9.3f %9.3f %6.1f%% %10.1f %6.2f | %.3f %.3f %.3f %.3f\n", static_cast<long>(c),
                 prefill_tps, n / t, 1e3 * step, bytes / 1e9, bytes / step / 1e12, 100 * bytes / step / bw, n / te,
                 te / t, 1e3 * f[P::Kda], 1e3 * f[P::Mla], 1e3 * (f[P::DenseFfn] + f[P::Moe]), 1e3 * f[P::AttnRes]);
+    std::printf("  graph: %ld nodes; eager synchronised sections (ms):", static_cast<long>(g.decode_graph_nodes()));
+    for (const auto& [name, sec] : g.detail_profile()) {  // (the model's sections accumulate: this step's share)
+      std::printf(" %s %.3f", name.c_str(), (sec - sections_before[name]) * 1e3);
+      sections_before[name] = sec;
+    }
+    std::printf("\n");
     std::fflush(stdout);
   }
   if (a.profile_prefill > 0) {  // (after the timed contexts: every part synchronises, so it is slower than above)
@@ -120,7 +128,7 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::Model<fl
                 static_cast<double>(n) / t);
     for (int k = 0; k < model::Profile::kNum; ++k) std::printf(" %s %.1f", model::Profile::name(k), 1e3 * g.profile.fwd[k]);
     std::printf("\n  sections (ms):");
-    for (const auto& [name, sec] : g.detail_profile()) std::printf(" %s %.1f", name.c_str(), sec * 1e3);
+    for (const auto& [name, sec] : g.detail_profile()) std::printf(" %s %.1f", name.c_str(), (sec - sections_before[name]) * 1e3);
     std::printf("\n");
   }
   const model::InferenceMemory pm = model::inference_memory(cfg, max_tokens, 1 + a.batch, g.prefill_chunk, pool_tokens);

@@ -32,6 +32,7 @@ inline constexpr const char* kKdaRecurMma = "LONGMOE_KDA_RECUR_MMA";
 inline constexpr const char* kGgOrder = "LONGMOE_GG_ORDER";
 inline constexpr const char* kGgEpi = "LONGMOE_GG_EPI";
 inline constexpr const char* kGgBn = "LONGMOE_GG_BN";
+inline constexpr const char* kMoeFewRows = "LONGMOE_MOE_FEW_ROWS";
 inline constexpr const char* kCrashInSaveAtStep = "LONGMOE_CRASH_IN_SAVE_AT_STEP";
 inline constexpr const char* kNccl = "LONGMOE_NCCL";
 inline constexpr const char* kDpBucketMb = "LONGMOE_DP_BUCKET_MB";
@@ -105,6 +106,9 @@ inline int gg_epi(int fallback) { return detail::int_or(kGgEpi, fallback); }
 // LONGMOE_GG_BN=256: the plain grouped GEMM keeps 256-row weight tiles where 192-row ones would pad N less
 // (ops/moe/cuda/gemm.cu; read at every launch). Default: the tile that pads less.
 inline bool gg_bn256() { return detail::int_or(kGgBn, 0) == 256; }
+// LONGMOE_MOE_FEW_ROWS: the most rows (M) for which the grouped expert GEMMs take the few-row kernel
+// (ops/moe/cuda/few_rows.cu; 0: never; read at every launch). Unset: `fallback`, the kernels' default.
+inline int64_t moe_few_rows(int64_t fallback) { return detail::int_or(kMoeFewRows, static_cast<int>(fallback)); }
 
 // ---- training (train/trainer.cpp) -------------------------------------------------------------------------
 

@@ -45,4 +45,30 @@ inline void keep_freed_memory_in_pool() {
   (void)done;
 }
 
+// Device-to-device copy bandwidth in bytes/s (bytes read + written; ten 1 GiB copies timed with events): the
+// physical limit a bandwidth-bound kernel is measured against in the same run. 0 if the buffers cannot be had.
+inline double copy_bandwidth() {
+  const size_t n = size_t(1) << 30;
+  void *a = nullptr, *b = nullptr;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  double bw = 0;
+  if (cudaMalloc(&a, n) == cudaSuccess && cudaMalloc(&b, n) == cudaSuccess && cudaEventCreate(&e0) == cudaSuccess &&
+      cudaEventCreate(&e1) == cudaSuccess) {
+    constexpr int kReps = 10;
+    cudaMemcpy(b, a, n, cudaMemcpyDeviceToDevice);  // warm-up
+    cudaEventRecord(e0, nullptr);
+    for (int r = 0; r < kReps; ++r) cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, nullptr);
+    cudaEventRecord(e1, nullptr);
+    float ms = 0;
+    if (cudaEventSynchronize(e1) == cudaSuccess && cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess && ms > 0)
+      bw = 2.0 * double(n) * kReps / (double(ms) * 1e-3);
+  }
+  if (e0) cudaEventDestroy(e0);
+  if (e1) cudaEventDestroy(e1);
+  if (a) cudaFree(a);
+  if (b) cudaFree(b);
+  cudaGetLastError();
+  return bw;
+}
+
 }  // namespace lm::cu

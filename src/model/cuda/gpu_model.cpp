@@ -71,6 +71,7 @@ int64_t GpuModel::blocks_needed(int64_t, int64_t) const { no_cuda(); }
 void GpuModel::set_decode_graphs(bool) { no_cuda(); }
 bool GpuModel::decode_graphs() const { no_cuda(); }
 int64_t GpuModel::decode_captures() const { no_cuda(); }
+int64_t GpuModel::decode_graph_nodes() const { no_cuda(); }
 int64_t GpuModel::cache_slots() const { no_cuda(); }
 int64_t GpuModel::slot_tokens(int64_t) const { no_cuda(); }
 size_t GpuModel::cache_bytes() const { no_cuda(); }
@@ -101,6 +102,7 @@ int64_t GpuModel::snapshot_tokens(int64_t) const { no_cuda(); }
 #include <vector>
 #include <unistd.h>  // sysconf: the host memory
 
+#include "core/cuda/device.hpp"
 #include "core/half.hpp"
 #include "core/rng.hpp"
 #include "model/cuda/glue_cuda.hpp"
@@ -123,21 +125,9 @@ size_t device_memory_total() {
   return total;
 }
 double device_copy_bandwidth() {
-  const size_t n = size_t(1) << 30;
-  DBuf a, b;
-  a.ensure(n), b.ensure(n);
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  ck(cudaEventCreate(&e0), "event"), ck(cudaEventCreate(&e1), "event");
-  ck(cudaMemcpy(b.p, a.p, n, cudaMemcpyDeviceToDevice), "copy");  // warm-up
-  constexpr int kReps = 10;
-  ck(cudaEventRecord(e0, nullptr), "event");
-  for (int r = 0; r < kReps; ++r) ck(cudaMemcpyAsync(b.p, a.p, n, cudaMemcpyDeviceToDevice, nullptr), "copy");
-  ck(cudaEventRecord(e1, nullptr), "event");
-  ck(cudaEventSynchronize(e1), "event");
-  float ms = 0;
-  ck(cudaEventElapsedTime(&ms, e0, e1), "event");
-  cudaEventDestroy(e0), cudaEventDestroy(e1);
-  return 2.0 * double(n) * kReps / (double(ms) * 1e-3);
+  const double bw = cu::copy_bandwidth();
+  LM_CHECK(bw > 0, "gpu model: the device copy bandwidth could not be measured");
+  return bw;
 }
 
 GpuModel::GpuModel(const ModelConfig& c, std::function<bool(const ParamSpec&)> decays)

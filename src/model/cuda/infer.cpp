@@ -222,6 +222,8 @@ void GpuModel::Impl::decode_walk(int64_t first, int64_t S) {
       cudaGraphInstantiate(&exec, g, 0) == cudaSuccess) {
     f.graphs[key] = {exec, epoch};
     ++f.captures;
+    size_t nodes = 0;
+    if (cudaGraphGetNodes(g, nullptr, &nodes) == cudaSuccess) f.graph_nodes = static_cast<int64_t>(nodes);
   } else {  // a walk that cannot be captured runs eagerly from now on
     cudaGetLastError();
     f.use_graphs = false;
@@ -250,6 +252,7 @@ void GpuModel::set_decode_graphs(bool on) {
 }
 bool GpuModel::decode_graphs() const { return p_->inf.use_graphs; }
 int64_t GpuModel::decode_captures() const { return p_->inf.captures; }
+int64_t GpuModel::decode_graph_nodes() const { return p_->inf.graph_nodes; }
 
 // The checks of a prompt of n tokens after what `slot` holds (prefill and extend), before anything changes.
 void GpuModel::Impl::check_prompt(const char* what, int64_t slot, const int32_t* ids, int64_t n, int64_t chunk,

@@ -200,6 +200,90 @@ TEST(MoeCuda, GroupedGemmGluFused) {
   unsetenv(env::kGgEpi);
 }
 
+// The few-row path (M <= 64, decode): plain and GLU products against the double reference and against the wgmma
+// kernel (LONGMOE_MOE_FEW_ROWS=0); an expert with more rows than one register pass (11 > 4), 300 experts (the slot
+// search crosses 256), K not a multiple of 256, N off the block width; every row equal bit for bit when the same
+// rows arrive one per expert (what a token decoded alone or in a batch sees).
+TEST(MoeCuda, FewRowsPath) {
+  REQUIRE_GPU();
+  struct FC {
+    int E;
+    std::vector<std::pair<int, int>> rows;  // (expert, rows) with rows; the others empty
+    int64_t N, K;
+  };
+  for (const FC& fc : {FC{4, {{1, 1}}, 272, 200}, FC{300, {{0, 2}, {7, 11}, {255, 1}, {256, 3}, {299, 5}}, 80, 1032},
+                       FC{64, {{3, 8}, {4, 8}, {9, 8}, {10, 8}, {20, 8}, {33, 8}, {40, 8}, {63, 8}}, 768, 384}}) {
+    std::vector<int> counts(size_t(fc.E), 0);
+    for (const auto& [e, n] : fc.rows) counts[size_t(e)] = n;
+    const auto off = offsets_of(counts);
+    const int64_t M = off.back(), E = fc.E, N = fc.N, K = fc.K, I = N / 2;
+    ASSERT_LE(M, 64);
+    const Vec x = round_bf16(lm::testing::randn<float>(size_t(M * K), uint64_t(M + K), 1.0));
+    const Vec w = round_bf16(lm::testing::randn<float>(size_t(E * N * K), uint64_t(E + N), 0.05));
+    Dev gx(x.size() * 2), gw(w.size() * 2), go(off.size() * 4);
+    up_bf16(gx, x), up_bf16(gw, w), up(go, off);
+    // One row per expert (each expert's first row), as a batch of its own.
+    std::vector<int> one(size_t(E), 0);
+    Vec x1;
+    std::vector<int64_t> first;
+    for (int64_t e = 0; e < E; ++e)
+      if (counts[size_t(e)] > 0) {
+        one[size_t(e)] = 1, first.push_back(off[size_t(e)]);
+        x1.insert(x1.end(), x.begin() + off[size_t(e)] * K, x.begin() + (off[size_t(e)] + 1) * K);
+      }
+    const auto off1 = offsets_of(one);
+    const int64_t M1 = off1.back();
+    Dev gx1(x1.size() * 2), go1(off1.size() * 4);
+    up_bf16(gx1, x1), up(go1, off1);
+    auto same_rows = [&](const Dev& all, const Dev& ones, int64_t cols) {
+      const std::vector<uint16_t> a = down<uint16_t>(all, size_t(M * cols)), b = down<uint16_t>(ones, size_t(M1 * cols));
+      for (size_t j = 0; j < first.size(); ++j)
+        if (std::memcmp(&a[size_t(first[j] * cols)], &b[j * size_t(cols)], size_t(cols) * 2) != 0) return false;
+      return true;
+    };
+    // Plain product.
+    const Vec ref = ref_grouped(x, w, off, N, K);
+    Dev gy(ref.size() * 2), gy_mma(ref.size() * 2), gy1(size_t(M1 * N) * 2);
+    oc::grouped_gemm(gx.p, gw.p, gy.p, go.i(), M, N, K, E);
+    oc::grouped_gemm(gx1.p, gw.p, gy1.p, go1.i(), M1, N, K, E);
+    setenv(env::kMoeFewRows, "0", 1);
+    oc::grouped_gemm(gx.p, gw.p, gy_mma.p, go.i(), M, N, K, E);
+    unsetenv(env::kMoeFewRows);
+    kc::synchronize();
+    const Vec y = down_bf16(gy, ref.size());
+    const double e_ref = err(ref, y), e_mma = err(down_bf16(gy_mma, ref.size()), y);
+    std::printf("few-row gemm M%lld N%lld K%lld E%lld: vs double %.2e, vs wgmma %.2e\n", (long long)M, (long long)N,
+                (long long)K, (long long)E, e_ref, e_mma);
+    EXPECT_LE(e_ref, 5e-3);
+    EXPECT_LE(e_mma, 5e-3);
+    EXPECT_TRUE(same_rows(gy, gy1, N)) << "a row differs when its expert has other rows";
+    // GLU product (W13 = the same weights read as [E, 2I, K]) with the pre-activations kept.
+    for (const bool swiglu : {false, true}) {
+      const ops::GluParams gp = swiglu ? ops::GluParams::swiglu() : ops::GluParams::situ(4.0, 25.0);
+      Vec h_ref(size_t(M * I));
+      ops::glu_forward(ref.data(), h_ref.data(), M, I, gp);
+      oc::GluArgs ga;
+      ga.swiglu = swiglu;
+      Dev gh(h_ref.size() * 2), gab(ref.size() * 2), gh_mma(h_ref.size() * 2), gh1(size_t(M1 * I) * 2);
+      oc::grouped_gemm_glu(gx.p, gw.p, gh.p, gab.p, go.i(), M, I, K, E, ga);
+      oc::grouped_gemm_glu(gx1.p, gw.p, gh1.p, nullptr, go1.i(), M1, I, K, E, ga);
+      setenv(env::kMoeFewRows, "0", 1);
+      oc::grouped_gemm_glu(gx.p, gw.p, gh_mma.p, nullptr, go.i(), M, I, K, E, ga);
+      unsetenv(env::kMoeFewRows);
+      kc::synchronize();
+      const Vec h = down_bf16(gh, h_ref.size());
+      const double eh = err(h_ref, h), eab = err(ref, down_bf16(gab, ref.size())),
+                   eh_mma = err(down_bf16(gh_mma, h_ref.size()), h);
+      std::printf("few-row %s M%lld I%lld K%lld: h %.2e, ab %.2e, h vs wgmma %.2e\n", swiglu ? "SwiGLU" : "SiTU",
+                  (long long)M, (long long)I, (long long)K, eh, eab, eh_mma);
+      EXPECT_LE(eh, 8e-3);
+      EXPECT_LE(eab, 5e-3);
+      EXPECT_LE(eh_mma, 8e-3);
+      EXPECT_TRUE(same_rows(gh, gh1, I)) << "a GLU row differs when its expert has other rows";
+    }
+  }
+}
+
 TEST(MoeCuda, ExpertFfn) {
   REQUIRE_GPU();
   const std::vector<int> counts{37, 200, 0, 129};

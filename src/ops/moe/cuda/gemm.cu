@@ -27,6 +27,8 @@
 #include "core/cuda/tensor_map.hpp"
 #include "core/cuda/wgmma.cuh"
 #include "core/env.hpp"
+#include "ops/moe/cuda/few_rows.cuh"
+#include "ops/moe/cuda/glu_epilogue.cuh"
 #include "ops/moe/cuda/moe_cuda.hpp"
 
 namespace lm::ops::cuda {
@@ -48,25 +50,10 @@ struct GemmParams {
   bf16* y;   // [M, N] (GLU: h [M, I])
   bf16* ab;  // GLU only, nullable: [M, 2I]
   int E, N, K, Nw;  // Nw weight rows per expert (N, or 2I for GLU)
-  int glu_swiglu;
+  GluConsts glu;
   int order;  // tile order, see decode_tile
   int epi;    // epilogue: 0 stores from the accumulators, 1 through shared memory in 16-byte rows
-  float beta1, beta2, inv_beta1, inv_beta2;  // SiTU caps (beta2 0: no cap)
 };
-
-// tanh.approx (one MUFU op, relative error ~2^-11, below the bf16 rounding of h); σ(x) = (1 + tanh(x/2)) / 2.
-__device__ __forceinline__ float tanh_fast(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float glu(float a, float b, const GemmParams& p) {
-  const float sig = fmaf(0.5f, tanh_fast(0.5f * a), 0.5f);
-  if (p.glu_swiglu) return a * sig * b;
-  const float A = p.beta1 * tanh_fast(a * p.inv_beta1) * sig;
-  const float B = p.beta2 > 0.f ? p.beta2 * tanh_fast(b * p.inv_beta2) : b;
-  return A * B;
-}
 
 // Tile -> (expert e, m tile inside the expert, n tile), from the m-tile prefix pre[0..E] (pre[e] = m tiles
 // before expert e). order 0: m tiles outer, n tiles inner (blocks running together share A rows); order 1:
@@ -183,7 +170,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (GLU) {
           const float a0 = acc[4 * j + 2 * hr], a1 = acc[4 * j + 2 * hr + 1];
           const float b0 = acc[4 * (j + 16) + 2 * hr], b1 = acc[4 * (j + 16) + 2 * hr + 1];
-          return pack_bf16(glu(a0, b0, p), glu(a1, b1, p));
+          return pack_bf16(glu_epilogue(a0, b0, p.glu), glu_epilogue(a1, b1, p.glu));
         }
         return pack_bf16(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
       };
@@ -290,6 +277,10 @@ void grouped_gemm(const void* x, const void* w, void* y, const int32_t* offsets,
                   int64_t E, void* stream) {
   detail::check_args(M, N, K, E);
   if (M == 0) return;
+  if (M <= env::moe_few_rows(detail::kFewRowsMax)) {
+    detail::FewRowsParams f{offsets, static_cast<detail::bf16*>(y), nullptr, int(E), int(N), int(K), int(N), {}};
+    return detail::launch_few_rows(x, w, f, M, false, stream);
+  }
   detail::GemmParams p{};
   p.offsets = offsets, p.y = static_cast<detail::bf16*>(y), p.ab = nullptr;
   p.E = int(E), p.N = int(N), p.K = int(K), p.Nw = int(N);
@@ -305,11 +296,16 @@ void grouped_gemm_glu(const void* x, const void* w13, void* h, void* ab, const i
                       int64_t K, int64_t E, const GluArgs& g, void* stream) {
   detail::check_args(M, 2 * I, K, E);
   if (M == 0) return;
+  const detail::GluConsts glu = detail::glu_consts(g.swiglu, g.beta1, g.beta2);
+  if (M <= env::moe_few_rows(detail::kFewRowsMax)) {
+    detail::FewRowsParams f{offsets, static_cast<detail::bf16*>(h), static_cast<detail::bf16*>(ab), int(E), int(I), int(K),
+                            int(2 * I), glu};
+    return detail::launch_few_rows(x, w13, f, M, true, stream);
+  }
   detail::GemmParams p{};
   p.offsets = offsets, p.y = static_cast<detail::bf16*>(h), p.ab = static_cast<detail::bf16*>(ab);
   p.E = int(E), p.N = int(I), p.K = int(K), p.Nw = int(2 * I);
-  p.glu_swiglu = g.swiglu ? 1 : 0, p.beta1 = g.beta1, p.beta2 = std::isfinite(g.beta2) && g.beta2 > 0 ? g.beta2 : 0.f;
-  p.inv_beta1 = 1.f / g.beta1, p.inv_beta2 = p.beta2 > 0 ? 1.f / p.beta2 : 0.f;
+  p.glu = glu;
   detail::launch<true>(x, w13, p, M, lm::cu::stream(stream));
 }
 

@@ -1,0 +1,153 @@
+// Grouped expert GEMMs for a few rows per expert (decode steps: one to a few tokens per selected expert), the
+// path grouped_gemm / grouped_gemm_glu take when M is small. There the wgmma kernel (gemm.cu) pads every expert
+// to a 128-row tile and keeps only as many blocks busy as there are (expert, 256-column) tiles, so the weight
+// stream — the whole cost at this size — runs far below the device's bandwidth. Here every block streams a
+// slice of one selected expert's weight rows exactly once, straight from global memory into registers, and
+// applies it to all of that expert's rows (CUDA cores, fp32 accumulation).
+//
+// Legend: E experts, M permuted rows (expert e owns rows offsets[e] .. offsets[e+1]−1), K reduction dim,
+//         N output columns (GLU: I, with 2I weight rows per expert: gate rows 0..I−1, up rows I..2I−1),
+//         S = min(M, E) expert slots (block row s serves the s-th expert that has rows, or exits),
+//         WR = 4 weight rows per warp (GLU: two output columns' gate and up rows), kWarps warps per block,
+//         R = 4 rows of the expert at a time in registers (an expert with more rows takes more passes).
+// Each lane reads 8 consecutive k (one 16-byte load per weight row) every 256 k. A row's result is the same
+// whatever the other rows are (fixed per-lane order of k, fixed butterfly): a token decodes to the same bits
+// in any batch that stays on this path.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "core/cuda/check.hpp"
+#include "core/cuda/stream.hpp"
+#include "ops/moe/cuda/few_rows.cuh"
+
+namespace lm::ops::cuda::detail {
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int kWarps = 8, kThreads = 32 * kWarps, WR = 4, R = 4;
+
+// The weights are read once: past L1 (it keeps the rows of x, which every warp of the block reads).
+__device__ __forceinline__ uint4 load_stream(const bf16* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+// Element 2i and 2i + 1 of eight bf16 packed in u (a bf16 is the upper half of its fp32).
+__device__ __forceinline__ float lo(uint32_t u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
+__device__ __forceinline__ void fma8(float& acc, const uint4& w, const float* xf) {
+  acc = fmaf(lo(w.x), xf[0], acc), acc = fmaf(hi(w.x), xf[1], acc);
+  acc = fmaf(lo(w.y), xf[2], acc), acc = fmaf(hi(w.y), xf[3], acc);
+  acc = fmaf(lo(w.z), xf[4], acc), acc = fmaf(hi(w.z), xf[5], acc);
+  acc = fmaf(lo(w.w), xf[6], acc), acc = fmaf(hi(w.w), xf[7], acc);
+}
+
+// The s-th expert (in expert order) that has rows, or −1: a block-wide count over the offsets, 256 experts at a
+// time. Every thread returns the same value.
+__device__ int slot_expert(const int32_t* offsets, int E, int s) {
+  __shared__ int warp_count[kWarps];
+  __shared__ int found;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  if (tid == 0) found = -1;
+  int base = 0;  // experts with rows before this chunk
+  for (int e0 = 0; e0 < E; e0 += kThreads) {
+    const int e = e0 + tid;
+    const bool has = e < E && offsets[e + 1] > offsets[e];
+    const unsigned ballot = __ballot_sync(0xffffffffu, has);
+    if (lane == 0) warp_count[warp] = __popc(ballot);
+    __syncthreads();
+    int before = base + __popc(ballot & ((1u << lane) - 1u)), total = base;
+    for (int w = 0; w < kWarps; ++w) before += w < warp ? warp_count[w] : 0, total += warp_count[w];
+    if (has && before == s) found = e;
+    __syncthreads();
+    base = total;
+    if (found >= 0 || base > s) break;  // (uniform: every thread read the same counts)
+  }
+  return found;
+}
+
+template <bool GLU>
+__global__ void __launch_bounds__(kThreads, 2) few_rows_kernel(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                                                const FewRowsParams p) {
+  const int e = slot_expert(p.offsets, p.E, blockIdx.y);
+  if (e < 0) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  constexpr int kCols = GLU ? WR / 2 : WR;  // output columns per warp
+  const int col0 = (blockIdx.x * kWarps + warp) * kCols;
+  if (col0 >= p.N) return;  // (N is a multiple of 8, so a warp's columns are all inside or all outside)
+  const bf16* wr[WR];
+#pragma unroll
+  for (int i = 0; i < WR; ++i) {
+    const int64_t row = GLU ? (i < 2 ? col0 + i : p.N + col0 + i - 2) : col0 + i;
+    wr[i] = w + (int64_t(e) * p.Nw + row) * p.K;
+  }
+  const int r_end = p.offsets[e + 1];
+  for (int rb = p.offsets[e]; rb < r_end; rb += R) {
+    const int nr = min(R, r_end - rb);
+    float acc[R][WR];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int i = 0; i < WR; ++i) acc[r][i] = 0.f;
+#pragma unroll 4
+    for (int k = lane * 8; k < p.K; k += 256) {
+      uint4 wv[WR];
+#pragma unroll
+      for (int i = 0; i < WR; ++i) wv[i] = load_stream(wr[i] + k);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r >= nr) break;
+        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + int64_t(rb + r) * p.K + k));
+        const float xf[8] = {lo(xv.x), hi(xv.x), lo(xv.y), hi(xv.y), lo(xv.z), hi(xv.z), lo(xv.w), hi(xv.w)};
+#pragma unroll
+        for (int i = 0; i < WR; ++i) fma8(acc[r][i], wv[i], xf);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int i = 0; i < WR; ++i)
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[r][i] += __shfl_xor_sync(0xffffffffu, acc[r][i], off);
+    // Lane r·WR + i writes row rb + r, weight row i (GLU: lanes i < 2, output column col0 + i).
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int i = 0; i < WR; ++i) {
+        if (lane != r * WR + i || r >= nr) continue;
+        const int64_t row = rb + r;
+        if (GLU) {
+          if (i >= 2) continue;
+          const float a = acc[r][i], b = acc[r][i + 2];
+          p.y[row * p.N + col0 + i] = __float2bfloat16(glu_epilogue(a, b, p.glu));
+          if (p.ab) {
+            p.ab[row * 2 * p.N + col0 + i] = __float2bfloat16(a);
+            p.ab[row * 2 * p.N + p.N + col0 + i] = __float2bfloat16(b);
+          }
+        } else {
+          p.y[row * p.N + col0 + i] = __float2bfloat16(acc[r][i]);
+        }
+      }
+  }
+}
+
+constexpr lm::cu::Checker check{"moe cuda (few rows)"};
+
+}  // namespace
+
+void launch_few_rows(const void* x, const void* w, const FewRowsParams& p, int64_t M, bool glu, void* stream) {
+  const int cols_per_block = kWarps * (glu ? WR / 2 : WR);
+  const dim3 grid(unsigned((p.N + cols_per_block - 1) / cols_per_block), unsigned(std::min<int64_t>(M, p.E)));
+  const auto* xb = static_cast<const bf16*>(x);
+  const auto* wb = static_cast<const bf16*>(w);
+  const cudaStream_t s = lm::cu::stream(stream);
+  if (glu) few_rows_kernel<true><<<grid, kThreads, 0, s>>>(xb, wb, p);
+  else few_rows_kernel<false><<<grid, kThreads, 0, s>>>(xb, wb, p);
+  check(cudaGetLastError(), "few-row grouped gemm launch");
+}
+
+}  // namespace lm::ops::cuda::detail
