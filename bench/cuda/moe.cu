@@ -166,11 +166,10 @@ int moe(int reps_arg) {
     for (void* p : std::vector<void*>{dy, x, dw, dw_ref, doff}) CK(cudaFree(p));
   }
 
-  // Decode: the expert FFN of a few tokens (GLU product, then W2), the few-row kernel (few_rows.cu) against the
-  // wgmma one (LONGMOE_MOE_FEW_ROWS=0) in the same run, also past M = 64, where the default switches. Each timed
-  // call routes the m tokens to k distinct experts drawn afresh (16 routings in turn), so the weights come from
-  // device memory, not L2. GB = the selected experts' weights (3·d·I bf16 each, the bytes a decode step must
-  // read), against the device copy bandwidth.
+  // Decode: the expert FFN of a few tokens (GLU product, then W2), the few-row kernels (few_rows.cu, what decode
+  // steps take) against the wgmma ones in the same run. Each timed call routes the m tokens to k distinct experts
+  // drawn afresh (16 routings in turn), so the weights come from device memory, not L2. GB = the selected experts'
+  // weights (3·d·I bf16 each, the bytes a decode step must read), against the device copy bandwidth.
   {
     const double bw = cu::copy_bandwidth();
     std::printf("expert FFN at decode (device copy bandwidth %.2f TB/s, measured here):\n", bw / 1e12);
@@ -179,7 +178,7 @@ int moe(int reps_arg) {
       int E, k, d, I;
     };
     for (const DecCase& dc : {DecCase{"kimi_linear_48b", 256, 8, 2304, 1024}, DecCase{"k3_1b", 64, 8, 768, 384}})
-      for (const int m : {1, 4, 8, 32}) {
+      for (const int m : {1, 4, 8, 32, 64, 128}) {
         const int E = dc.E, k = dc.k, M = m * k, d = dc.d, I = dc.I;
         constexpr int kRoutings = 16;
         std::vector<int32_t*> offs;
@@ -204,16 +203,22 @@ int moe(int reps_arg) {
         auto* h = dalloc<__nv_bfloat16>(size_t(M) * I);
         auto* eo = dalloc<__nv_bfloat16>(size_t(M) * d);
         int it = 0;
-        auto run = [&] {
-          for (int r = 0; r < kRoutings; ++r, ++it)
-            oc::moe_expert_ffn(xs, w13, w2, eo, offs[size_t(it % kRoutings)], M, d, I, E, {}, h);
+        auto timed = [&](bool few) {
+          return median_ms([&] {
+                   for (int r = 0; r < kRoutings; ++r, ++it) {
+                     const int32_t* o = offs[size_t(it % kRoutings)];
+                     if (few) {
+                       oc::grouped_gemm_glu_few_rows(xs, w13, h, nullptr, o, M, I, d, E);
+                       oc::grouped_gemm_few_rows(h, w2, eo, o, M, d, I, E);
+                     } else {
+                       oc::grouped_gemm_glu(xs, w13, h, nullptr, o, M, I, d, E);
+                       oc::grouped_gemm(h, w2, eo, o, M, d, I, E);
+                     }
+                   }
+                 }, 2, reps) / kRoutings;
         };
         const double gb = distinct * 3.0 * d * I * 2 / 1e9;
-        setenv(env::kMoeFewRows, "1000000", 1);  // (also past the default's limit, to see where they cross)
-        const double t_few = median_ms(run, 2, reps) / kRoutings;
-        setenv(env::kMoeFewRows, "0", 1);
-        const double t_mma = median_ms(run, 2, reps) / kRoutings;
-        unsetenv(env::kMoeFewRows);
+        const double t_few = timed(true), t_mma = timed(false);
         std::printf("  %-16s m %2d (M %3d, %5.1f experts, %.3f GB): few-row %7.1f us %5.2f TB/s (%4.1f%% of copy) | "
                     "wgmma %7.1f us %5.2f TB/s (%4.1f%%) | speed-up %.2f\n",
                     dc.name, m, M, distinct, gb, t_few * 1e3, gb / t_few, 100 * gb / t_few * 1e12 / bw, t_mma * 1e3,

@@ -106,9 +106,9 @@ inline int gg_epi(int fallback) { return detail::int_or(kGgEpi, fallback); }
 // LONGMOE_GG_BN=256: the plain grouped GEMM keeps 256-row weight tiles where 192-row ones would pad N less
 // (ops/moe/cuda/gemm.cu; read at every launch). Default: the tile that pads less.
 inline bool gg_bn256() { return detail::int_or(kGgBn, 0) == 256; }
-// LONGMOE_MOE_FEW_ROWS: the most rows (M) for which the grouped expert GEMMs take the few-row kernel
-// (ops/moe/cuda/few_rows.cu; 0: never; read at every launch). Unset: `fallback`, the kernels' default.
-inline int64_t moe_few_rows(int64_t fallback) { return detail::int_or(kMoeFewRows, static_cast<int>(fallback)); }
+// LONGMOE_MOE_FEW_ROWS=0: the GPU model's decode steps take the wgmma expert GEMMs (ops/moe/cuda/gemm.cu)
+// instead of the few-row ones (few_rows.cu; benchmarks). Read when a decode step is built. Default on.
+inline bool moe_few_rows() { return !detail::first_is(kMoeFewRows, '0'); }
 
 // ---- training (train/trainer.cpp) -------------------------------------------------------------------------
 

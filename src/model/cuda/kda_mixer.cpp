@@ -72,10 +72,12 @@ void GpuModel::Impl::kda_forward(int64_t i, const void* xn, float* y, const floa
   void* post[3] = {qc, kc_, vc};
   const char* conv_w[3] = {"q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"};
   const bool cont = inf.mode == Mode::Prefill && inf.start > 0;  // a chunk continuing a cached sequence
-  for (int j = 0; j < 3; ++j) {
-    if (inf.mode == Mode::Decode) {
-      kc::short_conv_step(pre + j * HK, LF, M(A + conv_w[j]), conv + j * HK * (taps - 1), conv_ld, post[j], n, HK, taps);
-    } else if (cont) {  // from the cached inputs, which then move on by the chunk
+  if (inf.mode == Mode::Decode) {  // (q, k, v in one launch)
+    const float* w3[3] = {M(A + conv_w[0]), M(A + conv_w[1]), M(A + conv_w[2])};
+    kc::short_conv_step3(pre, LF, w3, conv, conv_ld, post, n, HK, taps);
+  }
+  for (int j = 0; j < 3 && inf.mode != Mode::Decode; ++j) {
+    if (cont) {  // from the cached inputs, which then move on by the chunk
       kc::short_conv_forward_cached(pre + j * HK, LF, M(A + conv_w[j]), conv + j * HK * (taps - 1), post[j], n, HK,
                                     taps);
       kc::short_conv_cache_append(pre + j * HK, LF, n, conv + j * HK * (taps - 1), HK, taps);

@@ -73,17 +73,24 @@ void GpuModel::Impl::moe_forward(int64_t i, const void* yn, float* y, const floa
   } else {
     oc::moe_permute(topk_idx, n, k, E, off, prow, ppos);
   }
-  void *xs = grow(a.xs, size_t(Mr) * l * 2), *ab = grow(a.eab, size_t(Mr) * 2 * I * 2),
-       *h = grow(a.eh, size_t(Mr) * I * 2), *eo = grow(a.eo, size_t(Mr) * l * 2);
-  oc::moe_gather(z, prow, xs, n, k, l, nullptr, ldz);
+  void *h = grow(a.eh, size_t(Mr) * I * 2), *eo = grow(a.eo, size_t(Mr) * l * 2);
   const std::string X = B + "experts.0.";
   const ops::GluParams gp = glu();
   oc::GluArgs ga;
   ga.swiglu = gp.kind == ops::GluKind::SwiGLU;
   ga.beta1 = static_cast<float>(gp.beta1), ga.beta2 = static_cast<float>(gp.beta2);
-  sec.emplace(section("moe.experts.fwd"));
-  oc::grouped_gemm_glu(xs, W(X + "w1.weight"), h, ab, off, Mr, I, l, E, ga);
-  oc::grouped_gemm(h, W(X + "w2.weight"), eo, off, Mr, l, I, E);
+  static const bool few_rows = env::moe_few_rows();
+  if (inf.mode == InferState::Mode::Decode && few_rows) {  // z's rows read through the permutation (no xs)
+    sec.emplace(section("moe.experts.fwd"));
+    oc::grouped_gemm_glu_few_rows(z, W(X + "w1.weight"), h, nullptr, off, Mr, I, l, E, ga, nullptr, prow, k, ldz);
+    oc::grouped_gemm_few_rows(h, W(X + "w2.weight"), eo, off, Mr, l, I, E);
+  } else {
+    void *xs = grow(a.xs, size_t(Mr) * l * 2), *ab = grow(a.eab, size_t(Mr) * 2 * I * 2);
+    oc::moe_gather(z, prow, xs, n, k, l, nullptr, ldz);
+    sec.emplace(section("moe.experts.fwd"));
+    oc::grouped_gemm_glu(xs, W(X + "w1.weight"), h, ab, off, Mr, I, l, E, ga);
+    oc::grouped_gemm(h, W(X + "w2.weight"), eo, off, Mr, l, I, E);
+  }
   sec.emplace(section("moe.combine.fwd"));
   void* u = grow(a.u, size_t(n) * l * 2);
   oc::moe_combine(eo, topk_w, ppos, u, n, k, l);

@@ -150,6 +150,34 @@ TEST(OpsBwdCuda, ShortConvStepContinuesTheForward) {
   }
 }
 
+// The q, k and v steps of a decode step in one launch (short_conv_step3) equal three short_conv_step calls bit
+// for bit: outputs and the caches they move on.
+TEST(OpsBwdCuda, ShortConvStepOfThreeEqualsThreeSteps) {
+  REQUIRE_GPU();
+  const int64_t S = 5, C = 72, W = 4, ld = 3 * C + 8, cache_ld = 3 * C * (W - 1) + 3;
+  const Vec x = round_bf16(lm::testing::randn<float>(size_t(S * ld), 7, 1.0));
+  const Vec cache0 = round_bf16(lm::testing::randn<float>(size_t(S * cache_ld), 8, 1.0));
+  Dev gx(x.size() * 2), ca(cache0.size() * 4), cb(cache0.size() * 4);
+  up_bf16(gx, x), up(ca, cache0), up(cb, cache0);
+  std::vector<std::unique_ptr<Dev>> gw, ya, yb;
+  const float* w3[3];
+  void* y3[3];
+  for (int j = 0; j < 3; ++j) {
+    gw.push_back(std::make_unique<Dev>(size_t(C * W) * 4));
+    up(*gw.back(), lm::testing::randn<float>(size_t(C * W), 20 + j, 0.5));
+    ya.push_back(std::make_unique<Dev>(size_t(S * C) * 2));
+    yb.push_back(std::make_unique<Dev>(size_t(S * C) * 2));
+    w3[j] = gw[size_t(j)]->f(), y3[j] = ya[size_t(j)]->p;
+  }
+  kc::short_conv_step3(gx.p, ld, w3, ca.f(), cache_ld, y3, S, C, W);
+  for (int j = 0; j < 3; ++j)
+    kc::short_conv_step(static_cast<uint16_t*>(gx.p) + j * C, ld, w3[j], cb.f() + j * C * (W - 1), cache_ld,
+                        yb[size_t(j)]->p, S, C, W);
+  for (int j = 0; j < 3; ++j)
+    EXPECT_EQ(down<uint16_t>(*ya[size_t(j)], size_t(S * C)), down<uint16_t>(*yb[size_t(j)], size_t(S * C))) << j;
+  EXPECT_EQ(down<float>(ca, cache0.size()), down<float>(cb, cache0.size()));
+}
+
 // Chunked prefill: one sequence of T tokens (x the middle column block of a [T, 3C] matrix, as the model's fused
 // q/k/v projection feeds it) run in chunks through short_conv_forward_cached, each followed by
 // short_conv_cache_append, gives the whole-sequence short_conv_forward's outputs bit for bit, the cache after

@@ -200,24 +200,27 @@ TEST(MoeCuda, GroupedGemmGluFused) {
   unsetenv(env::kGgEpi);
 }
 
-// The few-row path (M <= 64, decode): plain and GLU products against the double reference and against the wgmma
-// kernel (LONGMOE_MOE_FEW_ROWS=0); an expert with more rows than one register pass (11 > 4), 300 experts (the slot
-// search crosses 256), K not a multiple of 256, N off the block width; every row equal bit for bit when the same
-// rows arrive one per expert (what a token decoded alone or in a batch sees).
-TEST(MoeCuda, FewRowsPath) {
+// The few-row kernels (decode steps): plain and GLU products against the double reference and against the wgmma
+// kernels; an expert with more rows than one register pass (11 > 4), 300 experts (the slot search crosses 256), K not
+// a multiple of 256, N off the block width, 512 rows over 64 experts (a batch-64 step); the GLU product reading its
+// rows through the permutation (the gather fused); every row equal bit for bit when the same rows arrive one per
+// expert (what a token decoded alone or in a batch sees).
+TEST(MoeCuda, FewRowsKernels) {
   REQUIRE_GPU();
   struct FC {
     int E;
     std::vector<std::pair<int, int>> rows;  // (expert, rows) with rows; the others empty
     int64_t N, K;
   };
+  std::vector<std::pair<int, int>> busy;
+  for (int e = 0; e < 64; ++e) busy.push_back({e, 1 + (e * 7) % 15});  // 512 rows
   for (const FC& fc : {FC{4, {{1, 1}}, 272, 200}, FC{300, {{0, 2}, {7, 11}, {255, 1}, {256, 3}, {299, 5}}, 80, 1032},
-                       FC{64, {{3, 8}, {4, 8}, {9, 8}, {10, 8}, {20, 8}, {33, 8}, {40, 8}, {63, 8}}, 768, 384}}) {
+                       FC{64, {{3, 8}, {4, 8}, {9, 8}, {10, 8}, {20, 8}, {33, 8}, {40, 8}, {63, 8}}, 768, 384},
+                       FC{64, busy, 136, 264}}) {
     std::vector<int> counts(size_t(fc.E), 0);
     for (const auto& [e, n] : fc.rows) counts[size_t(e)] = n;
     const auto off = offsets_of(counts);
     const int64_t M = off.back(), E = fc.E, N = fc.N, K = fc.K, I = N / 2;
-    ASSERT_LE(M, 64);
     const Vec x = round_bf16(lm::testing::randn<float>(size_t(M * K), uint64_t(M + K), 1.0));
     const Vec w = round_bf16(lm::testing::randn<float>(size_t(E * N * K), uint64_t(E + N), 0.05));
     Dev gx(x.size() * 2), gw(w.size() * 2), go(off.size() * 4);
@@ -241,14 +244,23 @@ TEST(MoeCuda, FewRowsPath) {
         if (std::memcmp(&a[size_t(first[j] * cols)], &b[j * size_t(cols)], size_t(cols) * 2) != 0) return false;
       return true;
     };
+    // The gather fused: row r is token M−1−r of a wider matrix (row stride K + 16), rows[r] = 3·(M−1−r) + r mod 3
+    // with k = 3 (an assignment index: token · k + slot).
+    const int64_t ldx = K + 16;
+    Vec xw(size_t(M * ldx), 0.f);
+    std::vector<int32_t> rows(static_cast<size_t>(M));
+    for (int64_t r = 0; r < M; ++r) {
+      rows[size_t(r)] = int32_t(3 * (M - 1 - r) + r % 3);
+      std::copy(x.begin() + r * K, x.begin() + (r + 1) * K, xw.begin() + (M - 1 - r) * ldx);
+    }
+    Dev gxw(xw.size() * 2), grows(rows.size() * 4);
+    up_bf16(gxw, xw), up(grows, rows);
     // Plain product.
     const Vec ref = ref_grouped(x, w, off, N, K);
     Dev gy(ref.size() * 2), gy_mma(ref.size() * 2), gy1(size_t(M1 * N) * 2);
-    oc::grouped_gemm(gx.p, gw.p, gy.p, go.i(), M, N, K, E);
-    oc::grouped_gemm(gx1.p, gw.p, gy1.p, go1.i(), M1, N, K, E);
-    setenv(env::kMoeFewRows, "0", 1);
+    oc::grouped_gemm_few_rows(gx.p, gw.p, gy.p, go.i(), M, N, K, E);
+    oc::grouped_gemm_few_rows(gx1.p, gw.p, gy1.p, go1.i(), M1, N, K, E);
     oc::grouped_gemm(gx.p, gw.p, gy_mma.p, go.i(), M, N, K, E);
-    unsetenv(env::kMoeFewRows);
     kc::synchronize();
     const Vec y = down_bf16(gy, ref.size());
     const double e_ref = err(ref, y), e_mma = err(down_bf16(gy_mma, ref.size()), y);
@@ -264,12 +276,12 @@ TEST(MoeCuda, FewRowsPath) {
       ops::glu_forward(ref.data(), h_ref.data(), M, I, gp);
       oc::GluArgs ga;
       ga.swiglu = swiglu;
-      Dev gh(h_ref.size() * 2), gab(ref.size() * 2), gh_mma(h_ref.size() * 2), gh1(size_t(M1 * I) * 2);
-      oc::grouped_gemm_glu(gx.p, gw.p, gh.p, gab.p, go.i(), M, I, K, E, ga);
-      oc::grouped_gemm_glu(gx1.p, gw.p, gh1.p, nullptr, go1.i(), M1, I, K, E, ga);
-      setenv(env::kMoeFewRows, "0", 1);
+      Dev gh(h_ref.size() * 2), gab(ref.size() * 2), gh_mma(h_ref.size() * 2), gh1(size_t(M1 * I) * 2),
+          ghw(h_ref.size() * 2);
+      oc::grouped_gemm_glu_few_rows(gx.p, gw.p, gh.p, gab.p, go.i(), M, I, K, E, ga);
+      oc::grouped_gemm_glu_few_rows(gx1.p, gw.p, gh1.p, nullptr, go1.i(), M1, I, K, E, ga);
+      oc::grouped_gemm_glu_few_rows(gxw.p, gw.p, ghw.p, nullptr, go.i(), M, I, K, E, ga, nullptr, grows.i(), 3, ldx);
       oc::grouped_gemm_glu(gx.p, gw.p, gh_mma.p, nullptr, go.i(), M, I, K, E, ga);
-      unsetenv(env::kMoeFewRows);
       kc::synchronize();
       const Vec h = down_bf16(gh, h_ref.size());
       const double eh = err(h_ref, h), eab = err(ref, down_bf16(gab, ref.size())),
@@ -280,6 +292,7 @@ TEST(MoeCuda, FewRowsPath) {
       EXPECT_LE(eab, 5e-3);
       EXPECT_LE(eh_mma, 8e-3);
       EXPECT_TRUE(same_rows(gh, gh1, I)) << "a GLU row differs when its expert has other rows";
+      EXPECT_EQ(down<uint16_t>(ghw, h_ref.size()), down<uint16_t>(gh, h_ref.size())) << "the fused gather differs";
     }
   }
 }
@@ -340,12 +353,11 @@ TEST(MoeCuda, Router) {
   }
 }
 
-TEST(MoeCuda, PermuteGatherCombine) {
-  REQUIRE_GPU();
-  const int64_t m = 500, n = 40, k = 4, d = 72;
-  // Random distinct experts per token, rows sorted by expert (as the router emits them).
+namespace {
+// Random distinct experts per token, each token's sorted (as the router emits them).
+std::vector<int32_t> random_routing(int64_t m, int64_t n, int64_t k, uint64_t seed) {
   std::vector<int32_t> idx(size_t(m * k));
-  const Vec u = lm::testing::randu<float>(size_t(m * n), 91, 0.0, 1.0);
+  const Vec u = lm::testing::randu<float>(size_t(m * n), seed, 0.0, 1.0);
   for (int64_t i = 0; i < m; ++i) {
     std::vector<int32_t> e(static_cast<size_t>(n));
     std::iota(e.begin(), e.end(), 0);
@@ -353,6 +365,39 @@ TEST(MoeCuda, PermuteGatherCombine) {
     std::sort(e.begin(), e.begin() + k);
     std::copy(e.begin(), e.begin() + k, idx.begin() + i * k);
   }
+  return idx;
+}
+}  // namespace
+
+// The permutation equals the CPU's (offsets, rows, pos) on both of its paths: one block up to 1,024 assignments
+// and 8,192 experts, the radix sort beyond.
+TEST(MoeCuda, PermuteSmallAndLarge) {
+  REQUIRE_GPU();
+  struct PC {
+    int64_t m, n, k;
+  };
+  for (const PC& pc : {PC{1, 256, 8}, PC{64, 256, 8}, PC{256, 40, 4}, PC{257, 40, 4}, PC{3, 9000, 2}, PC{0, 16, 2},
+                       PC{100, 896, 16}}) {
+    const std::vector<int32_t> idx = random_routing(pc.m, pc.n, pc.k, uint64_t(pc.m + pc.n));
+    const auto perm = ops::moe_permutation(idx.data(), pc.m, pc.k, pc.n);
+    Dev gi(idx.size() * 4), goff(size_t(pc.n + 1) * 4), grows(idx.size() * 4), gpos(idx.size() * 4);
+    up(gi, idx);
+    oc::moe_permute(gi.i(), pc.m, pc.k, pc.n, goff.i(), grows.i(), gpos.i());
+    kc::synchronize();
+    auto got = [](const Dev& g, size_t n) {
+      const std::vector<int32_t> v = down<int32_t>(g, n);
+      return std::vector<int64_t>(v.begin(), v.end());
+    };
+    EXPECT_EQ(got(goff, size_t(pc.n + 1)), perm.offsets) << "m " << pc.m << " n " << pc.n;
+    EXPECT_EQ(got(grows, idx.size()), perm.rows) << "m " << pc.m << " n " << pc.n;
+    EXPECT_EQ(got(gpos, idx.size()), perm.pos) << "m " << pc.m << " n " << pc.n;
+  }
+}
+
+TEST(MoeCuda, PermuteGatherCombine) {
+  REQUIRE_GPU();
+  const int64_t m = 500, n = 40, k = 4, d = 72;
+  const std::vector<int32_t> idx = random_routing(m, n, k, 91);
   const auto perm = ops::moe_permutation(idx.data(), m, k, n);
   const Vec x = round_bf16(lm::testing::randn<float>(size_t(m * d), 92));
   const Vec w = lm::testing::randu<float>(size_t(m * k), 93, 0.0, 1.0);

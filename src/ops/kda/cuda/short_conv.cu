@@ -369,19 +369,26 @@ void launch_bwd(const bf16* x, const float* w, const bf16* dy, bf16* dx, float* 
     }                                                                \
   } while (0)
 
-// Inference: one thread per (sequence, channel); the W−1 cached inputs and the new one, oldest first.
-__global__ void conv_step_kernel(const bf16* x, int64_t ldx, const float* w, float* cache, int64_t cache_ld, bf16* y,
-                                 int64_t S, int C, int W, int silu) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= S * C) return;
-  const int64_t s = i / C;
-  const int c = int(i % C);
-  float* h = cache + s * cache_ld + int64_t(c) * (W - 1);
-  const float xn = __bfloat162float(x[s * ldx + c]);
+// Inference: one thread per (sequence, channel); the W−1 cached inputs and the new one, oldest first. The
+// channels may form up to three segments of C (q, k, v of a KDA layer: one launch), segment j with its own
+// weights w[j] and output y[j]; x's columns and the cache run on across the segments.
+struct StepSegs {
+  const float* w[3];
+  bf16* y[3];
+};
+__global__ void conv_step_kernel(const bf16* x, int64_t ldx, const StepSegs g, int nseg, float* cache,
+                                 int64_t cache_ld, int64_t S, int C, int W, int silu) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, CC = int64_t(nseg) * C;
+  if (i >= S * CC) return;
+  const int64_t s = i / CC;
+  const int cc = int(i % CC), j = cc / C, c = cc % C;
+  const float* w = g.w[j];
+  float* h = cache + s * cache_ld + int64_t(cc) * (W - 1);
+  const float xn = __bfloat162float(x[s * ldx + cc]);
   float pre = 0.f;
   for (int k = 0; k < W - 1; ++k) pre = fmaf(w[int64_t(c) * W + k], h[k], pre);
   pre = fmaf(w[int64_t(c) * W + W - 1], xn, pre);
-  y[s * C + c] = __float2bfloat16(silu ? pre * sigmoidf_(pre) : pre);
+  g.y[j][s * C + c] = __float2bfloat16(silu ? pre * sigmoidf_(pre) : pre);
   for (int k = 0; k + 1 < W - 1; ++k) h[k] = h[k + 1];
   if (W > 1) h[W - 2] = xn;
 }
@@ -405,15 +412,31 @@ __global__ void conv_cache_kernel(const bf16* x, int64_t ldx, int64_t n, float* 
 
 }  // namespace
 
+namespace {
+void conv_step(const void* x, int64_t ldx, const StepSegs& g, int nseg, float* cache, int64_t cache_ld, int64_t S,
+               int64_t C, int64_t W, bool silu, void* stream) {
+  if (S == 0) return;
+  if (!x || !cache) check.fail("short_conv_step: null argument");
+  for (int j = 0; j < nseg; ++j)
+    if (!g.w[j] || !g.y[j]) check.fail("short_conv_step: null argument");
+  if (C < 1 || W < 1 || W > kMaxW || ldx < nseg * C || cache_ld < nseg * C * (W - 1))
+    check.fail("short_conv_step: bad shape");
+  const int64_t n = S * nseg * C;
+  conv_step_kernel<<<unsigned((n + 255) / 256), 256, 0, lm::cu::stream(stream)>>>(
+      static_cast<const bf16*>(x), ldx, g, nseg, cache, cache_ld, S, int(C), int(W), silu);
+  check(cudaGetLastError(), "short_conv_step launch");
+}
+}  // namespace
+
 void short_conv_step(const void* x, int64_t ldx, const float* w, float* cache, int64_t cache_ld, void* y, int64_t S,
                      int64_t C, int64_t W, bool silu, void* stream) {
-  if (S == 0) return;
-  if (!x || !w || !cache || !y) check.fail("short_conv_step: null argument");
-  if (C < 1 || W < 1 || W > kMaxW || ldx < C || cache_ld < C * (W - 1)) check.fail("short_conv_step: bad shape");
-  const int64_t n = S * C;
-  conv_step_kernel<<<unsigned((n + 255) / 256), 256, 0, lm::cu::stream(stream)>>>(
-      static_cast<const bf16*>(x), ldx, w, cache, cache_ld, static_cast<bf16*>(y), S, int(C), int(W), silu);
-  check(cudaGetLastError(), "short_conv_step launch");
+  conv_step(x, ldx, StepSegs{{w}, {static_cast<bf16*>(y)}}, 1, cache, cache_ld, S, C, W, silu, stream);
+}
+
+void short_conv_step3(const void* x, int64_t ldx, const float* const w[3], float* cache, int64_t cache_ld,
+                      void* const y[3], int64_t S, int64_t C, int64_t W, bool silu, void* stream) {
+  const StepSegs g{{w[0], w[1], w[2]}, {static_cast<bf16*>(y[0]), static_cast<bf16*>(y[1]), static_cast<bf16*>(y[2])}};
+  conv_step(x, ldx, g, 3, cache, cache_ld, S, C, W, silu, stream);
 }
 
 void short_conv_cache(const void* x, int64_t ldx, int64_t n, float* cache, int64_t C, int64_t W, void* stream) {

@@ -30,6 +30,11 @@ void short_conv_backward(const void* x, const float* w, const void* dy, void* dx
 // then move on by one (x becomes the newest).
 void short_conv_step(const void* x, int64_t ldx, const float* w, float* cache, int64_t cache_ld, void* y, int64_t S,
                      int64_t C, int64_t W, bool silu = true, void* stream = nullptr);
+// The q, k and v convolutions of a KDA decode step in one launch: segment j = 0, 1, 2 is short_conv_step of the
+// channels x + j·C (the three side by side in x's rows), weights w[j], output y[j] [S, C], and the caches of
+// the three back to back ([3, C, W−1] per sequence). Bit for bit the three separate steps.
+void short_conv_step3(const void* x, int64_t ldx, const float* const w[3], float* cache, int64_t cache_ld,
+                      void* const y[3], int64_t S, int64_t C, int64_t W, bool silu = true, void* stream = nullptr);
 // After a prefill of n tokens of one sequence from an empty cache (x [n, C], row stride ldx): cache = its last
 // W−1 inputs (zeros before the sequence start; whatever the cache held is ignored, see short_conv_cache_append).
 void short_conv_cache(const void* x, int64_t ldx, int64_t n, float* cache, int64_t C, int64_t W,

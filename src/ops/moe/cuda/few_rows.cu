@@ -1,9 +1,8 @@
-// Grouped expert GEMMs for a few rows per expert (decode steps: one to a few tokens per selected expert), the
-// path grouped_gemm / grouped_gemm_glu take when M is small. There the wgmma kernel (gemm.cu) pads every expert
-// to a 128-row tile and keeps only as many blocks busy as there are (expert, 256-column) tiles, so the weight
-// stream — the whole cost at this size — runs far below the device's bandwidth. Here every block streams a
-// slice of one selected expert's weight rows exactly once, straight from global memory into registers, and
-// applies it to all of that expert's rows (CUDA cores, fp32 accumulation).
+// Grouped expert GEMMs for a few rows per expert (decode steps: one to a few tokens per selected expert). There
+// the wgmma kernel (gemm.cu) pads every expert to a 128-row tile and keeps only as many blocks busy as there are
+// (expert, 256-column) tiles, so the weight stream — the whole cost at this size — runs below the device's
+// bandwidth. Here every block streams a slice of one selected expert's weight rows exactly once, straight from
+// global memory into registers, and applies it to all of that expert's rows (CUDA cores, fp32 accumulation).
 //
 // Legend: E experts, M permuted rows (expert e owns rows offsets[e] .. offsets[e+1]−1), K reduction dim,
 //         N output columns (GLU: I, with 2I weight rows per expert: gate rows 0..I−1, up rows I..2I−1),
@@ -12,7 +11,7 @@
 //         R = 4 rows of the expert at a time in registers (an expert with more rows takes more passes).
 // Each lane reads 8 consecutive k (one 16-byte load per weight row) every 256 k. A row's result is the same
 // whatever the other rows are (fixed per-lane order of k, fixed butterfly): a token decodes to the same bits
-// in any batch that stays on this path.
+// in a batch of any size.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -20,13 +19,25 @@
 
 #include "core/cuda/check.hpp"
 #include "core/cuda/stream.hpp"
-#include "ops/moe/cuda/few_rows.cuh"
+#include "ops/moe/cuda/glu_epilogue.cuh"
+#include "ops/moe/cuda/moe_cuda.hpp"
 
 namespace lm::ops::cuda::detail {
 namespace {
 
 using bf16 = __nv_bfloat16;
 constexpr int kWarps = 8, kThreads = 32 * kWarps, WR = 4, R = 4;
+
+struct FewRowsParams {
+  const int32_t* offsets;
+  const int32_t* rows;  // nullable: row r of the product reads x row rows[r] / k (the gather, fused)
+  int k;
+  int64_t ldx;          // x's row stride
+  bf16* y;              // [M, N] (GLU: h [M, I])
+  bf16* ab;             // GLU only, nullable: the pre-activations [M, 2I], a then b columns
+  int E, N, K, Nw;      // Nw weight rows per expert (N, or 2I for GLU)
+  GluConsts glu;
+};
 
 // The weights are read once: past L1 (it keeps the rows of x, which every warp of the block reads).
 __device__ __forceinline__ uint4 load_stream(const bf16* p) {
@@ -88,6 +99,12 @@ __global__ void __launch_bounds__(kThreads, 2) few_rows_kernel(const bf16* __res
   const int r_end = p.offsets[e + 1];
   for (int rb = p.offsets[e]; rb < r_end; rb += R) {
     const int nr = min(R, r_end - rb);
+    const bf16* xr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int row = min(rb + r, r_end - 1);
+      xr[r] = x + (p.rows ? int64_t(p.rows[row] / p.k) : int64_t(row)) * p.ldx;
+    }
     float acc[R][WR];
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -101,7 +118,7 @@ __global__ void __launch_bounds__(kThreads, 2) few_rows_kernel(const bf16* __res
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (r >= nr) break;
-        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + int64_t(rb + r) * p.K + k));
+        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xr[r] + k));
         const float xf[8] = {lo(xv.x), hi(xv.x), lo(xv.y), hi(xv.y), lo(xv.z), hi(xv.z), lo(xv.w), hi(xv.w)};
 #pragma unroll
         for (int i = 0; i < WR; ++i) fma8(acc[r][i], wv[i], xf);
@@ -137,9 +154,14 @@ __global__ void __launch_bounds__(kThreads, 2) few_rows_kernel(const bf16* __res
 
 constexpr lm::cu::Checker check{"moe cuda (few rows)"};
 
-}  // namespace
-
-void launch_few_rows(const void* x, const void* w, const FewRowsParams& p, int64_t M, bool glu, void* stream) {
+void launch(const void* x, const void* w, FewRowsParams p, int64_t M, int64_t ldx, bool glu, void* stream) {
+  if (M < 0 || p.N < 8 || p.K < 8 || p.E < 1 || p.N % 8 || p.K % 8)
+    check.fail("few-row grouped gemm: bad shape (N and K multiples of 8)");
+  if (ldx == 0) ldx = p.K;
+  if (ldx < p.K || ldx % 8) check.fail("few-row grouped gemm: x's row stride must be >= K and a multiple of 8");
+  if (M >= (int64_t(1) << 31) || int64_t(p.E) * p.Nw * p.K >= (int64_t(1) << 40)) check.fail("few-row grouped gemm too large");
+  if (M == 0) return;
+  p.ldx = ldx;
   const int cols_per_block = kWarps * (glu ? WR / 2 : WR);
   const dim3 grid(unsigned((p.N + cols_per_block - 1) / cols_per_block), unsigned(std::min<int64_t>(M, p.E)));
   const auto* xb = static_cast<const bf16*>(x);
@@ -150,4 +172,26 @@ void launch_few_rows(const void* x, const void* w, const FewRowsParams& p, int64
   check(cudaGetLastError(), "few-row grouped gemm launch");
 }
 
+}  // namespace
 }  // namespace lm::ops::cuda::detail
+
+namespace lm::ops::cuda {
+
+void grouped_gemm_few_rows(const void* x, const void* w, void* y, const int32_t* offsets, int64_t M, int64_t N,
+                           int64_t K, int64_t E, void* stream) {
+  detail::FewRowsParams p{offsets, nullptr, 1, 0, static_cast<__nv_bfloat16*>(y), nullptr, int(E), int(N), int(K),
+                          int(N), {}};
+  detail::launch(x, w, p, M, 0, false, stream);
+}
+
+void grouped_gemm_glu_few_rows(const void* x, const void* w13, void* h, void* ab, const int32_t* offsets, int64_t M,
+                               int64_t I, int64_t K, int64_t E, const GluArgs& g, void* stream, const int32_t* rows,
+                               int64_t k, int64_t ldx) {
+  if (rows && k < 1) detail::check.fail("few-row grouped gemm: k must be positive");
+  detail::FewRowsParams p{offsets, rows, int(rows ? k : 1), 0, static_cast<__nv_bfloat16*>(h),
+                          static_cast<__nv_bfloat16*>(ab), int(E), int(I), int(K), int(2 * I),
+                          detail::glu_consts(g.swiglu, g.beta1, g.beta2)};
+  detail::launch(x, w13, p, M, ldx, true, stream);
+}
+
+}  // namespace lm::ops::cuda

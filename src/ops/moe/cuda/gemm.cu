@@ -27,7 +27,6 @@
 #include "core/cuda/tensor_map.hpp"
 #include "core/cuda/wgmma.cuh"
 #include "core/env.hpp"
-#include "ops/moe/cuda/few_rows.cuh"
 #include "ops/moe/cuda/glu_epilogue.cuh"
 #include "ops/moe/cuda/moe_cuda.hpp"
 
@@ -277,10 +276,6 @@ void grouped_gemm(const void* x, const void* w, void* y, const int32_t* offsets,
                   int64_t E, void* stream) {
   detail::check_args(M, N, K, E);
   if (M == 0) return;
-  if (M <= env::moe_few_rows(detail::kFewRowsMax)) {
-    detail::FewRowsParams f{offsets, static_cast<detail::bf16*>(y), nullptr, int(E), int(N), int(K), int(N), {}};
-    return detail::launch_few_rows(x, w, f, M, false, stream);
-  }
   detail::GemmParams p{};
   p.offsets = offsets, p.y = static_cast<detail::bf16*>(y), p.ab = nullptr;
   p.E = int(E), p.N = int(N), p.K = int(K), p.Nw = int(N);
@@ -296,16 +291,10 @@ void grouped_gemm_glu(const void* x, const void* w13, void* h, void* ab, const i
                       int64_t K, int64_t E, const GluArgs& g, void* stream) {
   detail::check_args(M, 2 * I, K, E);
   if (M == 0) return;
-  const detail::GluConsts glu = detail::glu_consts(g.swiglu, g.beta1, g.beta2);
-  if (M <= env::moe_few_rows(detail::kFewRowsMax)) {
-    detail::FewRowsParams f{offsets, static_cast<detail::bf16*>(h), static_cast<detail::bf16*>(ab), int(E), int(I), int(K),
-                            int(2 * I), glu};
-    return detail::launch_few_rows(x, w13, f, M, true, stream);
-  }
   detail::GemmParams p{};
   p.offsets = offsets, p.y = static_cast<detail::bf16*>(h), p.ab = static_cast<detail::bf16*>(ab);
   p.E = int(E), p.N = int(I), p.K = int(K), p.Nw = int(2 * I);
-  p.glu = glu;
+  p.glu = detail::glu_consts(g.swiglu, g.beta1, g.beta2);
   detail::launch<true>(x, w13, p, M, lm::cu::stream(stream));
 }
 

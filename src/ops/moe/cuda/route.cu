@@ -6,7 +6,8 @@
 // Router: one warp per token; each lane keeps the experts lane + 32j in registers; k + 1 rounds of a warp
 //         arg-max (larger value first, lower index on ties) give the selection and QB's cutoff.
 // Permutation: a stable radix sort of the assignments by expert (CUB), so rows keep (token, slot) order
-//         inside an expert and the result is deterministic; offsets from the sorted keys.
+//         inside an expert and the result is deterministic; offsets from the sorted keys. Up to 1,024
+//         assignments, one block gives the same order (no sort launches: a decode step's few rows).
 // Combine: per token, the k expert rows in slot order, summed in fp32 (no atomics).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -109,6 +110,49 @@ __global__ void perm_finish_kernel(const int* keys, const int* rows, int* pos, i
   }
 }
 
+// A small permutation (decode steps, short pieces: M <= kSmallPermute) in one block, the same stable order without
+// the sort's launches and scratch: counts per expert, their exclusive scan (warp 0, a contiguous run of experts
+// per lane), then row = offset of the expert + the earlier assignments with the same expert (M² / threads
+// compares in shared memory).
+constexpr int kSmallPermute = 1024, kSmallThreads = 1024, kSmallExperts = 8192;
+__global__ void __launch_bounds__(kSmallThreads) permute_small_kernel(const int* topk_idx, int M, int n, int* offsets,
+                                                                      int* rows, int* pos) {
+  extern __shared__ int sh[];
+  int* start = sh;         // [n + 1]: counts, then each expert's first row
+  int* key = sh + n + 1;   // [M]
+  const int tid = threadIdx.x;
+  for (int j = tid; j <= n; j += blockDim.x) start[j] = 0;
+  for (int a = tid; a < M; a += blockDim.x) key[a] = topk_idx[a];
+  __syncthreads();
+  for (int a = tid; a < M; a += blockDim.x) atomicAdd(&start[key[a]], 1);
+  __syncthreads();
+  if (tid < 32) {
+    const int per = (n + 31) / 32, j0 = min(n, tid * per), j1 = min(n, j0 + per);
+    int run = 0;
+    for (int j = j0; j < j1; ++j) run += start[j];
+    int incl = run;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, off);
+      if (tid >= off) incl += v;
+    }
+    int acc = incl - run;
+    for (int j = j0; j < j1; ++j) {
+      const int c = start[j];
+      start[j] = acc, offsets[j] = acc, acc += c;
+    }
+    if (tid == 31) start[n] = incl, offsets[n] = incl;
+  }
+  __syncthreads();
+  for (int a = tid; a < M; a += blockDim.x) {
+    const int e = key[a];
+    int rank = 0;
+    for (int b = 0; b < a; ++b) rank += key[b] == e;
+    const int r = start[e] + rank;
+    rows[r] = a, pos[a] = r;
+  }
+}
+
 __global__ void gather_kernel(const bf16* x, const int* rows, bf16* xs, int64_t M, int k, int d, int64_t ldx) {
   const int v8 = d / 8;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < M * v8; idx += int64_t(gridDim.x) * blockDim.x) {
@@ -170,6 +214,10 @@ void moe_permute(const int32_t* topk_idx, int64_t m, int64_t k, int64_t n, int32
   const int64_t M = m * k;
   if (M >= (int64_t(1) << 31) || n < 1) check.fail("permute: bad sizes");
   auto s = lm::cu::stream(stream);
+  if (M <= kSmallPermute && n <= kSmallExperts) {
+    permute_small_kernel<<<1, kSmallThreads, size_t(n + 1 + M) * 4, s>>>(topk_idx, int(M), int(n), offsets, rows, pos);
+    return check(cudaGetLastError(), "permute launch");
+  }
   int end_bit = 1;
   while ((int64_t(1) << end_bit) <= n) ++end_bit;
   size_t temp = 0;
