@@ -104,7 +104,7 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::Model<fl
     std::printf("%9ld %11.0f %11.1f %8.3f %9.3f %9.3f %6.1f%% %10.1f %6.2f | %.3f %.3f %.3f %.3f\n", static_cast<long>(c),
                 prefill_tps, n / t, 1e3 * step, bytes / 1e9, bytes / step / 1e12, 100 * bytes / step / bw, n / te,
                 te / t, 1e3 * f[P::Kda], 1e3 * f[P::Mla], 1e3 * (f[P::DenseFfn] + f[P::Moe]), 1e3 * f[P::AttnRes]);
-    std::printf("  graph: %ld nodes; eager synchronised sections (ms):", static_cast<long>(g.decode_graph_nodes()));
+    std::printf("  graph: %s; eager synchronised sections (ms):", g.decode_graph_nodes().c_str());
     for (const auto& [name, sec] : g.detail_profile()) {  // (the model's sections accumulate: this step's share)
       std::printf(" %s %.3f", name.c_str(), (sec - sections_before[name]) * 1e3);
       sections_before[name] = sec;

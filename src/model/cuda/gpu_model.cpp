@@ -71,7 +71,7 @@ int64_t GpuModel::blocks_needed(int64_t, int64_t) const { no_cuda(); }
 void GpuModel::set_decode_graphs(bool) { no_cuda(); }
 bool GpuModel::decode_graphs() const { no_cuda(); }
 int64_t GpuModel::decode_captures() const { no_cuda(); }
-int64_t GpuModel::decode_graph_nodes() const { no_cuda(); }
+std::string GpuModel::decode_graph_nodes() const { no_cuda(); }
 int64_t GpuModel::cache_slots() const { no_cuda(); }
 int64_t GpuModel::slot_tokens(int64_t) const { no_cuda(); }
 size_t GpuModel::cache_bytes() const { no_cuda(); }

@@ -316,7 +316,7 @@ struct InferState {
   std::map<std::pair<int64_t, int64_t>, Graph> graphs;
   bool use_graphs = true;
   int64_t captures = 0;  // decode graphs captured so far
-  int64_t graph_nodes = 0;  // the last one's node count
+  std::string graph_nodes;  // the last one's nodes by kind
   size_t bytes() const;
   void drop_graphs();
   ~InferState();

@@ -13,6 +13,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "core/cuda/stream.hpp"
 #include "ops/gemm/cuda/gemm_cuda.hpp"
@@ -195,6 +198,34 @@ void GpuModel::Impl::decode_walk_eager(int64_t first, int64_t S) {
      "logits");
 }
 
+namespace {
+// "N nodes: a kernel, b memcpy, ..." of a captured graph (what a step costs in launches).
+std::string node_kinds(cudaGraph_t g) {
+  size_t n = 0;
+  if (cudaGraphGetNodes(g, nullptr, &n) != cudaSuccess) return "?";
+  std::vector<cudaGraphNode_t> nodes(n);
+  if (n && cudaGraphGetNodes(g, nodes.data(), &n) != cudaSuccess) return "?";
+  std::map<std::string, int> kinds;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType t;
+    if (cudaGraphNodeGetType(node, &t) != cudaSuccess) continue;
+    switch (t) {
+      case cudaGraphNodeTypeKernel: ++kinds["kernel"]; break;
+      case cudaGraphNodeTypeMemcpy: ++kinds["memcpy"]; break;
+      case cudaGraphNodeTypeMemset: ++kinds["memset"]; break;
+      case cudaGraphNodeTypeMemAlloc: ++kinds["alloc"]; break;
+      case cudaGraphNodeTypeMemFree: ++kinds["free"]; break;
+      case cudaGraphNodeTypeEventRecord: case cudaGraphNodeTypeWaitEvent: ++kinds["event"]; break;
+      case cudaGraphNodeTypeEmpty: ++kinds["empty"]; break;
+      default: ++kinds["other"];
+    }
+  }
+  std::string r = fmt::format("{} nodes:", n);
+  for (const auto& [k, c] : kinds) r += fmt::format(" {} {}", c, k);
+  return r;
+}
+}  // namespace
+
 void GpuModel::Impl::decode_walk(int64_t first, int64_t S) {
   InferState& f = inf;
   if (!f.use_graphs || profiling) return decode_walk_eager(first, S);
@@ -222,8 +253,7 @@ void GpuModel::Impl::decode_walk(int64_t first, int64_t S) {
       cudaGraphInstantiate(&exec, g, 0) == cudaSuccess) {
     f.graphs[key] = {exec, epoch};
     ++f.captures;
-    size_t nodes = 0;
-    if (cudaGraphGetNodes(g, nullptr, &nodes) == cudaSuccess) f.graph_nodes = static_cast<int64_t>(nodes);
+    f.graph_nodes = node_kinds(g);
   } else {  // a walk that cannot be captured runs eagerly from now on
     cudaGetLastError();
     f.use_graphs = false;
@@ -252,7 +282,7 @@ void GpuModel::set_decode_graphs(bool on) {
 }
 bool GpuModel::decode_graphs() const { return p_->inf.use_graphs; }
 int64_t GpuModel::decode_captures() const { return p_->inf.captures; }
-int64_t GpuModel::decode_graph_nodes() const { return p_->inf.graph_nodes; }
+std::string GpuModel::decode_graph_nodes() const { return p_->inf.graph_nodes; }
 
 // The checks of a prompt of n tokens after what `slot` holds (prefill and extend), before anything changes.
 void GpuModel::Impl::check_prompt(const char* what, int64_t slot, const int32_t* ids, int64_t n, int64_t chunk,
