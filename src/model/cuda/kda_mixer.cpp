@@ -100,15 +100,9 @@ void GpuModel::Impl::kda_forward(int64_t i, const void* xn, float* y, const floa
   const size_t kb = training && save_on ? kc::saved_bytes(kp) : 0;
   kda_saved[i] = kb ? grow(a.saved, kb) : nullptr;
   fork();  // the core on its stream; the output gate's projections beside it
-  if (inf.mode == Mode::Decode) {
-    // β_raw lies inside the fused projection's rows; the step reads it dense [S, H].
-    void* beta = grow(inf.beta, size_t(n) * H * 2);
-    ck(cudaMemcpy2DAsync(beta, size_t(H) * 2, braw, size_t(LF) * 2, size_t(H) * 2, size_t(n), cudaMemcpyDeviceToDevice,
-                         core),
-       "beta");
-    in.beta_raw = beta;
+  if (inf.mode == Mode::Decode) {  // (β_raw read in place, inside the fused projection's rows)
     if (core) ck(cudaEventRecord(started, core), "cudaEventRecord");  // the output gate's projections run beside it
-    kc::decode_step(state, in, o, n, H, Kd, Kd, kp.gate, 0.f, kc::GateDType::BF16, core);
+    kc::decode_step(state, in, o, n, H, Kd, Kd, kp.gate, 0.f, kc::GateDType::BF16, core, LF);
   } else {
     if (cont) {  // the state continues from the cache (copied: the operator writes its final state there)
       float* h0 = grow<float>(inf.pre.h0, size_t(H) * Kd * Kd * 4);

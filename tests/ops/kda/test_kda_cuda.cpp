@@ -432,6 +432,12 @@ TEST(KdaCuda, DecodeMatchesChunkedAndReference) {
     Dev st(ns * 4), tq(sq * 2), tk(sq * 2), tv(sv * 2), tg(sq * 2), tb(sb * 2), to(sv * 2);
     up_f32(st, d.h0);
     Vec o_dec(nv);
+    // The same steps with β_raw read in place from wider rows (beta_ld = H + 5, as the GPU model's fused projection
+    // holds it): bit for bit the dense ones.
+    const int64_t bld = c.H + 5;
+    Dev st2(ns * 4), tb2(size_t(c.B * bld) * 2), to2(sv * 2);
+    up_f32(st2, d.h0);
+    bool strided_equal = true;
     for (int64_t t = 0; t < c.T; ++t) {
       Vec xq(sq), xk(sq), xg(sq), xv(sv), xb(sb);
       for (int64_t b = 0; b < c.B; ++b) {
@@ -445,11 +451,19 @@ TEST(KdaCuda, DecodeMatchesChunkedAndReference) {
       up_bf16(tq, xq), up_bf16(tk, xk), up_bf16(tv, xv), up_bf16(tg, xg), up_bf16(tb, xb);
       kc::Inputs ti{tq.p, tk.p, tv.p, tg.p, tb.p, A.f(), dtb.f(), nullptr};
       kc::decode_step(st.f(), ti, to.p, c.B, c.H, c.K, c.V, gate_of(c));
+      Vec xb2(size_t(c.B * bld), 7.f);
+      for (int64_t b = 0; b < c.B; ++b) std::copy_n(xb.begin() + long(b * c.H), c.H, xb2.begin() + long(b * bld));
+      up_bf16(tb2, xb2);
+      kc::Inputs ti2 = ti;
+      ti2.beta_raw = tb2.p;
+      kc::decode_step(st2.f(), ti2, to2.p, c.B, c.H, c.K, c.V, gate_of(c), 0.f, kc::GateDType::BF16, nullptr, bld);
       const Vec ot = down_bf16(to, sv);
+      strided_equal = strided_equal && ot == down_bf16(to2, sv);
       for (int64_t b = 0; b < c.B; ++b)
         std::copy_n(ot.begin() + long(b * c.H * c.V), c.H * c.V, o_dec.begin() + long((b * c.T + t) * c.H * c.V));
     }
     const Vec st_dec = down_f32(st, ns);
+    EXPECT_TRUE(strided_equal && st_dec == down_f32(st2, ns)) << "beta_ld changed the decode step";
     // CPU reference recurrence (fp32)
     FusedInputs<float> fi;
     fi.q = d.q.data(), fi.k = d.k.data(), fi.v = d.v.data(), fi.g_raw = d.g.data(), fi.beta_raw = d.beta.data();

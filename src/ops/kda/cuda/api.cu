@@ -259,9 +259,10 @@ void backward(const Problem& p, const Inputs& in, const void* do_, const float* 
 }
 
 void decode_step(float* state, const Inputs& in, void* o, int64_t S, int64_t H, int64_t K, int64_t V, GateParams gate,
-                 float scale, GateDType gate_dtype, void* stream) {
+                 float scale, GateDType gate_dtype, void* stream, int64_t beta_ld) {
   check_inputs(in);
   if (!state || !o) check.fail("state and o are required");
+  if (beta_ld != 0 && beta_ld < H) check.fail("decode: beta_ld must be 0 or at least H");
   if (K < 8 || K > 128 || K % 8 || V < 8 || V % 8) check.fail("decode: K must be a multiple of 8 in [8, 128], V of 8");
   if (S < 1 || H < 1) return;
   if (gate.form == GateForm::LowerBound && !(gate.lower_bound < 0)) check.fail("lower_bound must be < 0");
@@ -274,7 +275,7 @@ void decode_step(float* state, const Inputs& in, void* o, int64_t S, int64_t H, 
   op.A_log = in.A_log;
   op.dt_bias = in.dt_bias;
   op.H = int(H), op.K = int(K), op.V = int(V);
-  op.beta_ld = H;
+  op.beta_ld = beta_ld ? beta_ld : H;
   op.scale = scale > 0 ? scale : float(1.0 / std::sqrt(double(K)));
   op.lb = float(gate.lower_bound);
   op.softplus = gate.form == GateForm::Softplus ? 1 : 0;

@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(256, 2) decode_kernel(float* __restrict__ stat
     w.x += a1.x, w.y += a1.y, w.z += a1.z, w.w += a1.w;
   }
   if (!eok) return;
-  const float beta = sigmoidf_(to_f(static_cast<const GT*>(p.beta_raw)[sh]));
+  const float beta = sigmoidf_(to_f(static_cast<const GT*>(p.beta_raw)[int64_t(sh / H) * p.beta_ld + h]));
   const uint2 vr = *reinterpret_cast<const uint2*>(p.v + int64_t(sh) * V + e0);
   const float2 v01 = unpack_bf16(vr.x), v23 = unpack_bf16(vr.y);
   const float4 ev = make_float4(beta * (v01.x - u.x), beta * (v01.y - u.y), beta * (v23.x - u.z), beta * (v23.y - u.w));

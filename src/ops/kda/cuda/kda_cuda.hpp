@@ -61,9 +61,11 @@ void backward(const Problem& p, const Inputs& in, const void* do_, const float* 
               void* stream = nullptr, const void* saved = nullptr, void* started = nullptr);
 
 // One token for each of S sequences (the recurrence of SPEC §2 in fp32): state [S,H,K,V] f32 updated in
-// place; q, k, g_raw [S,H,K]; v, o [S,H,V]; beta_raw [S,H]. The same fused inputs as forward().
+// place; q, k, g_raw [S,H,K]; v, o [S,H,V]; beta_raw [S,H] (row stride beta_ld, 0: H). The same fused inputs as
+// forward().
 void decode_step(float* state, const Inputs& in, void* o, int64_t S, int64_t H, int64_t K, int64_t V,
-                 GateParams gate, float scale = 0.f, GateDType gate_dtype = GateDType::BF16, void* stream = nullptr);
+                 GateParams gate, float scale = 0.f, GateDType gate_dtype = GateDType::BF16, void* stream = nullptr,
+                 int64_t beta_ld = 0);
 
 // ---- small runtime helpers (so that plain C++ callers need no CUDA headers) ----
 int device_count();  // 0 when there is no usable device or driver (never throws)

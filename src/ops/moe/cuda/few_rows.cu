@@ -10,8 +10,8 @@
 //         WR = 4 weight rows per warp (GLU: two output columns' gate and up rows), kWarps warps per block,
 //         R = 4 rows of the expert at a time in registers (an expert with more rows takes more passes).
 // Each lane reads 8 consecutive k (one 16-byte load per weight row) every 256 k. A row's result is the same
-// whatever the other rows are (fixed per-lane order of k, fixed butterfly): a token decodes to the same bits
-// in a batch of any size.
+// whatever the other rows are (fixed per-lane order of k, fixed butterfly), so this product gives a token the
+// same bits whatever else its batch holds.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

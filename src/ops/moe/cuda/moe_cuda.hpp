@@ -30,8 +30,7 @@ void grouped_gemm_glu(const void* x, const void* w13, void* h, void* ab, const i
 
 // Decode steps (a few rows per expert): the same two products by the few-row kernel (few_rows.cu), which streams
 // each selected expert's weight rows once over all SMs instead of 128-row tensor-core tiles. As with the above, a
-// row's bits do not depend on the other rows (a token decodes alike in a batch of any size), but they are not
-// grouped_gemm's bits: a caller takes one or the other for a kind of step (GpuModel: decode steps), never both for
+// row's bits do not depend on the other rows, but they are not grouped_gemm's bits: a caller takes one or the other for a kind of step (GpuModel: decode steps), never both for
 // the same rows. The GLU variant can read its rows through the permutation (the gather fused): with `rows`, row r
 // is x[rows[r] / k] of x [m, ldx] (ldx: 0 = K; a multiple of 8).
 void grouped_gemm_few_rows(const void* x, const void* w, void* y, const int32_t* offsets, int64_t M, int64_t N,
