@@ -70,10 +70,8 @@ void GpuModel::Impl::moe_forward(int64_t i, const void* yn, float* y, const floa
     ck(cudaStreamWaitEvent(side, permuted, 0), "wait");
     ck(cudaMemcpyAsync(offsets_h[i].p, off, size_t(E + 1) * 4, cudaMemcpyDeviceToHost, side), "offsets to host");
     ck(cudaEventRecord(offsets_h[i].done, side), "cudaEventRecord");
-  } else {  // (inference: the one-block permutation of a few rows. The training forward keeps the radix sort until
-            // GpuModelMemoryPlan.RecomputeEqualsKeeping, which failed on an H100 in session 40 beside this change, is
-            // settled; the two give the same order, MoeCuda.PermuteSmallAndLarge)
-    oc::moe_permute(topk_idx, n, k, E, off, prow, ppos, nullptr, true);
+  } else {
+    oc::moe_permute(topk_idx, n, k, E, off, prow, ppos);
   }
   void *h = grow(a.eh, size_t(Mr) * I * 2), *eo = grow(a.eo, size_t(Mr) * l * 2);
   const std::string X = B + "experts.0.";

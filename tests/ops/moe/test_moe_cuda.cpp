@@ -382,7 +382,7 @@ TEST(MoeCuda, PermuteSmallAndLarge) {
     const auto perm = ops::moe_permutation(idx.data(), pc.m, pc.k, pc.n);
     Dev gi(idx.size() * 4), goff(size_t(pc.n + 1) * 4), grows(idx.size() * 4), gpos(idx.size() * 4);
     up(gi, idx);
-    oc::moe_permute(gi.i(), pc.m, pc.k, pc.n, goff.i(), grows.i(), gpos.i(), nullptr, true);
+    oc::moe_permute(gi.i(), pc.m, pc.k, pc.n, goff.i(), grows.i(), gpos.i());
     kc::synchronize();
     auto got = [](const Dev& g, size_t n) {
       const std::vector<int32_t> v = down<int32_t>(g, n);

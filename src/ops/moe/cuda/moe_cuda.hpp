@@ -65,11 +65,10 @@ void router_forward(const float* logits, const float* bias, int64_t m, int64_t n
                     float scaling, const RouterOut& out, void* stream = nullptr);
 
 // ---- permutation, gather, combine -----------------------------------------------------------------
-// offsets [n + 1], rows [m·k], pos [m·k] (deterministic: a stable sort by expert). small: up to 1,024
-// assignments (and 8,192 experts) the same order from one block, without the sort's launches and scratch (a decode
-// step's few rows); the GPU model's training forward keeps the sort (see model/cuda/moe.cpp).
+// offsets [n + 1], rows [m·k], pos [m·k] (deterministic: a stable sort by expert; up to 1,024 assignments and
+// 8,192 experts the same order from one block, without the sort's launches and scratch: a decode step's few rows).
 void moe_permute(const int32_t* topk_idx, int64_t m, int64_t k, int64_t n, int32_t* offsets, int32_t* rows,
-                 int32_t* pos, void* stream = nullptr, bool small = false);
+                 int32_t* pos, void* stream = nullptr);
 // xs [m·k, d] bf16: xs[r] = x[rows[r] / k].
 // (ldx: x's row stride, 0: d.)
 void moe_gather(const void* x, const int32_t* rows, void* xs, int64_t m, int64_t k, int64_t d, void* stream = nullptr,

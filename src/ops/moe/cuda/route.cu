@@ -6,8 +6,8 @@
 // Router: one warp per token; each lane keeps the experts lane + 32j in registers; k + 1 rounds of a warp
 //         arg-max (larger value first, lower index on ties) give the selection and QB's cutoff.
 // Permutation: a stable radix sort of the assignments by expert (CUB), so rows keep (token, slot) order
-//         inside an expert and the result is deterministic; offsets from the sorted keys. Asked for, up to
-//         1,024 assignments, one block gives the same order (no sort launches: a decode step's few rows).
+//         inside an expert and the result is deterministic; offsets from the sorted keys. Up to 1,024
+//         assignments, one block gives the same order (no sort launches: a decode step's few rows).
 // Combine: per token, the k expert rows in slot order, summed in fp32 (no atomics).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -210,11 +210,11 @@ void router_forward(const float* logits, const float* bias, int64_t m, int64_t n
 }
 
 void moe_permute(const int32_t* topk_idx, int64_t m, int64_t k, int64_t n, int32_t* offsets, int32_t* rows,
-                 int32_t* pos, void* stream, bool small) {
+                 int32_t* pos, void* stream) {
   const int64_t M = m * k;
   if (M >= (int64_t(1) << 31) || n < 1) check.fail("permute: bad sizes");
   auto s = lm::cu::stream(stream);
-  if (small && M <= kSmallPermute && n <= kSmallExperts) {
+  if (M <= kSmallPermute && n <= kSmallExperts) {
     permute_small_kernel<<<1, kSmallThreads, size_t(n + 1 + M) * 4, s>>>(topk_idx, int(M), int(n), offsets, rows, pos);
     return check(cudaGetLastError(), "permute launch");
   }
