@@ -1,5 +1,6 @@
 // MoE on the GPU: grouped expert GEMM TFLOP/s (plain, and with SiTU-GLU fused into the epilogue), the whole
-// expert FFN, and the router / permutation / gather / combine times. Median of CUDA-event timings after
+// expert FFN, the decode expert FFN (few-row against wgmma kernels, against the copy bandwidth), and the router /
+// permutation / gather / combine times. Median of CUDA-event timings after
 // warm-up; prints "RESULT key value" lines that bench/peer_attention_moe.py sets beside torch._grouped_mm
 // measured on the same shapes in the same run.
 //

@@ -128,7 +128,8 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::Model<fl
                 static_cast<double>(n) / t);
     for (int k = 0; k < model::Profile::kNum; ++k) std::printf(" %s %.1f", model::Profile::name(k), 1e3 * g.profile.fwd[k]);
     std::printf("\n  sections (ms):");
-    for (const auto& [name, sec] : g.detail_profile()) std::printf(" %s %.1f", name.c_str(), (sec - sections_before[name]) * 1e3);
+    for (const auto& [name, sec] : g.detail_profile())
+      std::printf(" %s %.1f", name.c_str(), (sec - sections_before[name]) * 1e3);
     std::printf("\n");
   }
   const model::InferenceMemory pm = model::inference_memory(cfg, max_tokens, 1 + a.batch, g.prefill_chunk, pool_tokens);

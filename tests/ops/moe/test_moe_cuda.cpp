@@ -202,7 +202,7 @@ TEST(MoeCuda, GroupedGemmGluFused) {
 
 // The few-row kernels (decode steps): plain and GLU products against the double reference and against the wgmma
 // kernels; an expert with more rows than one register pass (11 > 4), 300 experts (the slot search crosses 256), K not
-// a multiple of 256, N off the block width, 512 rows over 64 experts (a batch-64 step); the GLU product reading its
+// a multiple of 256, N off the block width, 511 rows over 64 experts (a batch-64 step); the GLU product reading its
 // rows through the permutation (the gather fused); every row equal bit for bit when the same rows arrive one per
 // expert (what a token decoded alone or in a batch sees).
 TEST(MoeCuda, FewRowsKernels) {
@@ -213,7 +213,7 @@ TEST(MoeCuda, FewRowsKernels) {
     int64_t N, K;
   };
   std::vector<std::pair<int, int>> busy;
-  for (int e = 0; e < 64; ++e) busy.push_back({e, 1 + (e * 7) % 15});  // 512 rows
+  for (int e = 0; e < 64; ++e) busy.push_back({e, 1 + (e * 7) % 15});  // 511 rows, 1 to 15 per expert
   for (const FC& fc : {FC{4, {{1, 1}}, 272, 200}, FC{300, {{0, 2}, {7, 11}, {255, 1}, {256, 3}, {299, 5}}, 80, 1032},
                        FC{64, {{3, 8}, {4, 8}, {9, 8}, {10, 8}, {20, 8}, {33, 8}, {40, 8}, {63, 8}}, 768, 384},
                        FC{64, busy, 144, 264}}) {
@@ -239,7 +239,8 @@ TEST(MoeCuda, FewRowsKernels) {
     Dev gx1(x1.size() * 2), go1(off1.size() * 4);
     up_bf16(gx1, x1), up(go1, off1);
     auto same_rows = [&](const Dev& all, const Dev& ones, int64_t cols) {
-      const std::vector<uint16_t> a = down<uint16_t>(all, size_t(M * cols)), b = down<uint16_t>(ones, size_t(M1 * cols));
+      const std::vector<uint16_t> a = down<uint16_t>(all, size_t(M * cols));
+      const std::vector<uint16_t> b = down<uint16_t>(ones, size_t(M1 * cols));
       for (size_t j = 0; j < first.size(); ++j)
         if (std::memcmp(&a[size_t(first[j] * cols)], &b[j * size_t(cols)], size_t(cols) * 2) != 0) return false;
       return true;

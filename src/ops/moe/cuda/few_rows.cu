@@ -159,7 +159,8 @@ void launch(const void* x, const void* w, FewRowsParams p, int64_t M, int64_t ld
     check.fail("few-row grouped gemm: bad shape (N and K multiples of 8)");
   if (ldx == 0) ldx = p.K;
   if (ldx < p.K || ldx % 8) check.fail("few-row grouped gemm: x's row stride must be >= K and a multiple of 8");
-  if (M >= (int64_t(1) << 31) || int64_t(p.E) * p.Nw * p.K >= (int64_t(1) << 40)) check.fail("few-row grouped gemm too large");
+  if (M >= (int64_t(1) << 31) || int64_t(p.E) * p.Nw * p.K >= (int64_t(1) << 40))
+    check.fail("few-row grouped gemm too large");
   if (M == 0) return;
   p.ldx = ldx;
   const int cols_per_block = kWarps * (glu ? WR / 2 : WR);
