@@ -75,15 +75,16 @@ void GpuModel::Impl::kda_forward(int64_t i, const void* xn, float* y, const floa
   if (inf.mode == Mode::Decode) {  // (q, k, v in one launch)
     const float* w3[3] = {M(A + conv_w[0]), M(A + conv_w[1]), M(A + conv_w[2])};
     kc::short_conv_step3(pre, LF, w3, conv, conv_ld, post, n, HK, taps);
-  }
-  for (int j = 0; j < 3 && inf.mode != Mode::Decode; ++j) {
-    if (cont) {  // from the cached inputs, which then move on by the chunk
-      kc::short_conv_forward_cached(pre + j * HK, LF, M(A + conv_w[j]), conv + j * HK * (taps - 1), post[j], n, HK,
-                                    taps);
-      kc::short_conv_cache_append(pre + j * HK, LF, n, conv + j * HK * (taps - 1), HK, taps);
-    } else {
-      kc::short_conv_forward(pre + j * HK, M(A + conv_w[j]), post[j], cs);  // (a prefill starts from zeros)
-      if (conv) kc::short_conv_cache(pre + j * HK, LF, n, conv + j * HK * (taps - 1), HK, taps);
+  } else {
+    for (int j = 0; j < 3; ++j) {
+      if (cont) {  // from the cached inputs, which then move on by the chunk
+        kc::short_conv_forward_cached(pre + j * HK, LF, M(A + conv_w[j]), conv + j * HK * (taps - 1), post[j], n,
+                                      HK, taps);
+        kc::short_conv_cache_append(pre + j * HK, LF, n, conv + j * HK * (taps - 1), HK, taps);
+      } else {
+        kc::short_conv_forward(pre + j * HK, M(A + conv_w[j]), post[j], cs);  // (a prefill starts from zeros)
+        if (conv) kc::short_conv_cache(pre + j * HK, LF, n, conv + j * HK * (taps - 1), HK, taps);
+      }
     }
   }
   sec.emplace(section("kda.proj.fwd"));

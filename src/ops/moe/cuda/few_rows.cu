@@ -18,6 +18,7 @@
 #include <algorithm>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/mma.cuh"
 #include "core/cuda/stream.hpp"
 #include "ops/moe/cuda/glu_epilogue.cuh"
 #include "ops/moe/cuda/moe_cuda.hpp"
@@ -32,7 +33,7 @@ struct FewRowsParams {
   const int32_t* offsets;
   const int32_t* rows;  // nullable: row r of the product reads x row rows[r] / k (the gather, fused)
   int k;
-  int64_t ldx;          // x's row stride
+  int64_t ldx;          // x's row stride (0: K)
   bf16* y;              // [M, N] (GLU: h [M, I])
   bf16* ab;             // GLU only, nullable: the pre-activations [M, 2I], a then b columns
   int E, N, K, Nw;      // Nw weight rows per expert (N, or 2I for GLU)
@@ -47,14 +48,14 @@ __device__ __forceinline__ uint4 load_stream(const bf16* p) {
                : "l"(p));
   return v;
 }
-// Element 2i and 2i + 1 of eight bf16 packed in u (a bf16 is the upper half of its fp32).
-__device__ __forceinline__ float lo(uint32_t u) { return __uint_as_float(u << 16); }
-__device__ __forceinline__ float hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
-__device__ __forceinline__ void fma8(float& acc, const uint4& w, const float* xf) {
-  acc = fmaf(lo(w.x), xf[0], acc), acc = fmaf(hi(w.x), xf[1], acc);
-  acc = fmaf(lo(w.y), xf[2], acc), acc = fmaf(hi(w.y), xf[3], acc);
-  acc = fmaf(lo(w.z), xf[4], acc), acc = fmaf(hi(w.z), xf[5], acc);
-  acc = fmaf(lo(w.w), xf[6], acc), acc = fmaf(hi(w.w), xf[7], acc);
+// acc += Σ w_j · x_j over the eight bf16 of w (in order) and eight floats of x.
+__device__ __forceinline__ void fma8(float& acc, const uint4& w, const float2* x) {
+  const uint32_t wu[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 wf = lm::cu::unpack_bf16(wu[j]);
+    acc = fmaf(wf.x, x[j].x, acc), acc = fmaf(wf.y, x[j].y, acc);
+  }
 }
 
 // The s-th expert (in expert order) that has rows, or −1: a block-wide count over the offsets, 256 experts at a
@@ -119,7 +120,8 @@ __global__ void __launch_bounds__(kThreads, 2) few_rows_kernel(const bf16* __res
       for (int r = 0; r < R; ++r) {
         if (r >= nr) break;
         const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xr[r] + k));
-        const float xf[8] = {lo(xv.x), hi(xv.x), lo(xv.y), hi(xv.y), lo(xv.z), hi(xv.z), lo(xv.w), hi(xv.w)};
+        const float2 xf[4] = {lm::cu::unpack_bf16(xv.x), lm::cu::unpack_bf16(xv.y), lm::cu::unpack_bf16(xv.z),
+                              lm::cu::unpack_bf16(xv.w)};
 #pragma unroll
         for (int i = 0; i < WR; ++i) fma8(acc[r][i], wv[i], xf);
       }
@@ -154,15 +156,14 @@ __global__ void __launch_bounds__(kThreads, 2) few_rows_kernel(const bf16* __res
 
 constexpr lm::cu::Checker check{"moe cuda (few rows)"};
 
-void launch(const void* x, const void* w, FewRowsParams p, int64_t M, int64_t ldx, bool glu, void* stream) {
+void launch(const void* x, const void* w, FewRowsParams p, int64_t M, bool glu, void* stream) {
   if (M < 0 || p.N < 8 || p.K < 8 || p.E < 1 || p.N % 8 || p.K % 8)
     check.fail("few-row grouped gemm: bad shape (N and K multiples of 8)");
-  if (ldx == 0) ldx = p.K;
-  if (ldx < p.K || ldx % 8) check.fail("few-row grouped gemm: x's row stride must be >= K and a multiple of 8");
+  if (p.ldx == 0) p.ldx = p.K;
+  if (p.ldx < p.K || p.ldx % 8) check.fail("few-row grouped gemm: x's row stride must be >= K and a multiple of 8");
   if (M >= (int64_t(1) << 31) || int64_t(p.E) * p.Nw * p.K >= (int64_t(1) << 40))
     check.fail("few-row grouped gemm too large");
   if (M == 0) return;
-  p.ldx = ldx;
   const int cols_per_block = kWarps * (glu ? WR / 2 : WR);
   const dim3 grid(unsigned((p.N + cols_per_block - 1) / cols_per_block), unsigned(std::min<int64_t>(M, p.E)));
   const auto* xb = static_cast<const bf16*>(x);
@@ -182,17 +183,17 @@ void grouped_gemm_few_rows(const void* x, const void* w, void* y, const int32_t*
                            int64_t K, int64_t E, void* stream) {
   detail::FewRowsParams p{offsets, nullptr, 1, 0, static_cast<__nv_bfloat16*>(y), nullptr, int(E), int(N), int(K),
                           int(N), {}};
-  detail::launch(x, w, p, M, 0, false, stream);
+  detail::launch(x, w, p, M, false, stream);
 }
 
 void grouped_gemm_glu_few_rows(const void* x, const void* w13, void* h, void* ab, const int32_t* offsets, int64_t M,
                                int64_t I, int64_t K, int64_t E, const GluArgs& g, void* stream, const int32_t* rows,
                                int64_t k, int64_t ldx) {
   if (rows && k < 1) detail::check.fail("few-row grouped gemm: k must be positive");
-  detail::FewRowsParams p{offsets, rows, int(rows ? k : 1), 0, static_cast<__nv_bfloat16*>(h),
+  detail::FewRowsParams p{offsets, rows, int(rows ? k : 1), ldx, static_cast<__nv_bfloat16*>(h),
                           static_cast<__nv_bfloat16*>(ab), int(E), int(I), int(K), int(2 * I),
                           detail::glu_consts(g.swiglu, g.beta1, g.beta2)};
-  detail::launch(x, w13, p, M, ldx, true, stream);
+  detail::launch(x, w13, p, M, true, stream);
 }
 
 }  // namespace lm::ops::cuda
