@@ -297,8 +297,7 @@ struct InferState {
   DBuf lens;                                  // int32 [slots] positions cached before a decode step
   int32_t *ids_pin = nullptr, *lens_pin = nullptr;  // pinned [slots]: a decode step's inputs
   float* logits_pin = nullptr;                      // pinned [slots, V]: its logits
-  DBuf q_lat, q_rope, o_lat, dec_ws;  // decode scratch: [S, Hm, R], [S, Hm, Dr], [S, Hm, R]; the paged decode's
-                                     // workspace
+  DBuf q_lat, o_lat, dec_ws;  // decode scratch: [S, Hm, R] each; the paged decode's workspace
   DBuf logits;                              // fp32 [rows, V]
   // A continued prefill's scratch (n chunk rows, nk <= 16384 cached keys at a time): the attention partials and
   // their merge, bf16 [n, Hm, Dv] + fp32 [n, Hm], fp32 [n, Hm, Dv] + [n, Hm]; a key block's latent rows cn bf16

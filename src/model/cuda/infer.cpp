@@ -28,7 +28,7 @@ size_t InferState::Prefill::bytes() const {
 }
 size_t InferState::bytes() const {
   return bytes_of(state) + bytes_of(conv) + bytes_of(latent) +
-         bytes_of({&table, &lens, &q_lat, &q_rope, &o_lat, &dec_ws, &logits}) + pre.bytes();
+         bytes_of({&table, &lens, &q_lat, &o_lat, &dec_ws, &logits}) + pre.bytes();
 }
 
 void InferState::drop_graphs() {

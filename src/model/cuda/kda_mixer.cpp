@@ -27,8 +27,7 @@
 
 namespace lm::model::cuda {
 
-// Whether a KDA layer may keep `bytes` for its backward: yes while a quarter of the device stays free after it
-// (long sequences then recompute in their later layers rather than run out of memory in the backward).
+// The operator's problem for this batch (β_raw and its gradient strided inside the fused projection's rows).
 kc::Problem GpuModel::Impl::kda_problem() const {
   kc::Problem p;
   p.B = seqs.B, p.T = seqs.T, p.H = c.kda_num_heads, p.K = c.kda_head_dim, p.V = c.kda_head_dim;

@@ -82,9 +82,9 @@ void GpuModel::Impl::mla_forward(int64_t i, const void* xn, float* y, const floa
 
 // One token for each of the S decode slots: its latent row [cn | k_r] appended to the slot's cache, then absorbed
 // attention over the cache (as model::GatedMla::decode): q̃_h = q_nope,h W_UK,h (W_kvb's first Dn rows of head h,
-// one grouped GEMM over the heads), ō = mla_decode_paged(q̃, q_rope, the slots' blocks), o_h = ō_h W_UV,hᵀ (its next
-// Dv rows). The slots' lengths and block tables are read on the device (inf.lens, inf.table), so the step has one
-// launch sequence whatever the lengths (a CUDA graph).
+// one strided-batch GEMM over the heads), ō = mla_decode_paged(q̃, q_rope, the slots' blocks), o_h = ō_h W_UV,hᵀ
+// (its next Dv rows). The slots' lengths and block tables are read on the device (inf.lens, inf.table), so the
+// step has one launch sequence whatever the lengths (a CUDA graph).
 void GpuModel::Impl::mla_decode_step(int64_t i, const void* q, const void* cn, const float* ckr, void* o) {
   const int64_t H = c.num_attention_heads, Dn = c.qk_nope_head_dim, Dr = c.qk_rope_head_dim, Dv = c.v_head_dim,
                 R = c.kv_lora_rank, Dq = Dn + Dr, Dkv = Dn + Dv, RD = R + Dr, S = inf.S;
@@ -93,25 +93,21 @@ void GpuModel::Impl::mla_decode_step(int64_t i, const void* q, const void* cn, c
   mla_latent_rows(cn, ckr, inf.latent[i].p, table, inf.table_ld, lens, 0, S, R, Dr);
   auto* Wkvb = static_cast<const uint16_t*>(W(P_(i) + ".self_attn.kv_b_proj.weight"));
   auto* q_lat = grow<uint16_t>(inf.q_lat, size_t(S) * H * R * 2);
-  auto* q_rope = grow<uint16_t>(inf.q_rope, size_t(S) * H * Dr * 2);
   auto* o_lat = grow<uint16_t>(inf.o_lat, size_t(S) * H * R * 2);
   auto* qb = static_cast<const uint16_t*>(q);
-  std::vector<oc::GemmGroup> g(static_cast<size_t>(H));
-  for (int64_t h = 0; h < H; ++h)
-    g[size_t(h)] = {S, R, Dn, qb + h * Dq, H * Dq, Wkvb + h * Dkv * R, R, q_lat + h * R, H * R};
-  oc::gemm_bf16_grouped(false, false, g, 1.f, 0.f, DType::BF16);
-  ck(cudaMemcpy2DAsync(q_rope, size_t(Dr) * 2, qb + Dn, size_t(Dq) * 2, size_t(Dr) * 2, size_t(S * H),
-                       cudaMemcpyDeviceToDevice, walk()),
-     "q_rope");
+  // q̃_h [S, R] = q_nope,h [S, Dn] · (W_kvb rows h·Dkv ..+Dn) [Dn, R], all heads in one launch
+  oc::gemm_bf16_strided_batched(false, false, S, R, Dn, 1.f, qb, H * Dq, Dq, Wkvb, R, Dkv * R, 0.f, q_lat, H * R, R,
+                                H, DType::BF16);
   oc::PagedDecodeShape ps;
   ps.S = S, ps.H = H, ps.R = R, ps.Dr = Dr, ps.ldc = RD, ps.max_tokens = inf.max_tokens, ps.table_ld = inf.table_ld;
+  ps.ldqr = Dq;    // (q_rope read in place, after each head's q_nope)
   ps.len_add = 1;  // (lens: the positions before this token, whose row was just written)
   ps.scale = float(1.0 / std::sqrt(double(Dq)));
   void* ws = grow(inf.dec_ws, oc::mla_decode_paged_workspace(ps));
-  oc::mla_decode_paged(ps, q_lat, q_rope, inf.latent[i].p, table, lens, o_lat, ws);
-  for (int64_t h = 0; h < H; ++h)
-    g[size_t(h)] = {S, Dv, R, o_lat + h * R, H * R, Wkvb + (h * Dkv + Dn) * R, R, as<uint16_t>(o) + h * Dv, H * Dv};
-  oc::gemm_bf16_grouped(false, true, g, 1.f, 0.f, DType::BF16);
+  oc::mla_decode_paged(ps, q_lat, qb + Dn, inf.latent[i].p, table, lens, o_lat, ws);
+  // o_h [S, Dv] = ō_h [S, R] · (W_kvb rows h·Dkv + Dn ..+Dv)ᵀ
+  oc::gemm_bf16_strided_batched(false, true, S, Dv, R, 1.f, o_lat, H * R, R, Wkvb + Dn * R, R, Dkv * R, 0.f, o,
+                                H * Dv, Dv, H, DType::BF16);
 }
 
 // A prefill chunk of n tokens at positions [start, start + n) of a cached sequence: attention to its own keys (k, v

@@ -165,7 +165,8 @@ TEST(AttentionCuda, MlaDecodeAbsorbed) {
     int64_t H, Tc;
     int splits;
   };
-  for (const DC dc : {DC{8, 1000, 0}, DC{40, 777, 0}, DC{64, 130, 1}, DC{16, 1, 0}, DC{32, 4100, 5}, DC{16, 70400, 1100}}) {
+  for (const DC dc : {DC{8, 1000, 0}, DC{40, 777, 0}, DC{64, 130, 1}, DC{16, 1, 0}, DC{32, 4100, 5},
+                      DC{16, 70400, 1100}, DC{100, 2049, 0}}) {
     const int64_t R = 512, Dr = 64, ld = R + Dr;
     const uint64_t sd = uint64_t(dc.H * 7 + dc.Tc);
     const Vec ql = round_bf16(lm::testing::randn<float>(size_t(dc.H * R), sd + 1, 0.5));

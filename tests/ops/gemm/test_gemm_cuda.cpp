@@ -119,3 +119,50 @@ TEST(GemmCuda, LargeProductWithTimedChoice) {
 }
 
 }  // namespace
+
+// The strided batch in the MLA decode step's two shapes (per-head slices of q against per-head slices of one
+// weight; the heads' outputs side by side), against a double product per head; other rows of C are not written.
+TEST(GemmCuda, StridedBatchAgainstDoubleReference) {
+  REQUIRE_GPU();
+  struct SB {
+    bool tb;
+    int64_t S, H, N, K, lda, sA, ldb, sB;  // C [S, H·N]: head h's block at column h·N
+  };
+  // q̃: A = q [S, H, 24] (K = 16 of each head's 24), B = rows h·40 .. of W [H·40, 72] (N = 72);
+  // o: A = ō [S, H, 72], B = rows h·40 + 16 .. +24 of the same W, transposed (N = 24, K = 72).
+  for (const SB& c : {SB{false, 5, 3, 72, 16, 3 * 24, 24, 72, 40 * 72}, SB{true, 7, 4, 24, 72, 4 * 72, 72, 72, 40 * 72},
+                      SB{false, 1, 32, 512, 128, 32 * 192, 192, 512, 256 * 512}}) {
+    for (const DType ct : {DType::F32, DType::BF16}) {
+      const int64_t ldc = c.H * c.N + 8, rowsB = c.H * c.sB / c.ldb + 64;
+      const Vec A = round_bf16(lm::testing::randn<float>(size_t(c.S * c.lda), 71));
+      const Vec B = round_bf16(lm::testing::randn<float>(size_t(rowsB * c.ldb), 72));
+      Dev dA(A.size() * 2), dB(B.size() * 2), dC(size_t(c.S * ldc) * 4);
+      up_bf16(dA, A), up_bf16(dB, B);
+      const Vec C0(size_t(c.S * ldc), 5.f);
+      if (ct == DType::F32) up(dC, C0);
+      else up_bf16(dC, C0);
+      const int64_t off = c.tb ? 16 * c.ldb : 0;  // (the o shape reads each head's rows after its first 16)
+      oc::gemm_bf16_strided_batched(false, c.tb, c.S, c.N, c.K, 1.f, dA.p, c.lda, c.sA,
+                                    static_cast<const uint16_t*>(dB.p) + off, c.ldb, c.sB, 0.f, dC.p, ldc, c.N, c.H,
+                                    ct);
+      const Vec out = ct == DType::F32 ? down<float>(dC, C0.size()) : down_bf16(dC, C0.size());
+      Vec ref, got;
+      for (int64_t h = 0; h < c.H; ++h)
+        for (int64_t s = 0; s < c.S; ++s)
+          for (int64_t n = 0; n < c.N; ++n) {
+            double acc = 0;
+            for (int64_t k = 0; k < c.K; ++k) {
+              const double b = c.tb ? B[size_t(off + h * c.sB + n * c.ldb + k)] : B[size_t(h * c.sB + k * c.ldb + n)];
+              acc += double(A[size_t(s * c.lda + h * c.sA + k)]) * b;
+            }
+            ref.push_back(float(acc)), got.push_back(out[size_t(s * ldc + h * c.N + n)]);
+          }
+      for (int64_t s = 0; s < c.S; ++s)
+        for (int64_t j = c.H * c.N; j < ldc; ++j) ASSERT_EQ(out[size_t(s * ldc + j)], 5.f) << "C padding written";
+      const double e = err(ref, got);
+      std::printf("strided batch tb%d S%lld H%lld N%lld K%lld %s: %.2e\n", c.tb, (long long)c.S, (long long)c.H,
+                  (long long)c.N, (long long)c.K, ct == DType::F32 ? "f32" : "bf16", e);
+      EXPECT_LT(e, ct == DType::F32 ? 1e-5 : 5e-3);
+    }
+  }
+}

@@ -177,7 +177,7 @@ void mla_decode(const DecodeShape& s, const void* q_lat, const void* q_rope, con
   cu::keep_freed_memory_in_pool();
   const int sms = cu::sm_count();
   auto st = cu::stream(stream);
-  const int MH = s.H >= 32 ? 32 : 16, HG = int((s.H + MH - 1) / MH);
+  const int MH = detail::decode_heads_per_block(s.H), HG = int((s.H + MH - 1) / MH);
   const int ntiles = int((s.Tc + 63) / 64);
   int splits = s.splits > 0 ? s.splits : std::max(1, sms / HG);
   splits = std::min({splits, ntiles, kMaxDecodeSplits});
@@ -201,7 +201,7 @@ void mla_decode(const DecodeShape& s, const void* q_lat, const void* q_rope, con
 int mla_decode_paged_splits(const PagedDecodeShape& s) {
   if (s.splits > kMaxDecodeSplits) check.fail("paged decode: at most " + std::to_string(kMaxDecodeSplits) + " splits");
   if (s.splits > 0) return s.splits;
-  const int HG = int((s.H + (s.H >= 32 ? 31 : 15)) / (s.H >= 32 ? 32 : 16));
+  const int MH = detail::decode_heads_per_block(s.H), HG = int((s.H + MH - 1) / MH);
   const int64_t want = (2 * cu::sm_count() + HG * s.S - 1) / (HG * s.S);  // two waves of blocks
   return int(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, (s.max_tokens + 63) / 64)));
 }
@@ -214,12 +214,14 @@ void mla_decode_paged(const PagedDecodeShape& s, const void* q_lat, const void* 
                       const int32_t* table, const int32_t* lens, void* o_lat, void* workspace, void* stream) {
   if (s.R != 512 || s.Dr != 64) check.fail("decode supports R = 512, Dr = 64 only");
   const int64_t ldc = s.ldc > 0 ? s.ldc : s.R + s.Dr;
-  if (s.S < 1 || s.H < 1 || s.max_tokens < 1 || s.table_ld < (s.max_tokens + 63) / 64 || ldc < s.R + s.Dr || ldc % 8)
-    check.fail("bad paged decode shape");
+  const int64_t ldqr = s.ldqr > 0 ? s.ldqr : s.Dr;
+  if (s.S < 1 || s.H < 1 || s.max_tokens < 1 || s.table_ld < (s.max_tokens + 63) / 64 || ldc < s.R + s.Dr || ldc % 8 ||
+      ldqr < s.Dr || ldqr % 8 || reinterpret_cast<uintptr_t>(q_rope) % 16)
+    check.fail("bad paged decode shape (or q_rope not 16-byte aligned)");
   if (!table || !lens || !workspace) check.fail("paged decode needs a block table, lengths and a workspace");
   detail::DecParams p{};
   p.q_lat = q_lat, p.q_rope = q_rope, p.cache = pool;
-  p.H = int(s.H), p.ldc = int(ldc), p.splits = mla_decode_paged_splits(s);
+  p.H = int(s.H), p.ldc = int(ldc), p.ldqr = int(ldqr), p.splits = mla_decode_paged_splits(s);
   p.scale_log2 = (s.scale > 0 ? s.scale : float(1.0 / std::sqrt(192.0))) * 1.4426950408889634f;
   p.S = int(s.S), p.table = table, p.table_ld = s.table_ld, p.lens = lens, p.len_add = s.len_add;
   p.part_o = static_cast<float*>(workspace);

@@ -59,6 +59,7 @@ void mla_decode(const DecodeShape& s, const void* q_lat, const void* q_rope, con
 // max_tokens when 0). workspace: mla_decode_paged_workspace() bytes of device memory.
 struct PagedDecodeShape {
   int64_t S = 1, H = 1, R = 512, Dr = 64, ldc = 0;  // ldc 0 means R + Dr
+  int64_t ldqr = 0;  // elements between q_rope's (sequence, head) rows, a multiple of 8 (0: Dr, dense)
   int64_t max_tokens = 0;  // the longest a sequence may be (table_ld >= ceil(max_tokens / 64))
   int64_t table_ld = 0;
   int len_add = 0;

@@ -75,6 +75,7 @@ struct DecParams {
   const void *q_lat, *q_rope, *cache;
   float *part_o, *part_ml;  // [S, splits, H, 512], [S, splits, 2, H]
   int H, Tc, ldc, splits, tiles_per_split;
+  int ldqr = 64;  // q_rope's row stride (elements)
   float scale_log2;
   int S = 1;
   int64_t seq_stride = 0;     // dense caches: elements between sequences
@@ -83,6 +84,8 @@ struct DecParams {
   const int* lens = nullptr;   // device lengths [S] (null: p.Tc, p.tiles_per_split)
   int len_add = 0;
 };
+// Heads of one decode block (16, 32 or 64): the cache is read once per group of that many heads.
+int decode_heads_per_block(int64_t H);
 void launch_decode(const DecParams& p, cudaStream_t s);
 void launch_decode_combine(const DecParams& p, void* o_lat, float* lse, cudaStream_t s);
 

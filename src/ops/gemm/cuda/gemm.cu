@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -244,6 +245,26 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
   if (st != CUBLAS_STATUS_SUCCESS)
     check.fail("cublasGemmEx failed (status " + std::to_string(static_cast<int>(st)) + ") for M=" + std::to_string(M) +
          " N=" + std::to_string(N) + " K=" + std::to_string(K));
+}
+
+void gemm_bf16_strided_batched(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A,
+                               int64_t lda, int64_t sA, const void* B, int64_t ldb, int64_t sB, float beta, void* C,
+                               int64_t ldc, int64_t sC, int64_t batch, DType c_type, void* stream) {
+  if (M < 0 || N < 0 || K <= 0 || batch < 0) check.fail("strided batch: need M, N, batch >= 0 and K > 0");
+  if (c_type != DType::F32 && c_type != DType::BF16) check.fail("C must be F32 or BF16");
+  if (M == 0 || N == 0 || batch == 0) return;
+  if (std::max({M, N, K, lda, ldb, ldc, batch}) > INT32_MAX) check.fail("strided batch: sizes must fit int32");
+  auto* h = static_cast<cublasHandle_t>(blas_handle(stream));
+  // (column-major view, as gemm_bf16: Cᵀ = op(B)ᵀ op(A)ᵀ)
+  const cublasStatus_t st = cublasGemmStridedBatchedEx(
+      h, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, int(N), int(M), int(K), &alpha, B,
+      CUDA_R_16BF, int(ldb), sB, A, CUDA_R_16BF, int(lda), sA, &beta, C,
+      c_type == DType::F32 ? CUDA_R_32F : CUDA_R_16BF, int(ldc), sC, int(batch), CUBLAS_COMPUTE_32F,
+      CUBLAS_GEMM_DEFAULT);
+  if (st != CUBLAS_STATUS_SUCCESS)
+    check.fail("cublasGemmStridedBatchedEx failed (status " + std::to_string(static_cast<int>(st)) + ") for M=" +
+               std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) + " batch " +
+               std::to_string(batch));
 }
 
 namespace {

@@ -19,8 +19,8 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
                const void* c_src = nullptr);
 
 // Grouped: C_g = alpha · op(A_g) · op(B_g) + beta · C_g for every group g, each with its own sizes and pointers
-// (row-major, strides as above; same transposes, alpha, beta and C dtype for all). One cuBLAS launch
-// (cublasGemmGroupedBatchedEx) instead of one per group; groups with M, N or K of 0 are skipped.
+// (row-major, strides as above; same transposes, alpha, beta and C dtype for all). One product per group, spread
+// over a few side streams that the caller's stream then waits for; groups with M, N or K of 0 are skipped.
 struct GemmGroup {
   int64_t M = 0, N = 0, K = 0;
   const void* A = nullptr;
@@ -32,6 +32,13 @@ struct GemmGroup {
 };
 void gemm_bf16_grouped(bool ta, bool tb, const std::vector<GemmGroup>& groups, float alpha, float beta, DType c_type,
                        void* stream = nullptr);
+
+// Strided batch: C_b = alpha · op(A_b) · op(B_b) + beta · C_b for b < batch, one launch, where operand X_b starts
+// sX elements after X_{b-1} (row-major, the same sizes and strides for all; e.g. per-head products whose heads lie
+// side by side in rows, or per-head slices of one weight).
+void gemm_bf16_strided_batched(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A,
+                               int64_t lda, int64_t sA, const void* B, int64_t ldb, int64_t sB, float beta, void* C,
+                               int64_t ldc, int64_t sC, int64_t batch, DType c_type, void* stream = nullptr);
 
 // nn.Linear convention, W [out, in] bf16:
 //   y [rows, out] (=|+=) x [rows, in] · Wᵀ;  with base (same type and stride as y): y = base + x · Wᵀ
