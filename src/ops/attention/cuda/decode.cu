@@ -1,22 +1,17 @@
 // Absorbed MLA decode over the latent cache (SPEC §3) on mma.sync bf16 tensor cores, split-K over positions.
 //
 // Legend: S sequences, H heads, Tc cached positions (per sequence), R = 512 latent (kv_lora_rank), Dr = 64 rope
-//         dims, D = R + Dr = 576, MH = 16·MT heads per block, NW warps, Bs = 32 positions per slot (half a
-//         64-row page of a paged cache), NS slots in a ring, splits = ranges of 64-row pages (split-K).
-//         Grid (splits, head groups, S).
-// The cache of sequence s is dense (rows cache + s·seq_stride) or paged: its page j is block table[s][j] of the
-// pool [blocks, 64, ldc]. Tc is p.Tc, or lens[s] + len_add read on the device (a CUDA graph replays one launch
-// while the caches grow), when each sequence splits its own pages evenly over the grid's splits.
-// Every head reads the same cache rows, so the heads form the M side of two products per slot:
-//   S [MH, Bs] = [q_lat | q_rope] · cacheᵀ (K = 576; warps split the MT × 4 n8 tiles, a warp keeps one n8
-//                position tile and takes every (NW/4)-th head tile),
-//   O [MH, R] += P · c (K = Bs; warp w takes latent columns (R/NW)·w ...),
-// with an online softmax (fp32, log2 domain) between them through shared memory. The cache streams through a
-// ring of NS cp.async slots, NS − 1 of them in flight while one is used: a tile's last bytes are then never the
-// only ones on the way (with two 64-row buffers the loads drained to nothing at the end of every tile, and a
-// third does not fit). 64 heads take one block of 8 warps, so the cache is read once for all of them. Each
-// block writes its unnormalised partial O with (max, sum); a combine kernel merges the splits by log-sum-exp.
-#include <algorithm>
+//         dims, D = R + Dr = 576, MH = 16·MT heads per block, Bt = 64 positions per step (= one block of a paged
+//         cache), splits = position ranges (split-K). Grid (splits, head groups, S).
+// The cache of sequence s is dense (rows cache + s·seq_stride) or paged: its tile j is block table[s][j] of the
+// pool [blocks, Bt, ldc]. Tc is p.Tc, or lens[s] + len_add read on the device (a CUDA graph replays one launch
+// while the caches grow), when each sequence splits its own tiles evenly over the grid's splits.
+// Every head reads the same cache rows, so the heads form the M side of two products per step:
+//   S [MH, Bt] = [q_lat | q_rope] · cacheᵀ (K = 576; warp w takes positions 16w..16w+15),
+//   O [MH, R] += P · c (K = Bt; warp w takes latent columns 128w..128w+127),
+// with an online softmax (fp32, log2 domain) between them through shared memory. The cache streams through
+// a double-buffered cp.async pipeline. Each block writes its unnormalised partial O with (max, sum); a combine
+// kernel merges the splits by log-sum-exp.
 #include <cmath>
 
 #include "ops/attention/cuda/kernels.hpp"
@@ -24,44 +19,38 @@
 
 namespace lm::ops::cuda::detail {
 
-int decode_heads_per_block(int64_t H) { return H >= 64 ? 64 : H >= 32 ? 32 : 16; }
+int decode_heads_per_block(int64_t H) { return H >= 32 ? 32 : 16; }
 
 namespace {
 
-constexpr int kR = 512, kDr = 64, kD = kR + kDr, kLDC = kD + 8, kPage = 64, kBs = 32, kLDS = kBs + 4,
-              kLDP = kBs + 8;
-constexpr int kMaxSmem = 227 * 1024;  // sm_90's opt-in limit per block
+constexpr int kR = 512, kDr = 64, kD = kR + kDr, kLDC = kD + 8, kBt = 64, kLDS = kBt + 4, kLDP = kBt + 8;
+constexpr int kThreads = 128;
 
-template <int MT, int NW>
-struct Dec {
-  static constexpr int MH = 16 * MT, NT = 32 * NW;
-  static constexpr int CW = kR / NW;              // O columns of a warp
-  static constexpr int TPW = MT * (kBs / 8) / NW;  // S n8 tiles of a warp
-  static constexpr int TPR = NT / MH, PPT = kBs / TPR;  // softmax: threads per head row, positions per thread
-  static constexpr int oQ = 0, oS = oQ + MH * kLDC * 2, oP = oS + MH * kLDS * 4, oA = oP + MH * kLDP * 2,
-                       oM = oA + MH * 4, oL = oM + MH * 4, oC = oL + MH * 4, slot = kBs * kLDC * 2;
-  static constexpr int NS = std::min(6, (kMaxSmem - oC) / slot), bytes = oC + NS * slot;
-  static_assert(NW % 4 == 0 && TPW >= 1 && TPR * MH == NT && TPR <= 32 && NS >= 3, "decode tiling");
+template <int MT>
+struct DecSmem {
+  static constexpr int MH = 16 * MT;
+  static constexpr int oQ = 0, oC = oQ + MH * kLDC * 2, oS = oC + 2 * kBt * kLDC * 2, oP = oS + MH * kLDS * 4,
+                       oA = oP + MH * kLDP * 2, oM = oA + MH * 4, oL = oM + MH * 4, bytes = oL + MH * 4;
 };
 
-template <int MT, int NW>
-__global__ void __launch_bounds__(32 * NW, 1) mla_decode_kernel(const DecParams p) {
-  using C = Dec<MT, NW>;
-  constexpr int MH = C::MH, NT = C::NT, NS = C::NS;
+template <int MT>
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const DecParams p) {
+  using L = DecSmem<MT>;
+  constexpr int MH = L::MH;
   extern __shared__ __align__(128) unsigned char smem[];
-  bf16* sQ = reinterpret_cast<bf16*>(smem + C::oQ);
-  float* sS = reinterpret_cast<float*>(smem + C::oS);
-  bf16* sP = reinterpret_cast<bf16*>(smem + C::oP);
-  float* sA = reinterpret_cast<float*>(smem + C::oA);
-  float* sM = reinterpret_cast<float*>(smem + C::oM);
-  float* sL = reinterpret_cast<float*>(smem + C::oL);
-  bf16* sC = reinterpret_cast<bf16*>(smem + C::oC);
+  bf16* sQ = reinterpret_cast<bf16*>(smem + L::oQ);
+  bf16* sC = reinterpret_cast<bf16*>(smem + L::oC);
+  float* sS = reinterpret_cast<float*>(smem + L::oS);
+  bf16* sP = reinterpret_cast<bf16*>(smem + L::oP);
+  float* sA = reinterpret_cast<float*>(smem + L::oA);
+  float* sM = reinterpret_cast<float*>(smem + L::oM);
+  float* sL = reinterpret_cast<float*>(smem + L::oL);
 
   const int split = blockIdx.x, h0 = blockIdx.y * MH, nh = min(MH, p.H - h0), seq = blockIdx.z;
   const int Tc = p.lens ? p.lens[seq] + p.len_add : p.Tc;
-  const int npages = (Tc + kPage - 1) / kPage;
-  const int tps = p.lens ? (npages + p.splits - 1) / p.splits : p.tiles_per_split;
-  const int sb = 2 * split * tps, se = min(2 * (split * tps + tps), (Tc + kBs - 1) / kBs);  // this split's slots
+  const int ntiles = (Tc + kBt - 1) / kBt;
+  const int tps = p.lens ? (ntiles + p.splits - 1) / p.splits : p.tiles_per_split;
+  const int tb = split * tps, te = min(tb + tps, ntiles);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const bf16* cache = static_cast<const bf16*>(p.cache);
   const int* table = p.table ? p.table + int64_t(seq) * p.table_ld : nullptr;
@@ -70,92 +59,92 @@ __global__ void __launch_bounds__(32 * NW, 1) mla_decode_kernel(const DecParams 
   float* part_o = p.part_o + int64_t(seq) * p.splits * p.H * kR;
   float* part_ml = p.part_ml + int64_t(seq) * p.splits * 2 * p.H;
 
-  // [q_lat | q_rope] rows of this head group (rows >= nh zero), in the first slot's group.
-  for (int idx = tid; idx < MH * (kD / 8); idx += NT) {
+  // [q_lat | q_rope] rows of this head group; rows >= nh zero.
+  for (int idx = tid; idx < MH * (kD / 8); idx += kThreads) {
     const int r = idx / (kD / 8), c = (idx % (kD / 8)) * 8;
     const bool ok = r < nh;
     const bf16* src = c < kR ? static_cast<const bf16*>(p.q_lat) + (qo + h0 + (ok ? r : 0)) * kR + c
                              : static_cast<const bf16*>(p.q_rope) + (qo + h0 + (ok ? r : 0)) * p.ldqr + (c - kR);
     cp_async16(sQ + r * kLDC + c, src, ok);
   }
-  auto load_slot = [&](int j) {  // slot j: rows 32j.. of the sequence, into ring entry (j − sb) % NS
-    const int p0 = j * kBs;
-    const bf16* rows = table ? cache + (int64_t(table[j >> 1]) * kPage + (j & 1) * kBs) * p.ldc
-                             : cache + int64_t(p0) * p.ldc;
-    load_rows<kBs, kD, kLDC, NT>(sC + ((j - sb) % NS) * kBs * kLDC, rows, p.ldc, min(kBs, Tc - p0), tid);
+  auto load_tile = [&](int tile, int buf) {
+    const int p0 = tile * kBt;
+    const bf16* rows = table ? cache + int64_t(table[tile]) * kBt * p.ldc : cache + int64_t(p0) * p.ldc;
+    load_rows<kBt, kD, kLDC, kThreads>(sC + buf * kBt * kLDC, rows, p.ldc, min(kBt, Tc - p0), tid);
   };
-#pragma unroll
-  for (int i = 0; i < NS - 1; ++i) {  // one group per slot, empty ones past the end (the wait counts groups)
-    if (sb + i < se) load_slot(sb + i);
-    cp_commit();
-  }
+  if (tb < te) load_tile(tb, 0);
+  cp_commit();
   if (tid < MH) sM[tid] = -INFINITY, sL[tid] = 0.f;
 
-  float acc[MT][C::CW / 8][4];
+  float acc[MT][16][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int n = 0; n < C::CW / 8; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.f;
+    for (int n = 0; n < 16; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.f;
 
-  for (int j = sb; j < se; ++j) {
-    cp_wait<NS - 2>();  // slot j has landed ...
-    __syncthreads();    // ... for every thread, and slot j − 1's entry is no longer read
-    if (j + NS - 1 < se) load_slot(j + NS - 1);
+  for (int it = tb; it < te; ++it) {
+    const int buf = (it - tb) & 1;
+    const bf16* cC = sC + buf * kBt * kLDC;
+    cp_wait<0>();
+    __syncthreads();
+    if (it + 1 < te) load_tile(it + 1, buf ^ 1);
     cp_commit();
-    const bf16* cC = sC + ((j - sb) % NS) * kBs * kLDC;
 
-    // S: this warp's n8 position tile against its head tiles. Even and odd k steps go to two accumulators, so
-    // that the tensor cores do not wait on one chain of 36 dependent mma's.
-    const int n = warp & 3;
-    float s[C::TPW][4], s_odd[C::TPW][4];
+    // S: warp w, positions 16w..16w+15 (two n8 tiles). Even and odd k steps go to two accumulators: with one warp
+    // per scheduler, a single chain of 36 dependent mma's would leave the tensor cores waiting on their latency.
+    float s[MT][2][4], s_odd[MT][2][4];
 #pragma unroll
-    for (int i = 0; i < C::TPW; ++i)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[i][e] = s_odd[i][e] = 0.f;
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][n][e] = s_odd[mt][n][e] = 0.f;
 #pragma unroll 2
     for (int kk = 0; kk < kD / 16; kk += 2) {
-      uint32_t b[4];  // k steps kk (b0, b1) and kk + 1 (b2, b3) of positions 8n..8n+7
-      ldsm4(b, cC + (n * 8 + (lane & 7)) * kLDC + kk * 16 + (lane >> 3) * 8);
+      uint32_t b[4], b_odd[4];
+      ldsm4(b, cC + (warp * 16) * kLDC + kk * 16 + bn_off(lane, kLDC));
+      ldsm4(b_odd, cC + (warp * 16) * kLDC + (kk + 1) * 16 + bn_off(lane, kLDC));
 #pragma unroll
-      for (int i = 0; i < C::TPW; ++i) {
-        const int mt = (warp + NW * i) >> 2;
+      for (int mt = 0; mt < MT; ++mt) {
         uint32_t a[4], a_odd[4];
         ldsm4(a, sQ + (mt * 16) * kLDC + kk * 16 + a_off(lane, kLDC));
         ldsm4(a_odd, sQ + (mt * 16) * kLDC + (kk + 1) * 16 + a_off(lane, kLDC));
-        mma_bf16(s[i], a, b[0], b[1]);
-        mma_bf16(s_odd[i], a_odd, b[2], b[3]);
+        mma_bf16(s[mt][0], a, b[0], b[1]);
+        mma_bf16(s[mt][1], a, b[2], b[3]);
+        mma_bf16(s_odd[mt][0], a_odd, b_odd[0], b_odd[1]);
+        mma_bf16(s_odd[mt][1], a_odd, b_odd[2], b_odd[3]);
       }
     }
 #pragma unroll
-    for (int i = 0; i < C::TPW; ++i) {
-      const int mt = (warp + NW * i) >> 2;
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = mt * 16 + g + (e >> 1) * 8, c = n * 8 + 2 * t + (e & 1);
-        sS[r * kLDS + c] = j * kBs + c < Tc ? (s[i][e] + s_odd[i][e]) * p.scale_log2 : -INFINITY;
-      }
-    }
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = mt * 16 + g + (e >> 1) * 8, c = warp * 16 + n * 8 + 2 * t + (e & 1);
+          sS[r * kLDS + c] = it * kBt + c < Tc ? (s[mt][n][e] + s_odd[mt][n][e]) * p.scale_log2 : -INFINITY;
+        }
     __syncthreads();
 
-    // Online softmax: TPR threads per head row, PPT positions each.
-    {
-      const int r = tid / C::TPR, c0 = (tid % C::TPR) * C::PPT;
-      float x[C::PPT], mx = -INFINITY;
+    // Online softmax: 4 threads per head row, 16 positions each.
+    if (tid < 4 * MH) {
+      const int r = tid >> 2, c0 = (tid & 3) * 16;
+      float x[16], mx = -INFINITY;
 #pragma unroll
-      for (int i = 0; i < C::PPT; ++i) x[i] = sS[r * kLDS + c0 + i], mx = fmaxf(mx, x[i]);
-#pragma unroll
-      for (int o = 1; o < C::TPR; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      for (int i = 0; i < 16; ++i) x[i] = sS[r * kLDS + c0 + i], mx = fmaxf(mx, x[i]);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_old = sM[r], m_new = fmaxf(m_old, mx), m_use = m_new == -INFINITY ? 0.f : m_new;
       float sum = 0.f;
 #pragma unroll
-      for (int i = 0; i < C::PPT; i += 2) {
+      for (int i = 0; i < 16; i += 2) {
         const float p0 = fast_exp2(x[i] - m_use), p1 = fast_exp2(x[i + 1] - m_use);
         sum += p0 + p1;
         *reinterpret_cast<uint32_t*>(sP + r * kLDP + c0 + i) = pack_bf16(p0, p1);
       }
-#pragma unroll
-      for (int o = 1; o < C::TPR; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      if (tid % C::TPR == 0) {
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      if ((tid & 3) == 0) {
         const float alpha = fast_exp2(m_old - m_use);
         sA[r] = alpha;
         sM[r] = m_new;
@@ -164,23 +153,22 @@ __global__ void __launch_bounds__(32 * NW, 1) mla_decode_kernel(const DecParams 
     }
     __syncthreads();
 
-    // O += P·c: this warp's latent columns.
+    // O += P·c: warp w, latent columns 128w..128w+127.
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const float a0 = sA[mt * 16 + g], a1 = sA[mt * 16 + g + 8];
 #pragma unroll
-      for (int c = 0; c < C::CW / 8; ++c)
-        acc[mt][c][0] *= a0, acc[mt][c][1] *= a0, acc[mt][c][2] *= a1, acc[mt][c][3] *= a1;
+      for (int n = 0; n < 16; ++n) acc[mt][n][0] *= a0, acc[mt][n][1] *= a0, acc[mt][n][2] *= a1, acc[mt][n][3] *= a1;
     }
 #pragma unroll
-    for (int kk = 0; kk < kBs / 16; ++kk) {
+    for (int kk = 0; kk < kBt / 16; ++kk) {
       uint32_t a[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) ldsm4(a[mt], sP + (mt * 16) * kLDP + kk * 16 + a_off(lane, kLDP));
 #pragma unroll
-      for (int np = 0; np < C::CW / 16; ++np) {
+      for (int np = 0; np < 8; ++np) {
         uint32_t b[4];
-        ldsm4t(b, cC + (kk * 16) * kLDC + warp * C::CW + np * 16 + bt_off(lane, kLDC));
+        ldsm4t(b, cC + (kk * 16) * kLDC + warp * 128 + np * 16 + bt_off(lane, kLDC));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma_bf16(acc[mt][2 * np], a[mt], b[0], b[1]);
@@ -189,7 +177,6 @@ __global__ void __launch_bounds__(32 * NW, 1) mla_decode_kernel(const DecParams 
       }
     }
   }
-  cp_wait<0>();  // (the empty groups past the end)
   __syncthreads();
 
   // Unnormalised partial output and (max, sum) of this split.
@@ -199,10 +186,10 @@ __global__ void __launch_bounds__(32 * NW, 1) mla_decode_kernel(const DecParams 
     for (int hr = 0; hr < 2; ++hr) {
       const int r = mt * 16 + g + hr * 8;
       if (r < nh) {
-        float* out = part_o + (int64_t(split) * p.H + h0 + r) * kR + warp * C::CW;
+        float* out = part_o + (int64_t(split) * p.H + h0 + r) * kR + warp * 128;
 #pragma unroll
-        for (int c = 0; c < C::CW / 8; ++c)
-          *reinterpret_cast<float2*>(out + c * 8 + 2 * t) = make_float2(acc[mt][c][2 * hr], acc[mt][c][2 * hr + 1]);
+        for (int n = 0; n < 16; ++n)
+          *reinterpret_cast<float2*>(out + n * 8 + 2 * t) = make_float2(acc[mt][n][2 * hr], acc[mt][n][2 * hr + 1]);
       }
     }
   if (tid < nh) {
@@ -270,26 +257,23 @@ __global__ void __launch_bounds__(kCombThreads) mla_decode_combine_kernel(const 
   if (lse && tid == 0) lse[int64_t(seq) * p.H + h] = (M + log2f(Lsum)) * 0.69314718055994531f;
 }
 
-template <int MT, int NW>
+template <int MT>
 void launch_t(const DecParams& p, cudaStream_t s) {
-  constexpr int bytes = Dec<MT, NW>::bytes;
+  constexpr int bytes = DecSmem<MT>::bytes;
   static bool attr = [] {
-    return cudaFuncSetAttribute(mla_decode_kernel<MT, NW>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) ==
+    return cudaFuncSetAttribute(mla_decode_kernel<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) ==
            cudaSuccess;
   }();
   (void)attr;
   const dim3 grid(p.splits, (p.H + 16 * MT - 1) / (16 * MT), p.S);
-  mla_decode_kernel<MT, NW><<<grid, 32 * NW, bytes, s>>>(p);
+  mla_decode_kernel<MT><<<grid, kThreads, bytes, s>>>(p);
 }
 
 }  // namespace
 
 void launch_decode(const DecParams& p, cudaStream_t s) {
-  switch (decode_heads_per_block(p.H)) {
-    case 64: return launch_t<4, 8>(p, s);
-    case 32: return launch_t<2, 4>(p, s);
-    default: return launch_t<1, 4>(p, s);
-  }
+  if (decode_heads_per_block(p.H) == 32) return launch_t<2>(p, s);
+  launch_t<1>(p, s);
 }
 
 void launch_decode_combine(const DecParams& p, void* o_lat, float* lse, cudaStream_t s) {

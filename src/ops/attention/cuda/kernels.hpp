@@ -84,7 +84,7 @@ struct DecParams {
   const int* lens = nullptr;   // device lengths [S] (null: p.Tc, p.tiles_per_split)
   int len_add = 0;
 };
-// Heads of one decode block (16, 32 or 64): the cache is read once per group of that many heads.
+// Heads of one decode block (16 or 32): the cache is read once per group of that many heads.
 int decode_heads_per_block(int64_t H);
 void launch_decode(const DecParams& p, cudaStream_t s);
 void launch_decode_combine(const DecParams& p, void* o_lat, float* lse, cudaStream_t s);
