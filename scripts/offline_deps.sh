@@ -4,6 +4,9 @@
 #   scripts/offline_deps.sh download DIR   here (Debian 12, network): the .deb files of the build's libraries into DIR
 #   . scripts/offline_deps.sh env DIR      there: unpack them under /opt/lm (never /), point pkg-config, CMake and the
 #                                          loader at them, and set LM_CMAKE_ARGS for `cmake -S . -B build $LM_CMAKE_ARGS`
+#   scripts/offline_deps.sh build DIR B [T ...]   there, in one step: env DIR, configure build folder B (Release,
+#                                          Ninja when present) and build targets T (all when none); the log in
+#                                          B/build.log, its errors on stderr
 #
 # Only the libraries the build links or includes travel (no compilers, no MPI: dist/ builds its MPI parts only when
 # MPI is found). -Werror is off there: a newer GCC warns inside the Debian headers.
@@ -49,8 +52,22 @@ longmoe_offline_env() {
 
 [[ ${BASH_SOURCE[0]} == "$0" ]] && set -euo pipefail  # (not in the shell that sources it)
 
+longmoe_offline_build() {
+  local debs=$1 dir=$2 gen=() t=()
+  shift 2
+  longmoe_offline_env "$debs"
+  command -v ninja > /dev/null && gen=(-G Ninja)
+  for x in "$@"; do t+=(--target "$x"); done
+  # shellcheck disable=SC2086  # (LM_CMAKE_ARGS is a list of words)
+  cmake -S . -B "$dir" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release $LM_CMAKE_ARGS > /dev/null &&
+    { cmake --build "$dir" -j "$(nproc)" "${t[@]}" > "$dir/build.log" 2>&1 ||
+      { grep -m 20 -A 8 'error' "$dir/build.log" >&2; return 1; }; }
+}
+
 case ${1:-} in
   download) longmoe_offline_download "${2:?usage: offline_deps.sh download DIR}" ;;
   env) longmoe_offline_env "${2:?usage: . offline_deps.sh env DIR}" ;;
-  *) sed -n '2,9p' "${BASH_SOURCE[0]}"; [[ ${BASH_SOURCE[0]} == "$0" ]] && exit 2 ;;
+  build) longmoe_offline_build "${2:?usage: offline_deps.sh build DIR BUILD [TARGET ...]}" \
+           "${3:?usage: offline_deps.sh build DIR BUILD [TARGET ...]}" "${@:4}" ;;
+  *) sed -n '2,12p' "${BASH_SOURCE[0]}"; [[ ${BASH_SOURCE[0]} == "$0" ]] && exit 2 ;;
 esac
