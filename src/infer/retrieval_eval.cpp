@@ -17,14 +17,6 @@ namespace {
 
 constexpr int64_t kAnswerTokens = 12;
 
-std::vector<int32_t> encode_prompt(const io::Tokenizer& tok, const std::string& text) {
-  std::vector<int32_t> ids;
-  if (tok.bos() >= 0) ids.push_back(tok.bos());
-  const auto e = tok.encode(text);
-  ids.insert(ids.end(), e.begin(), e.end());
-  return ids;
-}
-
 std::string greedy_answer(Engine& e, const io::Tokenizer& tok, const std::vector<int32_t>& prompt) {
   SamplingParams sp;
   sp.temperature = 0;
@@ -38,7 +30,6 @@ std::string greedy_answer(Engine& e, const io::Tokenizer& tok, const std::vector
 // Trial k's prompt at length L and the number its answer must contain.
 std::pair<std::vector<int32_t>, std::string> make_prompt(const io::Tokenizer& tok, bool multi, int64_t L, int64_t k,
                                                          const RetrievalOptions& o) {
-  static const char* const kWords[] = {"apple", "river", "candle", "falcon", "marble", "violet", "harbor", "quartz"};
   const Rng rng{o.seed, multi ? 2u : 1u};
   const uint64_t i = static_cast<uint64_t>(L * 1000 + k);
   if (!multi) {
@@ -46,19 +37,16 @@ std::pair<std::vector<int32_t>, std::string> make_prompt(const io::Tokenizer& to
     const double depth = o.trials > 1 ? static_cast<double>(k) / static_cast<double>(o.trials - 1) : 0.5;
     return {io::passkey_prompt(tok, L, depth, key).ids, key};
   }
-  std::string body = io::retrieval_filler(tok, L - 60 - 25 * o.needles), question, expect;
-  const int64_t ask = static_cast<int64_t>(rng.bits(i).v[1] % static_cast<uint32_t>(o.needles));
+  io::MultiNeedle m;
+  m.ask = static_cast<int64_t>(rng.bits(i).v[1] % static_cast<uint32_t>(o.needles));
   for (int64_t j = 0; j < o.needles; ++j) {
     const uint64_t ij = i * 64 + static_cast<uint64_t>(j);
-    const std::string num = std::to_string(1000000 + rng.bits(ij).v[2] % 9000000);
-    const std::string w = kWords[j % 8] + (j >= 8 ? std::to_string(j / 8) : std::string());
-    body = io::with_needle(body, rng.uniform_f64(ij), "The special magic number for " + w + " is: " + num + ". ");
-    if (j == ask) {
-      expect = num;
-      question = "What is the special magic number for " + w + "? The special magic number for " + w + " is: ";
-    }
+    m.numbers.push_back(io::multi_needle_number(rng.bits(ij).v[2]));
+    m.depths.push_back(rng.uniform_f64(ij));
   }
-  return {encode_prompt(tok, std::string(io::kRetrievalIntro) + body + "\n" + question), expect};
+  const io::RetrievalPrompt p =
+      io::multi_needle_prompt(tok, io::retrieval_filler_sentences(tok, L - 60 - 25 * o.needles), m);
+  return {p.ids, p.key};
 }
 
 }  // namespace

@@ -17,8 +17,8 @@ double tokens_per_sentence(const Tokenizer& tok) {
   return std::max(1.0, (b - a) / static_cast<double>(n));
 }
 
-PasskeyPrompt build(const Tokenizer& tok, int64_t n, double depth, const std::string& key) {
-  PasskeyPrompt p;
+RetrievalPrompt build(const Tokenizer& tok, int64_t n, double depth, const std::string& key) {
+  RetrievalPrompt p;
   p.key = key;
   p.filler_sentences = n;
   p.needle_at = std::clamp<int64_t>(std::llround(depth * static_cast<double>(n)), 0, n);
@@ -34,6 +34,41 @@ PasskeyPrompt build(const Tokenizer& tok, int64_t n, double depth, const std::st
   const auto e = tok.encode(p.prompt);
   p.ids.insert(p.ids.end(), e.begin(), e.end());
   p.answer_ids = tok.encode(key + ".");
+  return p;
+}
+
+// The longest prompt build(n) with ids + answer_ids within `tokens` (whole sentences n >= 0): from the estimate,
+// step down until it fits, then up while it still fits. p: build_n(0), which fits.
+template <class Build>
+RetrievalPrompt fit(const Tokenizer& tok, int64_t tokens, RetrievalPrompt p, const Build& build_n) {
+  const double per = tokens_per_sentence(tok);
+  int64_t n = static_cast<int64_t>(static_cast<double>(tokens - p.tokens()) / per);
+  while (n > 0) {
+    RetrievalPrompt q = build_n(n);
+    if (q.tokens() <= tokens) {
+      p = std::move(q);
+      break;
+    }
+    n -= std::max<int64_t>(1, static_cast<int64_t>(std::ceil(static_cast<double>(q.tokens() - tokens) / per)));
+  }
+  n = std::max<int64_t>(n, 0);
+  for (int64_t step = 1;;) {
+    step = std::max<int64_t>(step, static_cast<int64_t>(static_cast<double>(tokens - p.tokens()) / per));
+    RetrievalPrompt q = build_n(n + step);
+    if (q.tokens() <= tokens) {
+      p = std::move(q);
+      n += step;
+      step = 1;
+    } else if (step > 1) {
+      step = 1;  // the estimate overshot: try one sentence more
+      q = build_n(n + 1);
+      if (q.tokens() > tokens) break;
+      p = std::move(q);
+      ++n;
+    } else {
+      break;
+    }
+  }
   return p;
 }
 
@@ -53,8 +88,7 @@ std::string filler_text(int64_t n) {
 }
 
 std::string retrieval_filler(const Tokenizer& tok, int64_t tokens) {
-  if (tokens <= 0) return {};
-  return filler_text(static_cast<int64_t>(static_cast<double>(tokens) / tokens_per_sentence(tok)));
+  return filler_text(retrieval_filler_sentences(tok, tokens));
 }
 
 std::string with_needle(const std::string& body, double depth, const std::string& needle) {
@@ -72,42 +106,53 @@ std::string passkey_needle(const std::string& key) {
 
 int64_t passkey_min_tokens(const Tokenizer& tok) { return build(tok, 0, 0.0, "10000").tokens(); }
 
-PasskeyPrompt passkey_prompt(const Tokenizer& tok, int64_t tokens, double depth, const std::string& key) {
+RetrievalPrompt passkey_prompt(const Tokenizer& tok, int64_t tokens, double depth, const std::string& key) {
   LM_CHECK(depth >= 0.0 && depth <= 1.0, "passkey prompt: depth {} outside [0, 1]", depth);
-  PasskeyPrompt p = build(tok, 0, depth, key);
+  RetrievalPrompt p = build(tok, 0, depth, key);
   LM_CHECK(p.tokens() <= tokens,
            "passkey prompt: {} tokens do not hold even the prompt without filler ({} tokens with this tokenizer)",
            tokens, p.tokens());
-  const double per = tokens_per_sentence(tok);
-  // Whole sentences: start from the estimate, step down until it fits, then up while it still fits.
-  int64_t n = static_cast<int64_t>(static_cast<double>(tokens - p.tokens()) / per);
-  while (n > 0) {
-    PasskeyPrompt q = build(tok, n, depth, key);
-    if (q.tokens() <= tokens) {
-      p = std::move(q);
-      break;
-    }
-    n -= std::max<int64_t>(1, static_cast<int64_t>(std::ceil(static_cast<double>(q.tokens() - tokens) / per)));
-  }
-  n = std::max<int64_t>(n, 0);
-  for (int64_t step = 1;;) {
-    step = std::max<int64_t>(step, static_cast<int64_t>(static_cast<double>(tokens - p.tokens()) / per));
-    PasskeyPrompt q = build(tok, n + step, depth, key);
-    if (q.tokens() <= tokens) {
-      p = std::move(q);
-      n += step;
-      step = 1;
-    } else if (step > 1) {
-      step = 1;  // the estimate overshot: try one sentence more
-      q = build(tok, n + 1, depth, key);
-      if (q.tokens() > tokens) break;
-      p = std::move(q);
-      ++n;
-    } else {
-      break;
-    }
-  }
+  return fit(tok, tokens, std::move(p), [&](int64_t n) { return build(tok, n, depth, key); });
+}
+
+std::string multi_needle_word(int64_t j) {
+  static const char* const kWords[] = {"apple", "river", "candle", "falcon", "marble", "violet", "harbor", "quartz"};
+  return kWords[j % 8] + (j >= 8 ? std::to_string(j / 8) : std::string());
+}
+
+std::string multi_needle_number(uint32_t bits) { return std::to_string(1000000 + bits % 9000000); }
+
+RetrievalPrompt multi_needle_prompt(const Tokenizer& tok, int64_t sentences, const MultiNeedle& m) {
+  const auto n = static_cast<int64_t>(m.numbers.size());
+  LM_CHECK(n >= 1 && m.depths.size() == m.numbers.size() && m.ask >= 0 && m.ask < n,
+           "multi-needle prompt: {} numbers, {} depths, fact {} asked", n, m.depths.size(), m.ask);
+  std::string body = filler_text(std::max<int64_t>(sentences, 0));
+  for (int64_t j = 0; j < n; ++j)
+    body = with_needle(body, m.depths[size_t(j)],
+                       "The special magic number for " + multi_needle_word(j) + " is: " + m.numbers[size_t(j)] + ". ");
+  const std::string w = multi_needle_word(m.ask);
+  RetrievalPrompt p;
+  p.key = m.numbers[size_t(m.ask)];
+  p.filler_sentences = std::max<int64_t>(sentences, 0), p.needle_at = -1;
+  p.prompt = std::string(kRetrievalIntro) + body + "\n" + "What is the special magic number for " + w +
+             "? The special magic number for " + w + " is: ";
+  if (tok.bos() >= 0) p.ids.push_back(tok.bos());
+  const auto e = tok.encode(p.prompt);
+  p.ids.insert(p.ids.end(), e.begin(), e.end());
+  p.answer_ids = tok.encode(p.key + ".");
   return p;
+}
+
+RetrievalPrompt multi_needle_fit(const Tokenizer& tok, int64_t tokens, const MultiNeedle& m) {
+  RetrievalPrompt p = multi_needle_prompt(tok, 0, m);
+  LM_CHECK(p.tokens() <= tokens,
+           "multi-needle prompt: {} tokens do not hold even the prompt without filler ({} tokens with this tokenizer)",
+           tokens, p.tokens());
+  return fit(tok, tokens, std::move(p), [&](int64_t n) { return multi_needle_prompt(tok, n, m); });
+}
+
+int64_t retrieval_filler_sentences(const Tokenizer& tok, int64_t tokens) {
+  return tokens <= 0 ? 0 : static_cast<int64_t>(static_cast<double>(tokens) / tokens_per_sentence(tok));
 }
 
 namespace {

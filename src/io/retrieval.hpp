@@ -1,6 +1,6 @@
 #pragma once
-// Retrieval prompts (passkey, and the filler/needle pieces of multi-needle): one template shared by
-// the trainer's synthetic passkey documents (train/synthetic) and `longmoe eval --passkey`.
+// Retrieval prompts (passkey and multi-needle): one template each, shared by the trainer's synthetic
+// documents (train/synthetic) and `longmoe eval --passkey / --multi-needle`.
 // Why shared: a curriculum run that mixes passkey documents into its data is then evaluated on
 // prompts of exactly the same distribution (intro, filler, needle, question, and the tokens the answer
 // is made of); training and evaluation differ only in the keys, lengths and depths they draw, from
@@ -41,14 +41,15 @@ std::string with_needle(const std::string& body, double depth, const std::string
 std::string passkey_key(uint32_t bits);
 std::string passkey_needle(const std::string& key);  // "The pass key is N. Remember it. N is the pass key. "
 
-struct PasskeyPrompt {
-  std::string prompt;                // intro, filler with the needle, "\n", question
+struct RetrievalPrompt {
+  std::string prompt;                // intro, filler with the needle(s), "\n", question
   std::string key;                   // the answer, e.g. "12345"
   std::vector<int32_t> ids;          // [<s>] encode(prompt) (no <s> when the tokenizer has none)
   std::vector<int32_t> answer_ids;   // encode(key + ".")
-  int64_t filler_sentences = 0, needle_at = 0;  // sentences of filler; the needle precedes sentence needle_at
+  int64_t filler_sentences = 0, needle_at = 0;  // sentences of filler; the passkey precedes sentence needle_at
   int64_t tokens() const { return static_cast<int64_t>(ids.size() + answer_ids.size()); }
 };
+using PasskeyPrompt = RetrievalPrompt;
 
 // The longest passkey prompt whose ids + answer_ids hold at most `tokens` tokens (whole filler
 // sentences; within about one sentence of `tokens`), the needle at fraction `depth` in [0, 1] of the
@@ -57,6 +58,28 @@ struct PasskeyPrompt {
 PasskeyPrompt passkey_prompt(const Tokenizer& tok, int64_t tokens, double depth, const std::string& key);
 // ids + answer_ids of a prompt without filler (the smallest passkey prompt with this tokenizer).
 int64_t passkey_min_tokens(const Tokenizer& tok);
+
+// Multi-needle: facts "The special magic number for <word j> is: <number j>. " inserted one after another
+// (with_needle, needle j at fraction depths[j] of the text so far) into `sentences` filler sentences, and the
+// question about fact `ask`:
+//   kRetrievalIntro  filler with the facts  "\n"  "What is the special magic number for <w>? The special magic
+//   number for <w> is: "
+// ids and answer_ids as a passkey prompt's (key = numbers[ask]); needle_at is -1. `longmoe eval --multi-needle`
+// asks these prompts, and the trainer's multi-needle sequences (data.multi_needle_fraction) are answered ones.
+struct MultiNeedle {
+  std::vector<std::string> numbers;  // one per fact (multi_needle_number)
+  std::vector<double> depths;        // one per fact, in [0, 1]
+  int64_t ask = 0;                   // the fact asked for
+};
+std::string multi_needle_word(int64_t j);        // apple, river, candle, falcon, marble, violet, harbor, quartz,
+                                                 // then apple1, river1, ...
+std::string multi_needle_number(uint32_t bits);  // seven digits, 1000000..9999999
+RetrievalPrompt multi_needle_prompt(const Tokenizer& tok, int64_t sentences, const MultiNeedle& m);
+// The longest such prompt (whole filler sentences, within about one sentence) whose ids + answer_ids hold at most
+// `tokens` tokens; throws when even the one without filler does not fit.
+RetrievalPrompt multi_needle_fit(const Tokenizer& tok, int64_t tokens, const MultiNeedle& m);
+// The filler sentences of retrieval_filler(tok, tokens).
+int64_t retrieval_filler_sentences(const Tokenizer& tok, int64_t tokens);
 
 // What a retrieval evaluation asks (infer/retrieval_eval.hpp runs it): `longmoe eval --passkey/--multi-needle`
 // and the run config's "eval_retrieval" (the trainer evaluates each curriculum stage's checkpoint).

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 
 #include "core/error.hpp"
 #include "io/chat.hpp"
@@ -15,18 +16,19 @@ namespace fs = std::filesystem;
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr uint64_t kSequenceStream = 0x53455153;  // "SEQS": a concat stage's passkey sequences
+constexpr uint64_t kSequenceStream = 0x53455153;  // "SEQS": a concat stage's synthetic sequences
 
 // A checkpoint's data_fingerprint: the training corpus, and with passkey documents the documents of
 // epoch 0 of the stage the saved position refers to (they depend on the seed, the stage's seq_len,
 // the fraction, the tokenizer and the template). Without passkey documents: the corpus' alone, as
-// before they existed.
-uint64_t data_fingerprint(const TokenizedDocs& corpus, const TokenizedDocs* passkey0) {
-  uint64_t h = corpus.fingerprint();
-  if (!passkey0) return h;
-  const uint64_t x = passkey0->fingerprint();
+// before they existed. With multi-needle documents (concat stages), their fraction too.
+uint64_t mix(uint64_t h, uint64_t x) {
   for (int i = 0; i < 8; ++i) h = (h ^ ((x >> (8 * i)) & 0xFF)) * 0x100000001B3ull;
   return h;
+}
+uint64_t data_fingerprint(const TokenizedDocs& corpus, const TokenizedDocs* passkey0) {
+  const uint64_t h = corpus.fingerprint();
+  return passkey0 ? mix(h, passkey0->fingerprint()) : h;
 }
 
 std::unique_ptr<io::Tokenizer> make_tokenizer(const RunConfig& cfg, const fs::path& tok_path,
@@ -97,14 +99,14 @@ RunData::RunData(const RunConfig& c, const fs::path& out, const std::string& res
 
   passkey = cfg.passkey_fraction > 0;
   passkey_target = passkey ? passkey_target_tokens(train->tokens(), cfg.passkey_fraction) : 0;
-  if (passkey)
-    for (size_t i = 0; i < cfg.stages.size(); ++i) {
-      try {
-        passkey_min_doc_tokens(*tok, cfg.stages[i].seq_len);
-      } catch (const Error& e) {
-        fail("stages[{}]: {}", i, e.what());
-      }
+  for (size_t i = 0; i < cfg.stages.size(); ++i) {
+    try {
+      if (passkey) passkey_min_doc_tokens(*tok, cfg.stages[i].seq_len);
+      if (cfg.multi_needle_fraction > 0) multi_needle_min_doc_tokens(*tok, cfg.stages[i].seq_len);
+    } catch (const Error& e) {
+      fail("stages[{}]: {}", i, e.what());
     }
+  }
 }
 
 std::string RunData::tokenizer_file() const { return fs::exists(tok_path) ? tok_path.string() : tok->model_path(); }
@@ -119,16 +121,24 @@ Loader::ExtraDocs RunData::passkey_docs(int64_t si) const {
 
 void RunData::set_concat(Loader& loader, int64_t si) const {
   const StageConfig& S = cfg.stages[static_cast<size_t>(si)];
-  if (!S.concat_documents || !passkey) return loader.set_concat(S.concat_documents);
-  loader.set_concat(true, cfg.passkey_fraction,
-                    [tk = tok.get(), T = S.seq_len](const Philox4& bits) { return passkey_sequence(*tk, T, bits); },
+  const double synth = cfg.synthetic_fraction();
+  if (!S.concat_documents || synth == 0) return loader.set_concat(S.concat_documents);
+  // (without multi-needle documents, retrieval_sequence is passkey_sequence: the same sequences as before them)
+  loader.set_concat(true, synth,
+                    [tk = tok.get(), T = S.seq_len, multi = cfg.multi_needle_fraction / synth](const Philox4& bits) {
+                      return retrieval_sequence(*tk, T, multi, bits);
+                    },
                     passkey_rng(cfg.seed, si).fork(kSequenceStream));
 }
 
 uint64_t RunData::stage_fingerprint(int64_t si) {
   if (!passkey || cfg.stages[static_cast<size_t>(si)].concat_documents) {
     stage_pk = {};
-    return data_fingerprint(*train, nullptr);
+    const uint64_t h = data_fingerprint(*train, nullptr);
+    if (cfg.multi_needle_fraction == 0) return h;
+    uint64_t f = 0;
+    std::memcpy(&f, &cfg.multi_needle_fraction, sizeof f);
+    return mix(mix(h, f), static_cast<uint64_t>(kTrainNeedles));
   }
   const auto t0 = Clock::now();
   stage_pk = passkey_docs(si)(0);

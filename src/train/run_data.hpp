@@ -40,7 +40,7 @@ struct RunData {
   std::shared_ptr<TokenizedDocs> train;
   TokenizedDocs heldout;
   double unigram_ce = 0;  // the unigram baseline's held-out cross-entropy (nats per target)
-  bool passkey = false;
+  bool passkey = false;       // passkey documents (data.passkey_fraction > 0)
   int64_t passkey_target = 0;  // passkey tokens per epoch
   TokenizedDocs stage_pk;
   double stage_pk_seconds = 0;

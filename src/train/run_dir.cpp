@@ -68,8 +68,8 @@ TrainerState read_trainer_state(const json& j, const std::string& ctx, const std
            s.data_stage, s.stage);
   s.data_fingerprint = fingerprint(s.data_stage);
   LM_CHECK(io::get_required<uint64_t>(j, "data_fingerprint", ctx) == s.data_fingerprint,
-           "{}: the training data differ from the run being resumed (different corpus, split, tokenizer or "
-           "passkey documents)",
+           "{}: the training data differ from the run being resumed (different corpus, split, tokenizer, "
+           "passkey or multi-needle documents)",
            ctx);
   return s;
 }
@@ -305,6 +305,7 @@ void write_summary(const fs::path& out, const RunConfig& cfg, const TrainResult&
              {"unigram_ppl", r.unigram_ppl},
              {"balance", cfg.to_json()["balance"]},
              {"passkey_fraction", cfg.passkey_fraction},
+             {"multi_needle_fraction", cfg.multi_needle_fraction},
              {"checkpoint", r.checkpoint}};
   if (cfg.passkey_fraction > 0) {
     sj["stage_passkey_token_fraction"] = r.stage_passkey_token_fraction;

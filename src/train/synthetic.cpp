@@ -11,6 +11,7 @@ namespace lm::train {
 
 namespace {
 constexpr uint64_t kPasskeyStream = 0x504153534B45ull;  // "PASSKE"
+constexpr uint64_t kMultiNeedleStream = 0x4D554C5449ull;  // "MULTI"
 }
 
 Rng passkey_rng(uint64_t seed, int64_t stage) { return Rng{seed, kPasskeyStream}.fork(static_cast<uint64_t>(stage)); }
@@ -57,6 +58,47 @@ std::vector<int32_t> document(const io::Tokenizer& tok, const Draw& d) {
 std::vector<int32_t> passkey_sequence(const io::Tokenizer& tok, int64_t seq_len, const Philox4& bits) {
   const int64_t lo = std::max(passkey_min_doc_tokens(tok, seq_len), seq_len / 2);
   return document(tok, draw(bits, lo, seq_len - lo + 1));
+}
+
+int64_t multi_needle_min_doc_tokens(const io::Tokenizer& tok, int64_t seq_len) {
+  io::MultiNeedle m;
+  for (int64_t j = 0; j < kTrainNeedles; ++j) m.numbers.push_back("1000000"), m.depths.push_back(0.0);
+  // + 2 per fact: slack for numbers whose digits tokenize longer than the probe's; + 1: the <|doc|> separator.
+  const int64_t need = io::multi_needle_prompt(tok, 0, m).tokens() + 2 * kTrainNeedles + 1;
+  LM_CHECK(need <= seq_len / 2,
+           "multi-needle documents need at least {} tokens with this tokenizer, more than half of seq_len {}: use "
+           "longer stages or data.multi_needle_fraction 0",
+           need, seq_len);
+  return need;
+}
+
+std::vector<int32_t> multi_needle_sequence(const io::Tokenizer& tok, int64_t seq_len, const Philox4& bits) {
+  const uint64_t hi = (uint64_t(bits.v[0]) << 32) | bits.v[1], lo64 = (uint64_t(bits.v[2]) << 32) | bits.v[3];
+  const Rng rng{hi, kMultiNeedleStream ^ lo64};
+  const int64_t lo = std::max(multi_needle_min_doc_tokens(tok, seq_len), seq_len / 2);
+  const Philox4 b0 = rng.bits(0);
+  io::MultiNeedle m;
+  m.ask = static_cast<int64_t>(b0.v[1] % static_cast<uint32_t>(kTrainNeedles));
+  for (int64_t j = 0; j < kTrainNeedles; ++j) {
+    m.numbers.push_back(io::multi_needle_number(rng.bits(1 + uint64_t(j)).v[0]));
+    m.depths.push_back(rng.uniform_f64(1 + uint64_t(j)));
+  }
+  const int64_t len = lo + static_cast<int64_t>(b0.v[0] % static_cast<uint32_t>(seq_len - lo + 1));
+  const io::RetrievalPrompt p = io::multi_needle_fit(tok, len - 1, m);
+  std::vector<int32_t> ids = p.ids;
+  ids.insert(ids.end(), p.answer_ids.begin(), p.answer_ids.end());
+  ids.push_back(tok.special("<|doc|>"));
+  return ids;
+}
+
+std::vector<int32_t> retrieval_sequence(const io::Tokenizer& tok, int64_t seq_len, double multi_share,
+                                        const Philox4& bits) {
+  if (multi_share <= 0) return passkey_sequence(tok, seq_len, bits);
+  // The choice from a draw of its own: the passkey documents keep the bits they had without multi-needle ones.
+  const Rng pick{(uint64_t(bits.v[2]) << 32) | bits.v[3], kMultiNeedleStream};
+  return pick.uniform_f64((uint64_t(bits.v[0]) << 32) | bits.v[1]) < multi_share
+             ? multi_needle_sequence(tok, seq_len, bits)
+             : passkey_sequence(tok, seq_len, bits);
 }
 
 TokenizedDocs passkey_documents(const io::Tokenizer& tok, int64_t seq_len, int64_t target_tokens, const Rng& rng) {

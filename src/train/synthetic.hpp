@@ -1,7 +1,8 @@
 #pragma once
-// Synthetic passkey documents mixed into the training stream (run config data.passkey_fraction), so
-// that a context-curriculum run learns retrieval across each stage's context; `longmoe eval --passkey`
-// asks prompts of the same template (io/retrieval.hpp) with keys from another stream.
+// Synthetic passkey documents mixed into the training stream (run config data.passkey_fraction), and
+// multi-needle ones in concat_documents stages (data.multi_needle_fraction), so that a context-curriculum run
+// learns retrieval across each stage's context; `longmoe eval --passkey / --multi-needle` asks prompts of the
+// same templates (io/retrieval.hpp) with keys from other streams.
 //
 // Document j of epoch e of curriculum stage s (seq_len T), all drawn from Philox draw j of the stream
 // passkey_rng(seed, s).fork(e), so any document is a pure function of (seed, s, e, j):
@@ -40,5 +41,19 @@ TokenizedDocs passkey_documents(const io::Tokenizer& tok, int64_t seq_len, int64
 // `seq_len` tokens, its length uniform in [seq_len / 2, seq_len] (at least the shortest document), key and depth
 // as above, all from `bits`.
 std::vector<int32_t> passkey_sequence(const io::Tokenizer& tok, int64_t seq_len, const Philox4& bits);
+
+// Multi-needle documents (data.multi_needle_fraction; io/retrieval.hpp's template, the one `longmoe eval
+// --multi-needle` asks): kTrainNeedles facts at uniform depths, one of them asked for and answered, then <|doc|>.
+inline constexpr int64_t kTrainNeedles = 4;  // (eval_retrieval's default "needles")
+// The shortest multi-needle document for stage length `seq_len`; throws when the prompt without filler does not
+// fit in seq_len / 2 tokens.
+int64_t multi_needle_min_doc_tokens(const io::Tokenizer& tok, int64_t seq_len);
+// One multi-needle document filling a window of `seq_len` tokens (length uniform in [seq_len / 2, seq_len]),
+// everything drawn from `bits` (a stream of its own seeded by them).
+std::vector<int32_t> multi_needle_sequence(const io::Tokenizer& tok, int64_t seq_len, const Philox4& bits);
+// A synthetic sequence of a stage with both kinds: multi-needle with probability `multi_share` (of the synthetic
+// sequences), else passkey_sequence(bits) as without multi-needle documents.
+std::vector<int32_t> retrieval_sequence(const io::Tokenizer& tok, int64_t seq_len, double multi_share,
+                                        const Philox4& bits);
 
 }  // namespace lm::train

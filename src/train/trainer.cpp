@@ -36,6 +36,7 @@
 #include "train/engine.hpp"
 #include "train/run_data.hpp"
 #include "train/run_dir.hpp"
+#include "train/synthetic.hpp"
 
 namespace lm::train {
 
@@ -83,7 +84,8 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   c.model = c.init.empty() || j.contains("model") ? io::get_required<std::string>(j, "model", ctx)
                                                   : (fs::path(c.init) / "config.json").string();
   const json& d = j.at("data");
-  io::check_known_fields(d, {"path", "format", "heldout_fraction", "passkey_fraction", "images"}, ctx + " data");
+  io::check_known_fields(
+      d, {"path", "format", "heldout_fraction", "passkey_fraction", "multi_needle_fraction", "images"}, ctx + " data");
   if (d.contains("images")) {
     const json& im = d["images"];
     const std::string ictx = ctx + " data.images";
@@ -96,6 +98,7 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   c.data_format = io::get_or<std::string>(d, "format", "auto", ctx + " data");
   c.heldout_fraction = io::get_or<double>(d, "heldout_fraction", 0.05, ctx + " data");
   c.passkey_fraction = io::get_or<double>(d, "passkey_fraction", 0.0, ctx + " data");
+  c.multi_needle_fraction = io::get_or<double>(d, "multi_needle_fraction", 0.0, ctx + " data");
   if (j.contains("tokenizer")) {
     const json& t = j["tokenizer"];
     io::check_known_fields(t, {"vocab_size", "model"}, ctx + " tokenizer");
@@ -176,6 +179,7 @@ json RunConfig::to_json() const {
                {"format", data_format},
                {"heldout_fraction", heldout_fraction},
                {"passkey_fraction", passkey_fraction}};
+  if (multi_needle_fraction > 0) j["data"]["multi_needle_fraction"] = multi_needle_fraction;
   if (!images.empty())
     j["data"]["images"] = {{"path", images}, {"size", image_size}, {"fraction", image_fraction}};
   j["tokenizer"] = {{"vocab_size", tokenizer_vocab}};
@@ -214,13 +218,20 @@ void RunConfig::validate(const std::string& ctx) const {
   LM_CHECK(passkey_fraction >= 0 && passkey_fraction <= 0.9,
            "{}: data.passkey_fraction must be in [0, 0.9] (0: no synthetic passkey documents), got {}", ctx,
            passkey_fraction);
+  LM_CHECK(multi_needle_fraction >= 0 && multi_needle_fraction <= 0.9 && synthetic_fraction() <= 0.9 + 1e-12,
+           "{}: data.multi_needle_fraction must be in [0, 0.9] and at most 0.9 with data.passkey_fraction, got {} and "
+           "{}", ctx, multi_needle_fraction, passkey_fraction);
+  for (size_t i = 0; i < stages.size() && multi_needle_fraction > 0; ++i)
+    LM_CHECK(stages[i].concat_documents, "{}: stages[{}]: data.multi_needle_fraction needs concat_documents in every "
+             "stage (a multi-needle document fills a whole sequence)", ctx, i);
   if (!images.empty()) {
     LM_CHECK(image_fraction > 0 && image_fraction <= 0.9, "{}: data.images.fraction must be in (0, 0.9], got {}", ctx,
              image_fraction);
     LM_CHECK(image_size >= 28 && image_size <= 448 && image_size % 28 == 0,
              "{}: data.images.size must be a multiple of 28 in [28, 448], got {}", ctx, image_size);
-    LM_CHECK(data_format != "chat" && passkey_fraction == 0 && parallel.dp == 1,
-             "{}: data.images: a text corpus run of one process without passkey documents only (so far)", ctx);
+    LM_CHECK(data_format != "chat" && synthetic_fraction() == 0 && parallel.dp == 1,
+             "{}: data.images: a text corpus run of one process without passkey or multi-needle documents only (so "
+             "far)", ctx);
     for (size_t i = 0; i < stages.size(); ++i) {
       const int64_t n_img = std::llround(image_fraction * double(stages[i].batch_seqs));
       LM_CHECK(n_img >= 1 && n_img < stages[i].batch_seqs && !stages[i].concat_documents,
@@ -234,7 +245,8 @@ void RunConfig::validate(const std::string& ctx) const {
   if (data_format == "chat") {
     LM_CHECK(!tokenizer.empty(), "{}: data.format chat (demonstrations) needs a tokenizer: init (a checkpoint to "
              "fine-tune) or tokenizer.model", ctx);
-    LM_CHECK(passkey_fraction == 0, "{}: data.passkey_fraction must be 0 with data.format chat", ctx);
+    LM_CHECK(synthetic_fraction() == 0, "{}: data.passkey_fraction and data.multi_needle_fraction must be 0 with "
+             "data.format chat", ctx);
     for (size_t i = 0; i < stages.size(); ++i)  // conversations keep their segments: none attends to another
       LM_CHECK(!stages[i].concat_documents, "{}: stages[{}].concat_documents is not for data.format chat", ctx, i);
   } else {
@@ -281,9 +293,9 @@ void RunConfig::validate(const std::string& ctx) const {
     // over whole sequences of one document window each, no media, no batch-dependent auxiliary loss.
     LM_CHECK(parallel.dp == 1, "{}: parallel dp {} x cp {}: context parallel runs with dp 1 only so far (one group "
              "of cp ranks, each with its segment of every sequence)", ctx, parallel.dp, parallel.cp);
-    LM_CHECK(images.empty() && passkey_fraction == 0 && data_format != "chat",
-             "{}: parallel.cp {}: a text corpus without passkey documents only (images, passkey documents and chat "
-             "segments are not split over ranks)", ctx, parallel.cp);
+    LM_CHECK(images.empty() && synthetic_fraction() == 0 && data_format != "chat",
+             "{}: parallel.cp {}: a text corpus without synthetic documents only (images, passkey and multi-needle "
+             "documents and chat segments are not split over ranks)", ctx, parallel.cp);
     LM_CHECK(balance != Balance::Aux, "{}: parallel.cp {}: balance aux is a statistic of the whole batch, which no "
              "rank sees; use qb, sign or none", ctx, parallel.cp);
     for (size_t i = 0; i < stages.size(); ++i)
@@ -553,21 +565,22 @@ Stage Run::begin_stage(int64_t si) {
                   cfg_.stages.size(), S.seq_len, steps, S.batch_seqs, S.seq_len, S.batch_seqs / st.micro,
                   S.schedule.kind));
   if (const std::string m = engine_->plan(st.micro * S.seq_len); !m.empty()) say("  " + m);
-  if (data_->passkey) report_passkey(S);
+  if (cfg_.synthetic_fraction() > 0) report_passkey(S);
   st.t0 = Clock::now();
   stage_tokens_ = 0;
   return st;
 }
 
-// The share of the stage's passkey documents in the first epoch of its training stream.
+// The share of the stage's synthetic documents (passkey; multi-needle in concat stages) in its training stream.
 void Run::report_passkey(const StageConfig& S) {
   if (S.concat_documents) {
     // (expected shares: a chosen sequence holds a document of 3/4 of its tokens on average)
     result_.stage_passkey_token_fraction.push_back(0.75 * cfg_.passkey_fraction);
     result_.stage_passkey_doc_fraction.push_back(cfg_.passkey_fraction);
-    say(fmt::format("  documents concatenated; passkey: {:.1f}% of the sequences are one passkey document of {}..{} "
-                    "tokens",
-                    100 * cfg_.passkey_fraction, S.seq_len / 2, S.seq_len));
+    say(fmt::format("  documents concatenated; {:.1f}% of the sequences are one passkey document and {:.1f}% one "
+                    "multi-needle document ({} facts), of {}..{} tokens",
+                    100 * cfg_.passkey_fraction, 100 * cfg_.multi_needle_fraction, kTrainNeedles, S.seq_len / 2,
+                    S.seq_len));
     return;
   }
   const TokenizedDocs &pk = data_->stage_pk, &corpus = *data_->train;

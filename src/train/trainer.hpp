@@ -90,6 +90,10 @@ struct RunConfig {
   // Synthetic passkey documents' share of the training tokens, per stage at its seq_len
   // (train/synthetic.hpp); 0: none. In [0, 0.9]. The held-out split stays pure corpus.
   double passkey_fraction = 0;
+  // Synthetic multi-needle documents' share of the sequences of concat_documents stages (every stage must be one;
+  // train/synthetic.hpp); 0: none. In [0, 0.9], with passkey_fraction at most 0.9 together.
+  double multi_needle_fraction = 0;
+  double synthetic_fraction() const { return passkey_fraction + multi_needle_fraction; }
   // Images (issue 22 item 4: SPEC §9 trained jointly): a Fashion-MNIST folder (io::read_fashion_mnist) whose train
   // split's images, captioned from their labels (train/captions.hpp), fill `image_fraction` of every step's
   // sequences; the rest are the corpus as before. Needs a model config with vision_config; the tokenizer trained

@@ -1,10 +1,11 @@
-// Synthetic passkey documents (train/synthetic) and the retrieval template they share with
-// `longmoe eval --passkey` (io/retrieval): lengths, template, answer tokens, determinism, and that a
-// document without its answer is exactly the prompt eval builds.
+// Synthetic passkey and multi-needle documents (train/synthetic) and the retrieval templates they share with
+// `longmoe eval --passkey / --multi-needle` (io/retrieval): lengths, template, answer tokens, determinism, and
+// that a document without its answer is exactly the prompt eval builds.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <filesystem>
+#include <iterator>
 
 #include "core/parallel.hpp"
 #include "io/retrieval.hpp"
@@ -23,11 +24,14 @@ const io::Tokenizer& tokenizer() {
     fs::create_directories(dir);
     const char* words[] = {"the", "grass", "is", "green", "sky", "blue", "sun", "yellow", "here", "we", "go",
                            "there", "and", "back", "again", "pass", "key", "remember", "it", "what", "find",
-                           "important", "information", "hidden", "inside", "a", "lot", "of", "irrelevant", "text"};
+                           "important", "information", "hidden", "inside", "a", "lot", "of", "irrelevant", "text",
+                           "special", "magic", "number", "for", "apple", "river", "candle", "falcon", "marble",
+                           "violet", "harbor", "quartz"};
+    constexpr int kWords = static_cast<int>(std::size(words));
     std::vector<std::string> docs;
     for (int d = 0; d < 40; ++d) {
       std::string s;
-      for (int w = 0; w < 60; ++w) s += std::string(w ? (w % 7 ? " " : ". ") : "") + words[(d * 11 + w * w) % 30];
+      for (int w = 0; w < 60; ++w) s += std::string(w ? (w % 7 ? " " : ". ") : "") + words[(d * 11 + w * w) % kWords];
       docs.push_back(s + ". The pass key is " + std::to_string(10000 + d * 997) + ".\n");
     }
     io::Tokenizer::TrainOptions o;
@@ -38,6 +42,23 @@ const io::Tokenizer& tokenizer() {
     return loaded;
   }();
   return tok;
+}
+
+// A window-filling synthetic sequence (passkey_sequence, multi_needle_sequence) of bits `b`: a function of them,
+// [<s>] ... <|doc|> within [T / 2, T] tokens (within a filler sentence below its drawn length). Returns its text
+// between the two and widens [shortest, longest].
+template <class Make>
+std::string window_text(const io::Tokenizer& tok, int64_t T, const Philox4& b, const Make& make, int64_t& shortest,
+                        int64_t& longest) {
+  const std::vector<int32_t> s = make(tok, T, b);
+  EXPECT_EQ(s, make(tok, T, b));
+  const auto n = static_cast<int64_t>(s.size());
+  shortest = std::min(shortest, n), longest = std::max(longest, n);
+  EXPECT_LE(n, T);
+  EXPECT_GE(n + 12, T / 2);
+  EXPECT_EQ(s.front(), tok.bos());
+  EXPECT_EQ(s.back(), tok.special("<|doc|>"));
+  return n < 2 ? std::string() : tok.decode({s.begin() + 1, s.end() - 1});
 }
 
 }  // namespace
@@ -133,19 +154,94 @@ TEST(Synthetic, PasskeySequencesFillTheWindow) {
   const Rng rng = passkey_rng(3, 0);
   int64_t shortest = T, longest = 0;
   for (uint64_t i = 0; i < 20; ++i) {
-    const std::vector<int32_t> s = passkey_sequence(tok, T, rng.bits(i));
-    EXPECT_EQ(s, passkey_sequence(tok, T, rng.bits(i)));
-    const auto n = static_cast<int64_t>(s.size());
-    shortest = std::min(shortest, n), longest = std::max(longest, n);
-    EXPECT_LE(n, T);
-    EXPECT_GE(n + 12, T / 2);
-    ASSERT_EQ(s.front(), tok.bos());
-    ASSERT_EQ(s.back(), tok.special("<|doc|>"));
-    const std::string text = tok.decode({s.begin() + 1, s.end() - 1});
+    const std::string text = window_text(tok, T, rng.bits(i), passkey_sequence, shortest, longest);
     const size_t q = text.rfind(io::kPasskeyQuestion);
     ASSERT_NE(q, std::string::npos);
     EXPECT_NE(text.find(io::passkey_needle(text.substr(q + io::kPasskeyQuestion.size(), 5))), std::string::npos);
   }
   EXPECT_LT(shortest, T * 3 / 4);
   EXPECT_GT(longest, T * 3 / 4);
+}
+
+// The multi-needle template: the longest prompt within the length, every fact once at its place, the question
+// about the asked one, its number as the answer; the eval's prompt (a filler sentence count) is the same text.
+TEST(Retrieval, MultiNeedlePromptFitsAndAsksOneFact) {
+  const io::Tokenizer& tok = tokenizer();
+  io::MultiNeedle m;
+  m.numbers = {io::multi_needle_number(0), io::multi_needle_number(8999999), io::multi_needle_number(12345),
+               io::multi_needle_number(4000000)};
+  m.depths = {0.9, 0.0, 0.5, 1.0};
+  m.ask = 2;
+  EXPECT_EQ(m.numbers[0], "1000000");
+  EXPECT_EQ(m.numbers[1], "9999999");
+  EXPECT_EQ(io::multi_needle_word(0), "apple");
+  EXPECT_EQ(io::multi_needle_word(7), "quartz");
+  EXPECT_EQ(io::multi_needle_word(9), "river1");
+  const int64_t lo = io::multi_needle_prompt(tok, 0, m).tokens();
+  for (const int64_t L : {lo, lo + 5, int64_t{400}, int64_t{1500}}) {
+    const io::RetrievalPrompt p = io::multi_needle_fit(tok, L, m);
+    EXPECT_LE(p.tokens(), L);
+    EXPECT_GT(p.tokens() + 12, L) << L;  // one more sentence would not fit
+    EXPECT_EQ(p.ids, io::multi_needle_prompt(tok, p.filler_sentences, m).ids);
+    EXPECT_EQ(p.ids.front(), tok.bos());
+    EXPECT_EQ(tok.decode({p.ids.begin() + 1, p.ids.end()}), p.prompt);
+    EXPECT_EQ(p.prompt.rfind(io::kRetrievalIntro, 0), 0u);
+    for (int64_t j = 0; j < 4; ++j) {
+      const std::string fact = "The special magic number for " + io::multi_needle_word(j) + " is: " +
+                               m.numbers[size_t(j)] + ". ";
+      const size_t at = p.prompt.find(fact);
+      ASSERT_NE(at, std::string::npos) << j;
+      EXPECT_EQ(p.prompt.find(fact, at + 1), std::string::npos) << j;
+    }
+    // depth 0: right after the intro; depth 1 (inserted last): after every filler sentence
+    EXPECT_EQ(p.prompt.find("The special magic number for river"), io::kRetrievalIntro.size());
+    EXPECT_TRUE(p.prompt.ends_with("\nWhat is the special magic number for candle? The special magic number for "
+                                   "candle is: "));
+    EXPECT_EQ(p.key, m.numbers[2]);
+    EXPECT_EQ(tok.decode(p.answer_ids), m.numbers[2] + ".");
+  }
+  EXPECT_THROW(io::multi_needle_fit(tok, lo - 1, m), Error);
+  m.ask = 4;
+  EXPECT_THROW(io::multi_needle_prompt(tok, 3, m), Error);
+}
+
+// A long-context stage's multi-needle sequence: [T / 2, T] tokens, the answered question and <|doc|>, a function of
+// its bits; retrieval_sequence mixes them with passkey sequences at the asked share and leaves the passkey
+// sequences those of a stage without multi-needle documents.
+TEST(Synthetic, MultiNeedleSequencesAndTheirShare) {
+  const io::Tokenizer& tok = tokenizer();
+  const int64_t T = 2048;
+  const Rng rng = passkey_rng(5, 1);
+  const std::string q = "? The special magic number for ";
+  int64_t shortest = T, longest = 0;
+  for (uint64_t i = 0; i < 20; ++i) {
+    const std::string text = window_text(tok, T, rng.bits(i), multi_needle_sequence, shortest, longest);
+    // "... for <w>? The special magic number for <w> is: N." and the fact "<w> is: N. " in the text
+    const size_t a = text.rfind(q);
+    ASSERT_NE(a, std::string::npos);
+    const std::string tail = text.substr(a + q.size());  // "<w> is: N."
+    const size_t is = tail.find(" is: ");
+    ASSERT_NE(is, std::string::npos);
+    const std::string word = tail.substr(0, is), number = tail.substr(is + 5, 7);
+    EXPECT_EQ(tail, word + " is: " + number + ".");
+    EXPECT_NE(text.find("The special magic number for " + word + " is: " + number + ". "), std::string::npos);
+    int facts = 0;  // (before the question, whose answer part reads like a fact)
+    for (size_t at = text.find("The special magic number for "); at < a;
+         at = text.find("The special magic number for ", at + 1))
+      ++facts;
+    EXPECT_EQ(facts, kTrainNeedles);
+  }
+  EXPECT_LT(shortest, T * 3 / 4);
+  EXPECT_GT(longest, T * 3 / 4);
+  int multi = 0;
+  for (uint64_t i = 0; i < 200; ++i) {
+    EXPECT_EQ(retrieval_sequence(tok, 512, 0.0, rng.bits(i)), passkey_sequence(tok, 512, rng.bits(i)));
+    const std::vector<int32_t> s = retrieval_sequence(tok, 512, 0.4, rng.bits(i));
+    const bool is_multi = tok.decode(s).find("special magic") != std::string::npos;
+    multi += is_multi;
+    EXPECT_EQ(s, is_multi ? multi_needle_sequence(tok, 512, rng.bits(i)) : passkey_sequence(tok, 512, rng.bits(i)));
+  }
+  EXPECT_GT(multi, 50);
+  EXPECT_LT(multi, 110);
+  EXPECT_THROW(multi_needle_min_doc_tokens(tok, 128), Error);
 }

@@ -200,6 +200,51 @@ TEST(Trainer, PasskeyDocumentsResumeExactly) {
   }
 }
 
+// Multi-needle documents in concatenated stages (beside passkey ones): the run resumes exactly from inside a stage
+// and across the stage switch, its summary names the share, and resuming with another share is refused.
+TEST(Trainer, MultiNeedleSequencesResumeExactly) {
+  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_multi_needle";
+  fs::remove_all(root);
+  auto run = [&](const std::string& out, double multi, double passkey = 0.2) {
+    RunConfig c = tiny_passkey_run(root, (root / out).string(), passkey);
+    c.stages[0].seq_len = 512, c.stages[0].tokens = 4096, c.stages[0].batch_seqs = 4;
+    c.stages[1].seq_len = 1024, c.stages[1].tokens = 2048, c.stages[1].batch_seqs = 1;
+    for (auto& st : c.stages) st.concat_documents = true;
+    c.multi_needle_fraction = multi;
+    c.validate("multi-needle run");
+    return c;
+  };
+  TrainOptions quiet;
+  quiet.quiet = true;
+  const TrainResult full = lm::train::train(run("full", 0.5), quiet);
+  ASSERT_EQ(full.steps, 2 + 2);
+  EXPECT_EQ(io::load_json_file((root / "full" / "summary.json").string()).at("multi_needle_fraction").get<double>(),
+            0.5);
+  // The same synthetic positions all passkey (the same share, the same draws): the first batch differs.
+  RunConfig all_passkey = run("all_passkey", 0, 0.7);
+  all_passkey.max_steps = 1;
+  EXPECT_NE(lm::train::train(all_passkey, quiet).losses.at(0), full.losses.at(0));
+  RunConfig part = run("part", 0.5);
+  TrainOptions resume = quiet;
+  resume.resume = true;
+  std::vector<double> joined;
+  for (const int64_t stop : {1, 3, 0}) {
+    part.max_steps = stop;
+    const TrainResult r = lm::train::train(part, stop == 1 ? quiet : resume);
+    joined.insert(joined.end(), r.losses.begin(), r.losses.end());
+    if (stop == 1) {  // another multi-needle share: another stream
+      try {
+        lm::train::train(run("part", 0.3), resume);
+        FAIL() << "resumed with another multi_needle_fraction";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("multi-needle"), std::string::npos) << e.what();
+      }
+    }
+  }
+  ASSERT_EQ(joined.size(), full.losses.size());
+  for (size_t i = 0; i < joined.size(); ++i) EXPECT_EQ(joined[i], full.losses[i]) << "step " << i + 1;
+}
+
 TEST(Trainer, KillDuringSaveKeepsThePreviousCheckpoint) {
   const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_kill";
   fs::remove_all(root);
@@ -509,6 +554,20 @@ TEST(Trainer, BadRunConfigsAreClearErrors) {
   EXPECT_EQ(RunConfig::from_json(b, "ok.json").passkey_fraction, 0.9);
   EXPECT_EQ(RunConfig::from_json(b, "ok.json").to_json()["data"]["passkey_fraction"], 0.9);
   EXPECT_EQ(RunConfig::from_json(j, "ok.json").passkey_fraction, 0.0);  // default: off
+  // Multi-needle documents: a share of concat_documents stages' sequences, with the passkey ones at most 0.9.
+  b = j;
+  b["data"]["multi_needle_fraction"] = 0.2;
+  expect_error(b, "needs concat_documents in every stage");
+  for (auto& st : b["stages"]) st["concat_documents"] = true;
+  EXPECT_EQ(RunConfig::from_json(b, "ok.json").multi_needle_fraction, 0.2);
+  EXPECT_EQ(RunConfig::from_json(b, "ok.json").to_json()["data"]["multi_needle_fraction"], 0.2);
+  b["data"]["passkey_fraction"] = 0.75;
+  expect_error(b, "at most 0.9 with data.passkey_fraction");
+  b["data"]["passkey_fraction"] = 0.7;
+  EXPECT_DOUBLE_EQ(RunConfig::from_json(b, "ok.json").synthetic_fraction(), 0.9);
+  b["data"]["multi_needle_fraction"] = -0.1;
+  expect_error(b, "data.multi_needle_fraction must be in [0, 0.9]");
+  EXPECT_FALSE(RunConfig::from_json(j, "ok.json").to_json()["data"].contains("multi_needle_fraction"));
   // A corpus that does not exist: the error names it, and nothing is created under `out`.
   RunConfig c = RunConfig::from_json(j, "ok.json");
   c.data = (root / "missing").string();
