@@ -100,7 +100,7 @@ int attention(int reps_arg) {
     result("RESULT decode_H%d_Tc%d_us %.2f\nRESULT decode_H%d_Tc%d_tbps %.2f\nRESULT decode_H%d_Tc%d_tflops %.1f\n",
            d.H, d.Tc, t * 1e3, d.H, d.Tc, bytes / t / 1e9, d.H, d.Tc, flop / t / 1e9);
     std::printf("  H %3d, Tc %7d: %8.2f us, %.2f TB/s of cache read = %.1f%% of copy\n", d.H, d.Tc, t * 1e3,
-                bytes / t / 1e9, 100.0 * bytes / t / 1e3 / bw);
+                bytes / t / 1e9, 100.0 * bytes / t * 1e3 / bw);
     for (void* p : std::vector<void*>{ql, qr, ol}) CK(cudaFree(p));
     for (void* p : caches) CK(cudaFree(p));
   }
