@@ -194,6 +194,7 @@ Batch Batch::sequences(int64_t first, int64_t n) const {
   out.seqs = n, out.seq_len = seq_len;
   out.ids.assign(ids.begin() + lo, ids.begin() + hi);
   out.targets.assign(targets.begin() + lo, targets.begin() + hi);
+  if (!weights.empty()) out.weights.assign(weights.begin() + lo, weights.begin() + hi);
   for (const int64_t c : cu_seqlens)  // every sequence start is a boundary, so lo and hi are in it
     if (c >= lo && c <= hi) out.cu_seqlens.push_back(c - lo);
   return out;
@@ -214,6 +215,7 @@ Batch Batch::segment(int64_t rank, int64_t ranks) const {
     const int64_t lo = b * seq_len + rank * T;
     out.ids.insert(out.ids.end(), ids.begin() + lo, ids.begin() + lo + T);
     out.targets.insert(out.targets.end(), targets.begin() + lo, targets.begin() + lo + T);
+    if (!weights.empty()) out.weights.insert(out.weights.end(), weights.begin() + lo, weights.begin() + lo + T);
     out.cu_seqlens.push_back(b * T);
   }
   out.cu_seqlens.push_back(seqs * T);
@@ -358,6 +360,8 @@ Batch Loader::next(int64_t B) {
   b.ids.resize(static_cast<size_t>(B * T));
   b.targets.resize(static_cast<size_t>(B * T));
   b.cu_seqlens.reserve(static_cast<size_t>(B) + 1);
+  const bool weighted = concat_ && synth_ && answer_weight_ != 1;
+  if (weighted) b.weights.assign(static_cast<size_t>(B * T), 1.f);
   Batch row;  // sequence r: T tokens of lane r from lane offset o, with its document boundaries
   row.seqs = 1, row.seq_len = T;
   for (int64_t r = 0; r < B; ++r) {
@@ -366,11 +370,17 @@ Batch Loader::next(int64_t B) {
     int64_t p = s - pl.cum[static_cast<size_t>(k)];
     const uint64_t draw = 2 * static_cast<uint64_t>(o * B + r);  // (the choice, then the document's bits)
     if (concat_ && synth_ && synth_rng_.fork(e).uniform_f64(draw) < synth_fraction_) {
-      const std::vector<int32_t> d = synth_(synth_rng_.fork(e).bits(draw + 1));
-      LM_CHECK(!d.empty() && static_cast<int64_t>(d.size()) <= T,
-               "data loader: a synthetic sequence of {} tokens for seq_len {}", d.size(), T);
+      const SynthSeq d = synth_(synth_rng_.fork(e).bits(draw + 1));
+      const auto len = static_cast<int64_t>(d.ids.size());
+      LM_CHECK(len > 0 && len <= T, "data loader: a synthetic sequence of {} tokens for seq_len {}", len, T);
+      LM_CHECK(d.answer_from >= 0 && d.answer_from <= d.answer_to && d.answer_to <= len,
+               "data loader: a synthetic sequence's answer [{}, {}) outside its {} tokens", d.answer_from,
+               d.answer_to, len);
       int64_t q = 0;
-      fill_rows(row, DocRef{std::span<const int32_t>(d), {}}, q, []() -> DocSpan { return std::nullopt; }, 0);
+      fill_rows(row, DocRef{std::span<const int32_t>(d.ids), {}}, q, []() -> DocSpan { return std::nullopt; }, 0);
+      if (weighted)  // position t predicts token t + 1
+        for (int64_t t = std::max<int64_t>(d.answer_from, 1); t < d.answer_to; ++t)
+          b.weights[static_cast<size_t>(r * T + t - 1)] = static_cast<float>(answer_weight_);
     } else {
       fill_rows(row, DocRef{pl.doc(*docs_, k), pl.mask(*docs_, k)}, p, [&]() -> DocSpan {
         if (++k == n) return std::nullopt;  // only after the row's last token: the row never passes L
@@ -387,9 +397,12 @@ Batch Loader::next(int64_t B) {
   return b;
 }
 
-void Loader::set_concat(bool on, double fraction, Synth synth, Rng rng) {
+void Loader::set_concat(bool on, double fraction, Synth synth, Rng rng, double answer_weight) {
   LM_CHECK(fraction >= 0 && fraction <= 1, "data loader: synthetic fraction {} outside [0, 1]", fraction);
+  LM_CHECK(answer_weight > 0 && std::isfinite(answer_weight), "data loader: answer weight {} must be positive",
+           answer_weight);
   concat_ = on, synth_fraction_ = fraction, synth_ = std::move(synth), synth_rng_ = rng;
+  answer_weight_ = synth_ ? answer_weight : 1;
 }
 
 Batch Loader::next_consecutive(int64_t B) {

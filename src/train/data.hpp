@@ -107,6 +107,7 @@ DataSplit split_documents(const TokenizedDocs& all, double heldout_fraction, uin
 
 struct Batch {
   std::vector<int32_t> ids, targets;  // [B*T]
+  std::vector<float> weights;         // [B*T] each target's weight in the loss, or empty: all 1 (Loader::set_concat)
   std::vector<int64_t> cu_seqlens;    // [segments + 1]
   int64_t seqs = 0, seq_len = 0;      // B, T
   int64_t tokens() const { return static_cast<int64_t>(ids.size()); }
@@ -118,6 +119,14 @@ struct Batch {
   // is the next segment's first token. lm::Error unless ranks divides T and every sequence is one segment
   // (cu_seqlens = {0, T, 2T, ...}: no document boundary or padding inside).
   Batch segment(int64_t rank, int64_t ranks) const;
+};
+
+// A whole-window synthetic sequence (Loader::set_concat): its tokens, and the span [answer_from, answer_to) of them
+// that answers its question (empty: none).
+struct SynthSeq {
+  std::vector<int32_t> ids;
+  int64_t answer_from = 0, answer_to = 0;
+  bool operator==(const SynthSeq&) const = default;
 };
 
 struct Position {
@@ -159,8 +168,10 @@ class Loader {
   // boundary. Its lane's tokens are skipped. A pure function of the position, so a resumed run reads the same
   // batches. (Extra documents, set_extra, should be off meanwhile: they would be cut. Epochs shorter than one
   // batch, read consecutively, get no synthetic sequences.)
-  using Synth = std::function<std::vector<int32_t>(const Philox4& bits)>;
-  void set_concat(bool on, double fraction = 0, Synth synth = {}, Rng rng = {});
+  // With `answer_weight` (> 0, not 1), each batch carries Batch::weights: the targets that predict a synthetic
+  // sequence's answer span count answer_weight times in the loss, every other target once.
+  using Synth = std::function<SynthSeq(const Philox4& bits)>;
+  void set_concat(bool on, double fraction = 0, Synth synth = {}, Rng rng = {}, double answer_weight = 1);
   CorpusPoint corpus_point() const;   // inside an extra document: the next corpus document, token 0
   Position position_of(CorpusPoint c) const;
   int64_t seq_len() const { return seq_len_; }
@@ -186,7 +197,7 @@ class Loader {
   std::shared_ptr<const TokenizedDocs> docs_;
   int64_t seq_len_;
   bool concat_ = false;
-  double synth_fraction_ = 0;
+  double synth_fraction_ = 0, answer_weight_ = 1;
   Synth synth_;
   Rng synth_rng_;
   uint64_t seed_;

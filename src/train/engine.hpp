@@ -39,6 +39,11 @@ struct LossStats {
   int64_t n_valid = 0;  // targets of the batch (kIgnore excluded)
 };
 
+// A batch with Batch::weights (data.answer_weight) as forward_backward_logp's gradient: the loss is the weighted
+// cross-entropy Σ_t w_t (−log p_t) / n_valid_total over the targets >= 0, so dL/dlogp_t = −w_t / n_valid_total (0
+// elsewhere); *loss_sum receives Σ −log p_t over them, unweighted, the figure an unweighted step reports.
+model::Model<float>::LogpGrad weighted_loss(const Batch& b, int64_t n_valid_total, double* loss_sum);
+
 class Engine {
  public:
   virtual ~Engine() = default;
@@ -53,7 +58,8 @@ class Engine {
   // backward (without it they are all reduced in step()).
   virtual void zero_grads(int64_t micro_batches = 0) = 0;
   // One micro-batch: forward, cross-entropy normalised by the step's n_valid_total targets (so that
-  // accumulation equals one big batch), backward into the gradients; adds the micro-batch's expert loads
+  // accumulation equals one big batch; each weighted by b.weights when it has them: weighted_loss), backward into
+  // the gradients; adds the micro-batch's expert loads
   // and router statistics to the step's. NonFinite on a NaN/Inf loss (naming the first bad layer where it can).
   // With `media`: the batch's images, in placeholder order (the model's splice; the tower gets its gradient).
   virtual LossStats forward_backward(const Batch& b, int64_t n_valid_total,

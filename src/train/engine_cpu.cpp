@@ -88,7 +88,15 @@ class CpuEngine final : public Engine {
         for (auto& gb : buckets_) gb->ready(i < 0 ? L + 1 : L - i);
       };
     }
-    const auto st = m_.forward_backward(b.ids.data(), b.targets.data(), seqs, n_valid_total, media);
+    model::Model<float>::LossStats st;
+    if (b.weights.empty()) {
+      st = m_.forward_backward(b.ids.data(), b.targets.data(), seqs, n_valid_total, media);
+    } else {
+      LM_CHECK(!cp && !m_.expert_parallel() && !media, "weighted targets: not with context or expert parallel or "
+               "images");
+      m_.forward_backward_logp(b.ids.data(), b.targets.data(), seqs, weighted_loss(b, n_valid_total, &st.loss_sum));
+      st.n_valid = m_.count_targets(b.targets.data(), b.tokens());
+    }
     // (no diagnosis under cp or ep: its forward is collective, and the other ranks are not in it)
     if (!std::isfinite(st.loss_sum))
       throw NonFinite(cp || m_.expert_parallel() ? fmt::format("the loss of this rank's batch became {}", st.loss_sum)

@@ -128,7 +128,7 @@ void RunData::set_concat(Loader& loader, int64_t si) const {
                     [tk = tok.get(), T = S.seq_len, multi = cfg.multi_needle_fraction / synth](const Philox4& bits) {
                       return retrieval_sequence(*tk, T, multi, bits);
                     },
-                    passkey_rng(cfg.seed, si).fork(kSequenceStream));
+                    passkey_rng(cfg.seed, si).fork(kSequenceStream), cfg.answer_weight);
 }
 
 uint64_t RunData::stage_fingerprint(int64_t si) {

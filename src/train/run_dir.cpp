@@ -306,6 +306,7 @@ void write_summary(const fs::path& out, const RunConfig& cfg, const TrainResult&
              {"balance", cfg.to_json()["balance"]},
              {"passkey_fraction", cfg.passkey_fraction},
              {"multi_needle_fraction", cfg.multi_needle_fraction},
+             {"answer_weight", cfg.answer_weight},
              {"checkpoint", r.checkpoint}};
   if (cfg.passkey_fraction > 0) {
     sj["stage_passkey_token_fraction"] = r.stage_passkey_token_fraction;

@@ -44,18 +44,24 @@ Draw draw(const Philox4& b, int64_t lo, int64_t span) {
                        (1.0 / 9007199254740992.0);  // [0, 1)
   return {lo + static_cast<int64_t>(b.v[0] % static_cast<uint32_t>(span)), io::passkey_key(b.v[1]), depth};
 }
-// [<s>] prompt, answer, <|doc|>: at most d.len tokens.
-std::vector<int32_t> document(const io::Tokenizer& tok, const Draw& d) {
-  const io::PasskeyPrompt p = io::passkey_prompt(tok, d.len - 1, d.depth, d.key);
-  std::vector<int32_t> ids = p.ids;
-  ids.insert(ids.end(), p.answer_ids.begin(), p.answer_ids.end());
-  ids.push_back(tok.special("<|doc|>"));
-  return ids;
+// [<s>] prompt, answer, <|doc|>, the answer's span marked.
+SynthSeq answered(const io::Tokenizer& tok, const io::RetrievalPrompt& p) {
+  SynthSeq s;
+  s.ids = p.ids;
+  s.answer_from = static_cast<int64_t>(s.ids.size());
+  s.ids.insert(s.ids.end(), p.answer_ids.begin(), p.answer_ids.end());
+  s.answer_to = static_cast<int64_t>(s.ids.size());
+  s.ids.push_back(tok.special("<|doc|>"));
+  return s;
+}
+// A passkey document of at most d.len tokens.
+SynthSeq document(const io::Tokenizer& tok, const Draw& d) {
+  return answered(tok, io::passkey_prompt(tok, d.len - 1, d.depth, d.key));
 }
 
 }  // namespace
 
-std::vector<int32_t> passkey_sequence(const io::Tokenizer& tok, int64_t seq_len, const Philox4& bits) {
+SynthSeq passkey_sequence(const io::Tokenizer& tok, int64_t seq_len, const Philox4& bits) {
   const int64_t lo = std::max(passkey_min_doc_tokens(tok, seq_len), seq_len / 2);
   return document(tok, draw(bits, lo, seq_len - lo + 1));
 }
@@ -72,7 +78,7 @@ int64_t multi_needle_min_doc_tokens(const io::Tokenizer& tok, int64_t seq_len) {
   return need;
 }
 
-std::vector<int32_t> multi_needle_sequence(const io::Tokenizer& tok, int64_t seq_len, const Philox4& bits) {
+SynthSeq multi_needle_sequence(const io::Tokenizer& tok, int64_t seq_len, const Philox4& bits) {
   const uint64_t hi = (uint64_t(bits.v[0]) << 32) | bits.v[1], lo64 = (uint64_t(bits.v[2]) << 32) | bits.v[3];
   const Rng rng{hi, kMultiNeedleStream ^ lo64};
   const int64_t lo = std::max(multi_needle_min_doc_tokens(tok, seq_len), seq_len / 2);
@@ -84,15 +90,10 @@ std::vector<int32_t> multi_needle_sequence(const io::Tokenizer& tok, int64_t seq
     m.depths.push_back(rng.uniform_f64(1 + uint64_t(j)));
   }
   const int64_t len = lo + static_cast<int64_t>(b0.v[0] % static_cast<uint32_t>(seq_len - lo + 1));
-  const io::RetrievalPrompt p = io::multi_needle_fit(tok, len - 1, m);
-  std::vector<int32_t> ids = p.ids;
-  ids.insert(ids.end(), p.answer_ids.begin(), p.answer_ids.end());
-  ids.push_back(tok.special("<|doc|>"));
-  return ids;
+  return answered(tok, io::multi_needle_fit(tok, len - 1, m));
 }
 
-std::vector<int32_t> retrieval_sequence(const io::Tokenizer& tok, int64_t seq_len, double multi_share,
-                                        const Philox4& bits) {
+SynthSeq retrieval_sequence(const io::Tokenizer& tok, int64_t seq_len, double multi_share, const Philox4& bits) {
   if (multi_share <= 0) return passkey_sequence(tok, seq_len, bits);
   // The choice from a draw of its own: the passkey documents keep the bits they had without multi-needle ones.
   const Rng pick{(uint64_t(bits.v[2]) << 32) | bits.v[3], kMultiNeedleStream};
@@ -110,7 +111,7 @@ TokenizedDocs passkey_documents(const io::Tokenizer& tok, int64_t seq_len, int64
   }
   const auto n = static_cast<int64_t>(draws.size());
   std::vector<std::vector<int32_t>> docs(draws.size());
-  parallel_for_dynamic(n, [&](int64_t j) { docs[static_cast<size_t>(j)] = document(tok, draws[static_cast<size_t>(j)]); });
+  parallel_for_dynamic(n, [&](int64_t j) { docs[static_cast<size_t>(j)] = document(tok, draws[static_cast<size_t>(j)]).ids; });
   TokenizedDocs out;
   for (const auto& ids : docs) {
     out.ids.insert(out.ids.end(), ids.begin(), ids.end());

@@ -39,8 +39,8 @@ TokenizedDocs passkey_documents(const io::Tokenizer& tok, int64_t seq_len, int64
 
 // A long-context stage's synthetic sequence (Loader::set_concat): one passkey document filling a window of
 // `seq_len` tokens, its length uniform in [seq_len / 2, seq_len] (at least the shortest document), key and depth
-// as above, all from `bits`.
-std::vector<int32_t> passkey_sequence(const io::Tokenizer& tok, int64_t seq_len, const Philox4& bits);
+// as above, all from `bits`; its answer span marked (the key and ".", before <|doc|>).
+SynthSeq passkey_sequence(const io::Tokenizer& tok, int64_t seq_len, const Philox4& bits);
 
 // Multi-needle documents (data.multi_needle_fraction; io/retrieval.hpp's template, the one `longmoe eval
 // --multi-needle` asks): kTrainNeedles facts at uniform depths, one of them asked for and answered, then <|doc|>.
@@ -50,10 +50,9 @@ inline constexpr int64_t kTrainNeedles = 4;  // (eval_retrieval's default "needl
 int64_t multi_needle_min_doc_tokens(const io::Tokenizer& tok, int64_t seq_len);
 // One multi-needle document filling a window of `seq_len` tokens (length uniform in [seq_len / 2, seq_len]),
 // everything drawn from `bits` (a stream of its own seeded by them).
-std::vector<int32_t> multi_needle_sequence(const io::Tokenizer& tok, int64_t seq_len, const Philox4& bits);
+SynthSeq multi_needle_sequence(const io::Tokenizer& tok, int64_t seq_len, const Philox4& bits);
 // A synthetic sequence of a stage with both kinds: multi-needle with probability `multi_share` (of the synthetic
 // sequences), else passkey_sequence(bits) as without multi-needle documents.
-std::vector<int32_t> retrieval_sequence(const io::Tokenizer& tok, int64_t seq_len, double multi_share,
-                                        const Philox4& bits);
+SynthSeq retrieval_sequence(const io::Tokenizer& tok, int64_t seq_len, double multi_share, const Philox4& bits);
 
 }  // namespace lm::train

@@ -85,7 +85,8 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
                                                   : (fs::path(c.init) / "config.json").string();
   const json& d = j.at("data");
   io::check_known_fields(
-      d, {"path", "format", "heldout_fraction", "passkey_fraction", "multi_needle_fraction", "images"}, ctx + " data");
+      d, {"path", "format", "heldout_fraction", "passkey_fraction", "multi_needle_fraction", "answer_weight", "images"},
+      ctx + " data");
   if (d.contains("images")) {
     const json& im = d["images"];
     const std::string ictx = ctx + " data.images";
@@ -99,6 +100,7 @@ RunConfig RunConfig::from_json(const json& j, const std::string& ctx) {
   c.heldout_fraction = io::get_or<double>(d, "heldout_fraction", 0.05, ctx + " data");
   c.passkey_fraction = io::get_or<double>(d, "passkey_fraction", 0.0, ctx + " data");
   c.multi_needle_fraction = io::get_or<double>(d, "multi_needle_fraction", 0.0, ctx + " data");
+  c.answer_weight = io::get_or<double>(d, "answer_weight", 1.0, ctx + " data");
   if (j.contains("tokenizer")) {
     const json& t = j["tokenizer"];
     io::check_known_fields(t, {"vocab_size", "model"}, ctx + " tokenizer");
@@ -180,6 +182,7 @@ json RunConfig::to_json() const {
                {"heldout_fraction", heldout_fraction},
                {"passkey_fraction", passkey_fraction}};
   if (multi_needle_fraction > 0) j["data"]["multi_needle_fraction"] = multi_needle_fraction;
+  if (answer_weight != 1) j["data"]["answer_weight"] = answer_weight;
   if (!images.empty())
     j["data"]["images"] = {{"path", images}, {"size", image_size}, {"fraction", image_fraction}};
   j["tokenizer"] = {{"vocab_size", tokenizer_vocab}};
@@ -221,6 +224,14 @@ void RunConfig::validate(const std::string& ctx) const {
   LM_CHECK(multi_needle_fraction >= 0 && multi_needle_fraction <= 0.9 && synthetic_fraction() <= 0.9 + 1e-12,
            "{}: data.multi_needle_fraction must be in [0, 0.9] and at most 0.9 with data.passkey_fraction, got {} and "
            "{}", ctx, multi_needle_fraction, passkey_fraction);
+  LM_CHECK(answer_weight >= 1 && answer_weight <= 1000, "{}: data.answer_weight must be in [1, 1000], got {}", ctx,
+           answer_weight);
+  LM_CHECK(answer_weight == 1 ||
+               (synthetic_fraction() > 0 && parallel.cp == 1 && parallel.ep == 1 &&
+                std::any_of(stages.begin(), stages.end(), [](const StageConfig& s) { return s.concat_documents; })),
+           "{}: data.answer_weight weighs the answers of the passkey and multi-needle sequences of concat_documents "
+           "stages: it needs data.passkey_fraction or data.multi_needle_fraction, a concat_documents stage, and no "
+           "context or expert parallel", ctx);
   for (size_t i = 0; i < stages.size() && multi_needle_fraction > 0; ++i)
     LM_CHECK(stages[i].concat_documents, "{}: stages[{}]: data.multi_needle_fraction needs concat_documents in every "
              "stage (a multi-needle document fills a whole sequence)", ctx, i);

@@ -94,6 +94,10 @@ struct RunConfig {
   // train/synthetic.hpp); 0: none. In [0, 0.9], with passkey_fraction at most 0.9 together.
   double multi_needle_fraction = 0;
   double synthetic_fraction() const { return passkey_fraction + multi_needle_fraction; }
+  // The loss weight of the answer tokens of those whole-window retrieval documents (concat_documents stages, the
+  // key or number and "."): each counts answer_weight times, so that a few tokens per sequence still steer the
+  // step; 1: like every other target. In [1, 1000]; not with context or expert parallel.
+  double answer_weight = 1;
   // Images (issue 22 item 4: SPEC §9 trained jointly): a Fashion-MNIST folder (io::read_fashion_mnist) whose train
   // split's images, captioned from their labels (train/captions.hpp), fill `image_fraction` of every step's
   // sequences; the rest are the corpus as before. Needs a model config with vision_config; the tokenizer trained

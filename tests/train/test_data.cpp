@@ -202,7 +202,7 @@ TEST(Data, ConcatenatedDocumentsAndWholeWindowSequences) {
   // Synthetic sequences: a document of 7..T tokens (value 1000000 + length at every place).
   auto synth = [](const lm::Philox4& bits) {
     const int64_t n = 7 + int64_t(bits.v[0] % 26);
-    return std::vector<int32_t>(size_t(n), int32_t(1000000 + n));
+    return SynthSeq{std::vector<int32_t>(size_t(n), int32_t(1000000 + n)), n - 4, n - 1};
   };
   const lm::Rng rng{3, 77};
   Loader with(D, T, 5), ref(D, T, 5);
@@ -249,11 +249,55 @@ TEST(Data, ConcatenatedDocumentsAndWholeWindowSequences) {
     EXPECT_EQ(b.ids, straight[size_t(i)].ids) << i;
     EXPECT_EQ(b.cu_seqlens, straight[size_t(i)].cu_seqlens) << i;
   }
-  auto too_long = [](const lm::Philox4&) { return std::vector<int32_t>(40, 1); };
+  EXPECT_TRUE(straight[0].weights.empty()) << "answer weight 1: no weights";
+  auto too_long = [](const lm::Philox4&) { return SynthSeq{std::vector<int32_t>(40, 1)}; };
   Loader bad(D, T, 5);
   bad.set_concat(true, 1.0, too_long, rng);
   EXPECT_THROW(bad.next(B), lm::Error);
   EXPECT_THROW(bad.set_concat(true, 1.5, synth, rng), lm::Error);
+  auto bad_span = [](const lm::Philox4&) { return SynthSeq{std::vector<int32_t>(10, 1), 4, 11}; };
+  bad.set_concat(true, 1.0, bad_span, rng);
+  EXPECT_THROW(bad.next(B), lm::Error);
+  EXPECT_THROW(bad.set_concat(true, 0.3, synth, rng, 0.0), lm::Error);
+  EXPECT_THROW(bad.set_concat(true, 0.3, synth, rng, -2.0), lm::Error);
+}
+
+// data.answer_weight (Loader::set_concat's answer_weight): the targets that predict a synthetic sequence's answer span
+// weigh that much, every other target 1 (the corpus rows, the rest of the synthetic rows, the padding); micro-batches
+// and context-parallel segments carry their share of the weights.
+TEST(Data, AnswerSpansOfSyntheticSequencesAreWeighted) {
+  auto D = toy_docs(300, 40, 21);
+  const int64_t B = 4, T = 32;
+  auto synth = [](const lm::Philox4& bits) {  // n tokens 1000000 + n; the answer: tokens [n - 4, n - 1)
+    const int64_t n = 7 + int64_t(bits.v[0] % 26);
+    return SynthSeq{std::vector<int32_t>(size_t(n), int32_t(1000000 + n)), n - 4, n - 1};
+  };
+  const lm::Rng rng{3, 77};
+  Loader L(D, T, 5), same(D, T, 5);
+  L.set_concat(true, 0.5, synth, rng, 7.5);
+  same.set_concat(true, 0.5, synth, rng);
+  int64_t weighted_rows = 0;
+  for (int i = 0; i < 20; ++i) {
+    const Batch b = L.next(B), u = same.next(B);
+    EXPECT_EQ(b.ids, u.ids) << "the weight changes no token";
+    EXPECT_EQ(b.targets, u.targets);
+    ASSERT_EQ(b.weights.size(), b.targets.size());
+    for (int64_t s = 0; s < B; ++s) {
+      const int32_t first = b.ids[size_t(s * T)];
+      const int64_t n = first >= 1000000 ? first - 1000000 : 0;
+      weighted_rows += n > 0;
+      for (int64_t t = 0; t < T; ++t)  // position t predicts token t + 1
+        EXPECT_EQ(b.weights[size_t(s * T + t)], n > 0 && t + 1 >= n - 4 && t + 1 < n - 1 ? 7.5f : 1.f)
+            << "row " << s << " position " << t;
+    }
+    const Batch m = b.sequences(1, 2);
+    EXPECT_EQ(m.weights, std::vector<float>(b.weights.begin() + T, b.weights.begin() + 3 * T));
+  }
+  EXPECT_GT(weighted_rows, 20);
+  Batch whole;  // context parallel: segment 1 of 2 of one whole sequence
+  whole.seqs = 1, whole.seq_len = 4, whole.ids = {1, 2, 3, 4}, whole.targets = {2, 3, 4, -1};
+  whole.weights = {1, 2, 3, 1}, whole.cu_seqlens = {0, 4};
+  EXPECT_EQ(whole.segment(1, 2).weights, (std::vector<float>{3, 1}));
 }
 
 TEST(Data, MicroBatchesSplitABatch) {

@@ -13,6 +13,7 @@
 #include "model/model.hpp"
 #include "train/engine.hpp"
 #include "train/engine_testing.hpp"
+#include "testing.hpp"
 
 namespace lm::train {
 namespace {
@@ -80,6 +81,58 @@ TEST(Engine, CpuEngineIsTheModelAndOptimizer) {
 
 // qb (both estimators) and sign move the MoE layer's bias after the step; aux and none leave it, aux reports
 // its loss.
+// Batch::weights (data.answer_weight): the gradient of the weighted loss is the plain one plus (w − 1) times that of the
+// weighted targets alone (every loss normalised by the same target count); the reported loss stays the unweighted sum.
+TEST(Engine, WeightedTargetsScaleTheirGradient) {
+  const model::ModelConfig c = two_layers();
+  RunConfig rc;
+  rc.balance = Balance::None;
+  Host a(c, rc.optim), b(c, rc.optim);
+  const auto engine = make_engine("cpu", rc, a.m, *a.optim, dist::single());
+  Batch plain = batch(2, 16, static_cast<int32_t>(c.vocab_size));
+  const int64_t n = plain.predicted();
+  const float w = 6.f;
+  Batch weighted = plain, only = plain;  // only: the weighted targets alone
+  weighted.weights.assign(plain.targets.size(), 1.f);
+  for (size_t t = 0; t < plain.targets.size(); ++t) {
+    const bool answer = t % 16 >= 9 && t % 16 < 12;  // three targets of each sequence
+    if (answer) weighted.weights[t] = w;
+    if (!answer) only.targets[t] = kIgnore;
+  }
+  auto grads = [](const model::Model<float>& m) {
+    std::vector<std::vector<float>> g;
+    for (const auto& p : m.params().all())  // (none for the selection bias)
+      g.push_back(p.g() ? std::vector<float>(p.g(), p.g() + p.value.numel()) : std::vector<float>{});
+    return g;
+  };
+  engine->zero_grads(1);
+  const LossStats lw = engine->forward_backward(weighted, n);
+  const auto gw = grads(a.m);
+  b.m.params().zero_grads();
+  const auto lp = b.m.forward_backward(plain.ids.data(), plain.targets.data(), model::Seqs::packed(plain.cu_seqlens), n);
+  const auto g1 = grads(b.m);
+  b.m.params().zero_grads();
+  b.m.forward_backward(only.ids.data(), only.targets.data(), model::Seqs::packed(only.cu_seqlens), n);
+  const auto gs = grads(b.m);
+  EXPECT_NEAR(lw.loss_sum, lp.loss_sum, 1e-5 * lp.loss_sum);
+  EXPECT_EQ(lw.n_valid, n);
+  double worst = 0;
+  for (size_t i = 0; i < gw.size(); ++i) {
+    std::vector<float> want(g1[i].size());
+    for (size_t j = 0; j < want.size(); ++j) want[j] = g1[i][j] + (w - 1) * gs[i][j];
+    double rr = 0;
+    for (float v : want) rr += double(v) * v;
+    if (rr == 0) continue;
+    const double e = lm::testing::rel_rms_vec(want, gw[i]);
+    worst = std::max(worst, e);
+    EXPECT_LT(e, 1e-4) << a.m.params().all()[i].spec.name;
+  }
+  std::printf("weighted targets: worst gradient rel rms %.2e\n", worst);
+  weighted.weights.pop_back();  // a weight short
+  engine->zero_grads(1);
+  EXPECT_THROW(engine->forward_backward(weighted, n), Error);
+}
+
 TEST(Engine, CpuBalanceKinds) {
   const model::ModelConfig c = two_layers();
   const Batch whole = batch(2, 16, static_cast<int32_t>(c.vocab_size));

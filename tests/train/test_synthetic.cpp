@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <iterator>
 
@@ -50,9 +51,17 @@ const io::Tokenizer& tokenizer() {
 template <class Make>
 std::string window_text(const io::Tokenizer& tok, int64_t T, const Philox4& b, const Make& make, int64_t& shortest,
                         int64_t& longest) {
-  const std::vector<int32_t> s = make(tok, T, b);
-  EXPECT_EQ(s, make(tok, T, b));
+  const SynthSeq q = make(tok, T, b);
+  EXPECT_EQ(q, make(tok, T, b));
+  const std::vector<int32_t>& s = q.ids;
   const auto n = static_cast<int64_t>(s.size());
+  // the answer (digits and ".") just before <|doc|>
+  EXPECT_EQ(q.answer_to, n - 1);
+  EXPECT_GT(q.answer_to, q.answer_from);
+  const std::string answer = tok.decode({s.begin() + q.answer_from, s.begin() + q.answer_to});
+  EXPECT_GE(answer.size(), 6u) << answer;
+  EXPECT_TRUE(answer.ends_with(".")) << answer;
+  EXPECT_TRUE(std::all_of(answer.begin(), answer.end() - 1, [](char c) { return c >= '0' && c <= '9'; })) << answer;
   shortest = std::min(shortest, n), longest = std::max(longest, n);
   EXPECT_LE(n, T);
   EXPECT_GE(n + 12, T / 2);
@@ -236,8 +245,8 @@ TEST(Synthetic, MultiNeedleSequencesAndTheirShare) {
   int multi = 0;
   for (uint64_t i = 0; i < 200; ++i) {
     EXPECT_EQ(retrieval_sequence(tok, 512, 0.0, rng.bits(i)), passkey_sequence(tok, 512, rng.bits(i)));
-    const std::vector<int32_t> s = retrieval_sequence(tok, 512, 0.4, rng.bits(i));
-    const bool is_multi = tok.decode(s).find("special magic") != std::string::npos;
+    const SynthSeq s = retrieval_sequence(tok, 512, 0.4, rng.bits(i));
+    const bool is_multi = tok.decode(s.ids).find("special magic") != std::string::npos;
     multi += is_multi;
     EXPECT_EQ(s, is_multi ? multi_needle_sequence(tok, 512, rng.bits(i)) : passkey_sequence(tok, 512, rng.bits(i)));
   }

@@ -200,17 +200,19 @@ TEST(Trainer, PasskeyDocumentsResumeExactly) {
   }
 }
 
-// Multi-needle documents in concatenated stages (beside passkey ones): the run resumes exactly from inside a stage
-// and across the stage switch, its summary names the share, and resuming with another share is refused.
+// Multi-needle documents in concatenated stages (beside passkey ones), their answers weighted: the run resumes exactly
+// from inside a stage and across the stage switch, its summary names the share, and resuming with another share is
+// refused.
 TEST(Trainer, MultiNeedleSequencesResumeExactly) {
   const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_multi_needle";
   fs::remove_all(root);
-  auto run = [&](const std::string& out, double multi, double passkey = 0.2) {
+  auto run = [&](const std::string& out, double multi, double passkey = 0.2, double answer_weight = 20) {
     RunConfig c = tiny_passkey_run(root, (root / out).string(), passkey);
     c.stages[0].seq_len = 512, c.stages[0].tokens = 4096, c.stages[0].batch_seqs = 4;
     c.stages[1].seq_len = 1024, c.stages[1].tokens = 2048, c.stages[1].batch_seqs = 1;
     for (auto& st : c.stages) st.concat_documents = true;
     c.multi_needle_fraction = multi;
+    c.answer_weight = answer_weight;
     c.validate("multi-needle run");
     return c;
   };
@@ -224,6 +226,12 @@ TEST(Trainer, MultiNeedleSequencesResumeExactly) {
   RunConfig all_passkey = run("all_passkey", 0, 0.7);
   all_passkey.max_steps = 1;
   EXPECT_NE(lm::train::train(all_passkey, quiet).losses.at(0), full.losses.at(0));
+  // The answers' weight (20 here) leaves the first step's reported (unweighted) loss and changes the update.
+  RunConfig unweighted = run("unweighted", 0.5, 0.2, 1);
+  unweighted.max_steps = 2;
+  const TrainResult u = lm::train::train(unweighted, quiet);
+  EXPECT_NEAR(u.losses.at(0), full.losses.at(0), 1e-5 * full.losses.at(0));
+  EXPECT_NE(u.losses.at(1), full.losses.at(1));
   RunConfig part = run("part", 0.5);
   TrainOptions resume = quiet;
   resume.resume = true;
@@ -568,6 +576,20 @@ TEST(Trainer, BadRunConfigsAreClearErrors) {
   b["data"]["multi_needle_fraction"] = -0.1;
   expect_error(b, "data.multi_needle_fraction must be in [0, 0.9]");
   EXPECT_FALSE(RunConfig::from_json(j, "ok.json").to_json()["data"].contains("multi_needle_fraction"));
+  // The answers' loss weight: only where there are retrieval sequences in concat_documents stages.
+  b = j;
+  b["data"]["answer_weight"] = 20;
+  expect_error(b, "data.answer_weight weighs the answers");
+  b["data"]["passkey_fraction"] = 0.3;
+  expect_error(b, "a concat_documents stage");
+  b["stages"][0]["concat_documents"] = true;
+  EXPECT_EQ(RunConfig::from_json(b, "ok.json").answer_weight, 20);
+  EXPECT_EQ(RunConfig::from_json(b, "ok.json").to_json()["data"]["answer_weight"], 20);
+  b["data"]["answer_weight"] = 0.5;
+  expect_error(b, "data.answer_weight must be in [1, 1000]");
+  b["data"]["answer_weight"] = "heavy";
+  expect_error(b, "answer_weight");
+  EXPECT_FALSE(RunConfig::from_json(j, "ok.json").to_json()["data"].contains("answer_weight"));
   // A corpus that does not exist: the error names it, and nothing is created under `out`.
   RunConfig c = RunConfig::from_json(j, "ok.json");
   c.data = (root / "missing").string();
