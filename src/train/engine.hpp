@@ -39,7 +39,8 @@ struct LossStats {
   int64_t n_valid = 0;  // targets of the batch (kIgnore excluded)
 };
 
-// A batch with Batch::weights (data.answer_weight) as forward_backward_logp's gradient: the loss is the weighted
+// A batch with Batch::weights (data.answer_weight) as forward_backward_logp's gradient (the CPU engine; the GPU
+// model takes the weights itself, GpuModel::forward_backward): the loss is the weighted
 // cross-entropy Σ_t w_t (−log p_t) / n_valid_total over the targets >= 0, so dL/dlogp_t = −w_t / n_valid_total (0
 // elsewhere); *loss_sum receives Σ −log p_t over them, unweighted, the figure an unweighted step reports.
 model::Model<float>::LogpGrad weighted_loss(const Batch& b, int64_t n_valid_total, double* loss_sum);

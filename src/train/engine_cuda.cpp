@@ -111,16 +111,8 @@ class CudaEngine final : public Engine {
         if (dp) dp->disarm();
       }
     } disarm{last ? dp_.get() : nullptr};
-    model::cuda::GpuModel::LossStats st;
-    if (b.weights.empty()) {
-      st = gm_.forward_backward(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens), n_valid_total,
-                                media);
-    } else {
-      LM_CHECK(!media, "weighted targets: not with images");
-      gm_.forward_backward_logp(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens),
-                                weighted_loss(b, n_valid_total, &st.loss_sum));
-      st.n_valid = host_.count_targets(b.targets.data(), b.tokens());
-    }
+    const auto st = gm_.forward_backward(b.ids.data(), b.targets.data(), model::Seqs::packed(b.cu_seqlens),
+                                         n_valid_total, media, b.weights);
     if (!std::isfinite(st.loss_sum)) throw NonFinite(fmt::format("the loss became {} on the GPU", st.loss_sum));
     for (size_t li = 0; li < bal_.layers().size(); ++li) bal_.add_loads(li, gm_.expert_loads(bal_.layers()[li]).data());
     return {st.loss_sum, st.n_valid};

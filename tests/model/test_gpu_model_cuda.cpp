@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <span>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -320,6 +321,71 @@ TEST(GpuModel, TargetLogprobsAndTheirGradientMatchTheCpu) {
     EXPECT_LT(e, cancelling ? 0.15 : 5e-2) << pc.spec.name;
   }
   EXPECT_GT(compared, 60);
+}
+
+// Weighted rows (data.answer_weight through GpuModel::forward_backward's weights): the gradient of the RL form with
+// dL/dlogp_t = −w_t / n (its own LM-head passes), the unweighted loss; all-ones weights give the plain step.
+TEST(GpuModel, WeightedRowsMatchTheirLogpForm) {
+  REQUIRE_GPU();
+  const ModelConfig c = config(true, true, true, 8, 2);
+  Model<float> cpu(c);
+  cpu.params().init(17);
+  const Batch b = batch(c, true, 4);
+  const int64_t rows = b.s.rows();
+  int64_t n = 0;
+  for (int32_t t : b.targets) n += t >= 0;
+  std::vector<float> w(size_t(rows), 1.f), ones = w;
+  for (int64_t i = 0; i < rows; ++i)
+    if (i % 11 == 3) w[size_t(i)] = 9.f;
+  auto grads = [&](cuda::GpuModel& g) {
+    Model<float> back(c);
+    back.params().enable_grads();
+    g.download_grads(back.params());
+    std::vector<std::vector<float>> out;
+    for (const auto& p : back.params().all())
+      if (p.g()) out.push_back(vec(p, true));
+    return out;
+  };
+  auto worst = [](const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& x) {
+    double e = 0;
+    for (size_t t = 0; t < a.size(); ++t) {
+      double rr = 0;
+      for (float v : a[t]) rr += double(v) * v;
+      if (rr > 0) e = std::max(e, lm::testing::rel_rms_vec(a[t], x[t]));
+    }
+    return e;
+  };
+  cuda::GpuModel gpu(c);
+  gpu.upload(cpu.params());
+  gpu.zero_grads();
+  const auto plain = gpu.forward_backward(b.ids.data(), b.targets.data(), b.s);
+  const auto g_plain = grads(gpu);
+  gpu.zero_grads();
+  const auto unit = gpu.forward_backward(b.ids.data(), b.targets.data(), b.s, 0, nullptr, ones);
+  const auto g_unit = grads(gpu);
+  gpu.zero_grads();
+  const auto weighted = gpu.forward_backward(b.ids.data(), b.targets.data(), b.s, 0, nullptr, w);
+  const auto g_weighted = grads(gpu);
+  gpu.zero_grads();
+  gpu.forward_backward_logp(b.ids.data(), b.targets.data(), b.s, [&](const std::vector<float>& lp) {
+    std::vector<float> d(lp.size(), 0.f);
+    for (size_t t = 0; t < lp.size(); ++t)
+      if (b.targets[t] >= 0) d[t] = -w[t] / float(n);
+    return d;
+  });
+  const auto g_logp = grads(gpu);
+  EXPECT_NEAR(unit.loss_sum, plain.loss_sum, 1e-5 * plain.loss_sum);
+  EXPECT_NEAR(weighted.loss_sum, plain.loss_sum, 1e-5 * plain.loss_sum) << "the loss stays unweighted";
+  EXPECT_EQ(weighted.n_valid, n);
+  const double e_unit = worst(g_plain, g_unit), e_logp = worst(g_logp, g_weighted), e_moved = worst(g_plain, g_weighted);
+  std::printf("weights 1 vs plain %.2e; weighted vs its logp form %.2e; weighted vs plain %.2e\n", e_unit, e_logp,
+              e_moved);
+  EXPECT_LT(e_unit, 1e-5);
+  EXPECT_LT(e_logp, 1e-5);
+  EXPECT_GT(e_moved, 1e-2);  // the weights do move the gradient
+  EXPECT_THROW(gpu.forward_backward(b.ids.data(), b.targets.data(), b.s, 0, nullptr,
+                                    std::span<const float>(w.data(), w.size() - 1)),
+               lm::Error);
 }
 
 TEST(GpuModel, BadTokenIdsAreErrors) {

@@ -40,7 +40,7 @@ void GpuModel::download(ParamStore<float>&) const { no_cuda(); }
 void GpuModel::download_grads(ParamStore<float>&) const { no_cuda(); }
 void GpuModel::zero_grads() { no_cuda(); }
 GpuModel::LossStats GpuModel::forward_backward(const int32_t*, const int32_t*, const Seqs&, int64_t,
-                                               const Media<float>*) {
+                                               const Media<float>*, std::span<const float>) {
   no_cuda();
 }
 void GpuModel::set_keep_layers(std::vector<bool>) { no_cuda(); }
@@ -221,8 +221,11 @@ void GpuModel::download_grads(ParamStore<float>& ps) const {
 void GpuModel::zero_grads() { ck(cudaMemsetAsync(p_->grad.p, 0, p_->P * 4, p_->walk()), "zero grads"); }
 
 GpuModel::LossStats GpuModel::forward_backward(const int32_t* ids, const int32_t* targets, const Seqs& s,
-                                               int64_t n_valid_total, const Media<float>* media) {
+                                               int64_t n_valid_total, const Media<float>* media,
+                                               std::span<const float> weights) {
   LM_CHECK(targets, "forward_backward: targets are required");
+  LM_CHECK(weights.empty() || std::ssize(weights) == s.rows(), "forward_backward: {} weights for {} rows",
+           weights.size(), s.rows());
   Impl& m = *p_;
   const Impl::SpliceScope splice{m, {media, nullptr, 0}};
   LM_CHECK(!m.infer_only, "gpu model: an inference-only model cannot train (it holds bf16 weights only)");
@@ -234,12 +237,20 @@ GpuModel::LossStats GpuModel::forward_backward(const int32_t* ids, const int32_t
   const int64_t n_here = m.forward(ids, targets, s);
   const int64_t n_norm = n_valid_total > 0 ? n_valid_total : n_here;
   float* d_hn = grow<float>(m.scratch.d_hn, size_t(m.rows) * m.d * 4);
+  const float inv = n_norm > 0 ? 1.f / static_cast<float>(n_norm) : 0.f;
   oc::CeResult r;
-  {
+  if (weights.empty()) {
     Impl::Timed t(m.part(Profile::LmHead, true));
     r = oc::cross_entropy_forward_backward(got(m.top.hn, "hn"), m.W("lm_head.weight"), as<int32_t>(m.tgt_d.p), m.rows,
-                                           m.d, m.V, n_norm > 0 ? 1.f / static_cast<float>(n_norm) : 0.f, d_hn,
-                                           m.G("lm_head.weight"));
+                                           m.d, m.V, inv, d_hn, m.G("lm_head.weight"));
+  } else {  // (the same pass with a scale per row)
+    std::vector<float> scale(weights.begin(), weights.end());
+    for (float& x : scale) x *= inv;
+    float* sd = grow<float>(m.scratch.rl_scale, scale.size() * 4);
+    ck(cudaMemcpy(sd, scale.data(), scale.size() * 4, cudaMemcpyHostToDevice), "row scales");
+    Impl::Timed t(m.part(Profile::LmHead, true));
+    r = oc::cross_entropy_backward_rows(got(m.top.hn, "hn"), m.W("lm_head.weight"), as<int32_t>(m.tgt_d.p), m.rows,
+                                        m.d, m.V, sd, d_hn, m.G("lm_head.weight"));
   }
   m.backward(d_hn);
   return LossStats{r.loss_sum, r.n_valid};

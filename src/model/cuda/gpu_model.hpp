@@ -97,8 +97,10 @@ class GpuModel {
   // out of range (nothing on the device changes then). With `media` (a model with a vision tower, SPEC §9) the
   // tower's features replace the embedding rows of the media placeholders in ids, in order, and the backward
   // continues into the tower; a target naming the placeholder carries no loss (as model::Model).
+  // With `weights` (host [rows], e.g. data.answer_weight's), row t's loss counts weights[t] times in the gradient
+  // (still divided by n_valid); the returned loss_sum stays the unweighted sum. One pass of the LM head either way.
   LossStats forward_backward(const int32_t* ids, const int32_t* targets, const Seqs& s, int64_t n_valid_total = 0,
-                             const Media<float>* media = nullptr);
+                             const Media<float>* media = nullptr, std::span<const float> weights = {});
   // Loss only.
   LossStats loss(const int32_t* ids, const int32_t* targets, const Seqs& s, const Media<float>* media = nullptr);
   // RL (rl/grpo.hpp), as Model::target_logprobs and Model::forward_backward_logp: log p(target_t | tokens <= t) per
