@@ -111,7 +111,9 @@ TokenizedDocs passkey_documents(const io::Tokenizer& tok, int64_t seq_len, int64
   }
   const auto n = static_cast<int64_t>(draws.size());
   std::vector<std::vector<int32_t>> docs(draws.size());
-  parallel_for_dynamic(n, [&](int64_t j) { docs[static_cast<size_t>(j)] = document(tok, draws[static_cast<size_t>(j)]).ids; });
+  parallel_for_dynamic(n, [&](int64_t j) {
+    docs[static_cast<size_t>(j)] = document(tok, draws[static_cast<size_t>(j)]).ids;
+  });
   TokenizedDocs out;
   for (const auto& ids : docs) {
     out.ids.insert(out.ids.end(), ids.begin(), ids.end());

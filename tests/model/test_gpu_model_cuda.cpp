@@ -377,7 +377,8 @@ TEST(GpuModel, WeightedRowsMatchTheirLogpForm) {
   EXPECT_NEAR(unit.loss_sum, plain.loss_sum, 1e-5 * plain.loss_sum);
   EXPECT_NEAR(weighted.loss_sum, plain.loss_sum, 1e-5 * plain.loss_sum) << "the loss stays unweighted";
   EXPECT_EQ(weighted.n_valid, n);
-  const double e_unit = worst(g_plain, g_unit), e_logp = worst(g_logp, g_weighted), e_moved = worst(g_plain, g_weighted);
+  const double e_unit = worst(g_plain, g_unit), e_logp = worst(g_logp, g_weighted);
+  const double e_moved = worst(g_plain, g_weighted);
   std::printf("weights 1 vs plain %.2e; weighted vs its logp form %.2e; weighted vs plain %.2e\n", e_unit, e_logp,
               e_moved);
   EXPECT_LT(e_unit, 1e-5);

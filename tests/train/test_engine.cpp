@@ -81,8 +81,8 @@ TEST(Engine, CpuEngineIsTheModelAndOptimizer) {
 
 // qb (both estimators) and sign move the MoE layer's bias after the step; aux and none leave it, aux reports
 // its loss.
-// Batch::weights (data.answer_weight): the gradient of the weighted loss is the plain one plus (w − 1) times that of the
-// weighted targets alone (every loss normalised by the same target count); the reported loss stays the unweighted sum.
+// Batch::weights (data.answer_weight): the gradient of the weighted loss is the plain one plus (w − 1) times that of
+// the weighted targets alone (every loss normalised by the same target count); the reported loss stays unweighted.
 TEST(Engine, WeightedTargetsScaleTheirGradient) {
   const model::ModelConfig c = two_layers();
   RunConfig rc;
@@ -109,7 +109,8 @@ TEST(Engine, WeightedTargetsScaleTheirGradient) {
   const LossStats lw = engine->forward_backward(weighted, n);
   const auto gw = grads(a.m);
   b.m.params().zero_grads();
-  const auto lp = b.m.forward_backward(plain.ids.data(), plain.targets.data(), model::Seqs::packed(plain.cu_seqlens), n);
+  const auto lp =
+      b.m.forward_backward(plain.ids.data(), plain.targets.data(), model::Seqs::packed(plain.cu_seqlens), n);
   const auto g1 = grads(b.m);
   b.m.params().zero_grads();
   b.m.forward_backward(only.ids.data(), only.targets.data(), model::Seqs::packed(only.cu_seqlens), n);

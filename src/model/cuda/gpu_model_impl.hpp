@@ -228,7 +228,7 @@ struct VisionActs {
 struct Scratch {
   // the walk (stack.cpp), fp32 [n, d] unless noted
   DBuf d_hn;                   // the final norm output's gradient (from the LM head)
-  DBuf rl_scale;               // fp32 [n] RL: the cross-entropy backward's per-row scales
+  DBuf rl_scale;               // fp32 [n] the cross-entropy backward's per-row scales (RL, weighted rows)
   DBuf dnorm, dx_in, d_prefix;
   DBuf dy_bf;                  // [n, d] bf16 of a layer part's output gradient
   std::vector<DBuf> d_block;   // per closed block, its gradient
