@@ -17,6 +17,14 @@ double tokens_per_sentence(const Tokenizer& tok) {
   return std::max(1.0, (b - a) / static_cast<double>(n));
 }
 
+// ids = [<s>] encode(prompt) and answer_ids = encode(key + "."), from p.prompt and p.key.
+void encode(const Tokenizer& tok, RetrievalPrompt& p) {
+  if (tok.bos() >= 0) p.ids.push_back(tok.bos());
+  const auto e = tok.encode(p.prompt);
+  p.ids.insert(p.ids.end(), e.begin(), e.end());
+  p.answer_ids = tok.encode(p.key + ".");
+}
+
 RetrievalPrompt build(const Tokenizer& tok, int64_t n, double depth, const std::string& key) {
   RetrievalPrompt p;
   p.key = key;
@@ -30,10 +38,7 @@ RetrievalPrompt build(const Tokenizer& tok, int64_t n, double depth, const std::
   }
   p.prompt += "\n";
   p.prompt += kPasskeyQuestion;
-  if (tok.bos() >= 0) p.ids.push_back(tok.bos());
-  const auto e = tok.encode(p.prompt);
-  p.ids.insert(p.ids.end(), e.begin(), e.end());
-  p.answer_ids = tok.encode(key + ".");
+  encode(tok, p);
   return p;
 }
 
@@ -136,10 +141,7 @@ RetrievalPrompt multi_needle_prompt(const Tokenizer& tok, int64_t sentences, con
   p.filler_sentences = std::max<int64_t>(sentences, 0), p.needle_at = -1;
   p.prompt = std::string(kRetrievalIntro) + body + "\n" + "What is the special magic number for " + w +
              "? The special magic number for " + w + " is: ";
-  if (tok.bos() >= 0) p.ids.push_back(tok.bos());
-  const auto e = tok.encode(p.prompt);
-  p.ids.insert(p.ids.end(), e.begin(), e.end());
-  p.answer_ids = tok.encode(p.key + ".");
+  encode(tok, p);
   return p;
 }
 

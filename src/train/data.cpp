@@ -360,7 +360,7 @@ Batch Loader::next(int64_t B) {
   b.ids.resize(static_cast<size_t>(B * T));
   b.targets.resize(static_cast<size_t>(B * T));
   b.cu_seqlens.reserve(static_cast<size_t>(B) + 1);
-  const bool weighted = concat_ && synth_ && answer_weight_ != 1;
+  const bool weighted = concat_ && answer_weight_ != 1;  // (answer_weight_ is 1 without synth_)
   if (weighted) b.weights.assign(static_cast<size_t>(B * T), 1.f);
   Batch row;  // sequence r: T tokens of lane r from lane offset o, with its document boundaries
   row.seqs = 1, row.seq_len = T;
