@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 namespace lm::cu {
 
@@ -27,6 +28,20 @@ inline int sm_count() {
     return v > 0 ? v : 132;
   }();
   return n;
+}
+
+// cudaMallocAsync for per-call scratch. With LONGMOE_POISON_SCRATCH=1 the block is filled with 0xFF bytes (NaN in
+// fp32 and bf16, -1 in integers) before use, so a kernel that reads scratch it did not write shows up instead of
+// reading whatever the pool's last user left there (a debugging aid; off by default).
+template <class T>
+inline cudaError_t malloc_async(T** p, size_t bytes, cudaStream_t s) {
+  static const bool poison = [] {
+    const char* e = std::getenv("LONGMOE_POISON_SCRATCH");
+    return e && *e && *e != '0';
+  }();
+  const cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(p), bytes, s);
+  if (e != cudaSuccess || !poison || bytes == 0) return e;
+  return cudaMemsetAsync(*p, 0xFF, bytes, s);
 }
 
 // Keeps memory freed by cudaFreeAsync in the current device's default pool (the default release threshold
