@@ -111,7 +111,6 @@ __global__ void __launch_bounds__(NWB * 32, 1) chunk_bwd_kernel(const OpParams p
   load_raw<KP, int(sizeof(GT)), NT>(sG, static_cast<const GT*>(p.g_raw) + row0 * HK + int64_t(h) * K, HK, len, K,
                                     tid);  // raw gate input, into G's place
   cp_commit();
-  if (tid < 64) sdB[tid] = 0.f;
 
   // gate and cumulative sum (as the forward)
   constexpr int PARTS = NT / KP, RPT = 64 / PARTS;
@@ -148,6 +147,11 @@ __global__ void __launch_bounds__(NWB * 32, 1) chunk_bwd_kernel(const OpParams p
 
   const int rt = warp & 3, chh = warp >> 2, dbase = chh * (KP / NCH);
   float dq[NTD][4], dk[NTD][4], dG[NTD][4];  // gradients w.r.t. unit q, unit k and G, warp region
+  // dβ of rows 16 rt + g + 8 hh, this warp's column group's part (phases 4-5). The NCH parts of a row, like the four
+  // row tiles' parts of dΓ_last's column sums (phase 3, in sTot), are added in a fixed order after phase 5: float
+  // atomics would add them in a run-dependent order, and one bf16 rounding later that shows in the gradients.
+  float dbacc[2] = {0.f, 0.f};
+  static_assert(4 * KP <= NT, "the four row tiles' column sums fit sTot");
 
   // ---- phase 1: products over the value channels ----
   {
@@ -240,7 +244,7 @@ __global__ void __launch_bounds__(NWB * 32, 1) chunk_bwd_kernel(const OpParams p
         s += __shfl_xor_sync(0xffffffffu, s, 4);
         s += __shfl_xor_sync(0xffffffffu, s, 8);
         s += __shfl_xor_sync(0xffffffffu, s, 16);
-        if (g == 0) atomicAdd(sdGl + dbase + 8 * nt + 2 * t + j, s);
+        if (g == 0) sTot[rt * KP + dbase + 8 * nt + 2 * t + j] = s;  // (sTot is free until the epilogue)
       }
 #pragma unroll
     for (int nt = 0; nt < NTA; ++nt)
@@ -316,7 +320,7 @@ __global__ void __launch_bounds__(NWB * 32, 1) chunk_bwd_kernel(const OpParams p
       for (int hh = 0; hh < 2; ++hh) {
         db[hh] += __shfl_xor_sync(0xffffffffu, db[hh], 1);
         db[hh] += __shfl_xor_sync(0xffffffffu, db[hh], 2);
-        if (t == 0) atomicAdd(sdB + 16 * rt + g + 8 * hh, db[hh]);
+        dbacc[hh] += db[hh];
       }
     }
     // dB2 = Mᵀ dW (key columns dbase..) -> d(K⊙Γ) = β dB2
@@ -357,7 +361,7 @@ __global__ void __launch_bounds__(NWB * 32, 1) chunk_bwd_kernel(const OpParams p
       for (int hh = 0; hh < 2; ++hh) {
         db[hh] += __shfl_xor_sync(0xffffffffu, db[hh], 1);
         db[hh] += __shfl_xor_sync(0xffffffffu, db[hh], 2);
-        if (t == 0) atomicAdd(sdB + 16 * rt + g + 8 * hh, db[hh]);
+        dbacc[hh] += db[hh];
       }
     }
   }
@@ -421,10 +425,22 @@ __global__ void __launch_bounds__(NWB * 32, 1) chunk_bwd_kernel(const OpParams p
     for (int hh = 0; hh < 2; ++hh) {
       db[hh] += __shfl_xor_sync(0xffffffffu, db[hh], 1);
       db[hh] += __shfl_xor_sync(0xffffffffu, db[hh], 2);
-      if (t == 0) atomicAdd(sdB + 16 * rt + g + 8 * hh, db[hh]);
+      dbacc[hh] += db[hh];
     }
   }
+  float* sDbPart = reinterpret_cast<float*>(sV);  // [NCH][64] (v is dead from here; the exact path's phase 7 reuses it)
+  if (t == 0)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) sDbPart[chh * 64 + 16 * rt + g + 8 * hh] = dbacc[hh];
   __syncthreads();
+  if (tid < 64) {
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < NCH; ++k) s += sDbPart[k * 64 + tid];
+    sdB[tid] = s;
+  }
+  if (tid < KP) sdGl[tid] = (((sdGl[tid] + sTot[tid]) + sTot[KP + tid]) + sTot[2 * KP + tid]) + sTot[3 * KP + tid];
+  // (read in the epilogue, after phase 6's barriers)
 
   // ---- phase 6: pairwise products through anchored factors ----
   {
