@@ -52,15 +52,23 @@ std::pair<std::vector<int32_t>, std::string> make_prompt(const io::Tokenizer& to
 }  // namespace
 
 io::json RetrievalPoint::to_json() const {
-  return {{"length", length}, {task, accuracy()}, {task + "_correct", correct}, {"trials", trials},
-          {"seconds", seconds}};
+  io::json j = {{"length", length}, {task, accuracy()}, {task + "_correct", correct}, {"trials", trials},
+                {"seconds", seconds}};
+  if (!miss_expected.empty()) j["first_miss"] = {{"expected", miss_expected}, {"answer", miss_answer}};
+  return j;
 }
 
 std::string describe(const RetrievalPoint& p, int64_t needles) {
   const bool multi = p.task == "multi_needle";
-  return fmt::format("{:<11} length {:>7}: accuracy {:5.1f}% ({} / {}){}  [{:.1f} s]", multi ? "multi-needle" : "passkey",
-                     p.length, 100 * p.accuracy(), p.correct, p.trials,
-                     multi ? fmt::format(", {} needles", needles) : std::string(), p.seconds);
+  std::string miss;
+  if (!p.miss_expected.empty()) {
+    std::string a;
+    for (char ch : p.miss_answer) a += ch == '\n' ? std::string("\\n") : std::string(1, ch);
+    miss = fmt::format("; first miss: wanted {}, got \"{}\"", p.miss_expected, a);
+  }
+  return fmt::format("{:<11} length {:>7}: accuracy {:5.1f}% ({} / {}){}  [{:.1f} s]{}",
+                     multi ? "multi-needle" : "passkey", p.length, 100 * p.accuracy(), p.correct, p.trials,
+                     multi ? fmt::format(", {} needles", needles) : std::string(), p.seconds, miss);
 }
 
 std::vector<RetrievalPoint> eval_retrieval(Engine& engine, const io::Tokenizer& tok, const RetrievalOptions& o,
@@ -71,14 +79,22 @@ std::vector<RetrievalPoint> eval_retrieval(Engine& engine, const io::Tokenizer& 
   std::vector<RetrievalPoint> out;
   for (const bool multi : {false, true})
     for (int64_t L : multi ? o.multi_needle : o.passkey) {
-      RetrievalPoint p{multi ? "multi_needle" : "passkey", L, 0, o.trials, 0};
+      RetrievalPoint p;
+      p.task = multi ? "multi_needle" : "passkey", p.length = L, p.trials = o.trials;
       const auto t0 = std::chrono::steady_clock::now();
       for (int64_t k = 0; k < o.trials; ++k) {
         auto [ids, expect] = make_prompt(tok, multi, L, k, o);
         // Room for the answer: a prompt that reaches the context loses filler right after <s>.
         const int64_t over = static_cast<int64_t>(ids.size()) + kAnswerTokens - engine.max_context();
         if (over > 0) ids.erase(ids.begin() + 1, ids.begin() + 1 + over);
-        p.correct += greedy_answer(engine, tok, ids).find(expect) != std::string::npos;
+        const std::string answer = greedy_answer(engine, tok, ids);
+        const bool right = answer.find(expect) != std::string::npos;
+        p.correct += right;
+        if (!right && p.miss_expected.empty()) {
+          p.miss_expected = expect, p.miss_answer = answer;
+          for (char& ch : p.miss_answer)  // (12 tokens may end inside a UTF-8 sequence: JSON wants valid text)
+            if (static_cast<unsigned char>(ch) >= 0x80 || (ch < 0x20 && ch != '\n')) ch = '?';
+        }
       }
       p.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       out.push_back(p);

@@ -25,8 +25,12 @@ struct RetrievalPoint {
   std::string task;  // "passkey" or "multi_needle"
   int64_t length = 0, correct = 0, trials = 0;
   double seconds = 0;
+  // The first wrong trial: the number asked for and the greedy answer given (empty when every trial was right), so
+  // a score of 0 says whether the model copied another needle, a few digits, or nothing like a number.
+  std::string miss_expected, miss_answer;
   double accuracy() const { return trials > 0 ? static_cast<double>(correct) / static_cast<double>(trials) : 0; }
-  // One metrics line: {"length": L, "<task>": accuracy, "<task>_correct": n, "trials": N, "seconds": s}
+  // One metrics line: {"length": L, "<task>": accuracy, "<task>_correct": n, "trials": N, "seconds": s} (and
+  // "first_miss": {"expected", "answer"} after a wrong trial)
   // (so that `longmoe plot FILES --x length --y passkey --log-x` draws accuracy against length, one file a series).
   io::json to_json() const;
 };

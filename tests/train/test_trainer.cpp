@@ -305,6 +305,15 @@ TEST(Trainer, RetrievalOfEveryStageIsWrittenBesideIt) {
     EXPECT_EQ(r[0]["trials"], 2);
     EXPECT_TRUE(r[0].contains("passkey") && r[1].contains("multi_needle")) << r[0] << r[1];
     EXPECT_EQ(r[0]["passkey"].get<double>(), r[0]["passkey_correct"].get<double>() / 2);
+    // A length with a wrong trial names the first one's number (digits) and answer; a perfect one names none.
+    for (const auto& row : r) {
+      const bool missed = row.value("passkey_correct", row.value("multi_needle_correct", 0)) < 2;
+      ASSERT_EQ(row.contains("first_miss"), missed) << row;
+      if (!missed) continue;
+      const std::string want = row["first_miss"]["expected"];
+      EXPECT_TRUE(!want.empty() && want.find_first_not_of("0123456789") == std::string::npos) << row;
+      EXPECT_TRUE(row["first_miss"]["answer"].is_string()) << row;
+    }
   }
 
   // A length no prompt fits is refused with the config, before the run starts.
