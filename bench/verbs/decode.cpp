@@ -25,6 +25,7 @@ struct Args {
   std::vector<int64_t> contexts = {1024, 4096, 16384, 65536, 131072};
   int64_t decode_tokens = 16, batch = 1, prefill_chunk = 0;  // 0: the engine's (cpu 1024, cuda 16384)
   int64_t profile_prefill = 0;  // cuda: a synchronised prefill of this many tokens, its time split by layer part
+  bool profiler_range = false;  // cuda: the profiler collects the timed graph replays only
 };
 
 double rss_mib() {
@@ -86,9 +87,11 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::Model<fl
     // Graph replays, then the same steps eager (the second step of a shape is captured, so two warm-ups).
     g.set_decode_graphs(true);
     next(0), next(1);
+    if (a.profiler_range) model::cuda::profiler_range(true);
     t0 = Clock::now();
     for (int64_t k = 2; k < a.decode_tokens + 2; ++k) next(k);
     const double t = secs(t0);
+    if (a.profiler_range) model::cuda::profiler_range(false);
     g.set_decode_graphs(false);
     t0 = Clock::now();
     for (int64_t k = a.decode_tokens + 2; k < 2 * a.decode_tokens + 2; ++k) next(k);
@@ -236,6 +239,10 @@ app::RegisterBench reg({"decode", "Prefill and decode tokens/s as the context gr
                           sub.add_option("--device", a->device, "cpu or cuda");
                           sub.add_option("--profile-prefill", a->profile_prefill,
                                          "cuda: time a prefill of N tokens by layer part and section (synchronised)");
+                          sub.add_flag("--profiler-range", a->profiler_range,
+                                       "cuda: open the profiler's range around the timed graph replays only (e.g. "
+                                       "ncu --profile-from-start off --graph-profiling node: one row per kernel of "
+                                       "each replayed step)");
                           return [a] { return run(*a); };
                         }});
 

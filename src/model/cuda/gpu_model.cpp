@@ -27,6 +27,7 @@ struct GpuModel::Impl {};
 size_t device_memory_used() { no_cuda(); }
 size_t device_memory_total() { no_cuda(); }
 double device_copy_bandwidth() { no_cuda(); }
+void profiler_range(bool) { no_cuda(); }
 GpuModel::GpuModel(const ModelConfig&, std::function<bool(const ParamSpec&)>) { no_cuda(); }
 GpuModel::GpuModel(const ModelConfig&, Inference) { no_cuda(); }
 bool GpuModel::inference_only() const { no_cuda(); }
@@ -96,6 +97,8 @@ int64_t GpuModel::snapshot_tokens(int64_t) const { no_cuda(); }
 
 #else
 
+#include <cuda_profiler_api.h>
+
 #include <cmath>
 #include <memory>
 #include <string>
@@ -129,6 +132,7 @@ double device_copy_bandwidth() {
   LM_CHECK(bw > 0, "gpu model: the device copy bandwidth could not be measured");
   return bw;
 }
+void profiler_range(bool on) { ck(on ? cudaProfilerStart() : cudaProfilerStop(), "profiler range"); }
 
 GpuModel::GpuModel(const ModelConfig& c, std::function<bool(const ParamSpec&)> decays)
     : p_(std::make_unique<Impl>(c, decays, false)) {

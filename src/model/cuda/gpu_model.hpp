@@ -39,6 +39,9 @@ size_t device_memory_total();
 // Device-to-device copy bandwidth in bytes/s (bytes read + written, 1 GiB copies timed with events): the physical
 // limit a bandwidth-bound kernel is measured against in the same run.
 double device_copy_bandwidth();
+// The profiler's collection range (cudaProfilerStart / Stop): `ncu --profile-from-start off` (or nsys
+// --capture-range=cudaProfilerApi) then sees only the kernels launched inside it (bench decode's timed steps).
+void profiler_range(bool on);
 
 // Where a parameter lies in the flat arrays.
 struct ParamSlot {
