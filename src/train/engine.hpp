@@ -54,6 +54,9 @@ class Engine {
   // Steps of micro-batches of `rows` tokens follow (a new stage): the engine fits its memory to them and says how
   // (the GPU's memory plan), or returns nothing. lm::Error when they cannot fit.
   virtual std::string plan(int64_t /*rows*/) { return {}; }
+  // Device memory in use now, in bytes (the GPU: as cudaMemGetInfo reports it, so with the scratch pool's retained
+  // blocks: about the peak since the plan), or -1 without a device. The log sets it beside the plan's prediction.
+  virtual double device_memory_in_use() const { return -1; }
   // A new step of `micro_batches` forward_backward calls (0: not said): zero gradients and no expert loads or router
   // statistics yet. Knowing which call is the last lets a data-parallel engine reduce gradients during its
   // backward (without it they are all reduced in step()).

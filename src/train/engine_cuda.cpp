@@ -92,6 +92,7 @@ class CudaEngine final : public Engine {
                        dc_->name(), dp_->zero1() ? ", ZeRO-1" : "");
   }
   std::string plan(int64_t rows) override { return model::gpu_training_summary(gm_.plan_memory(rows), gm_.config()); }
+  double device_memory_in_use() const override { return static_cast<double>(model::cuda::device_memory_used()); }
 
   void zero_grads(int64_t micro_batches) override {
     gm_.zero_grads();

@@ -741,6 +741,9 @@ bool Run::end_stage(const Stage& st, int64_t step) {
                   "{:.2f})",
                   st.index + 1, stage_tokens_, fmt_duration(stage_s), stage_tokens_ / std::max(stage_s, 1e-9), el,
                   std::exp(el), std::exp(data_->unigram_ce)));
+  if (const double used = engine_->device_memory_in_use(); used >= 0)
+    say(fmt::format("  device memory in use at the stage's end: {:.1f} GiB (the plan above predicted the step's peak)",
+                    used / 1073741824.0));
   result_.heldout_loss = el;
   result_.heldout_ppl = std::exp(el);
   result_.stage_heldout_ppl.push_back(std::exp(el));
