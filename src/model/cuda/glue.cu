@@ -12,9 +12,9 @@
 #include <cstdint>
 #include <string>
 
-#include "core/cuda/device.hpp"
 #include "model/cuda/glue_cuda.hpp"
 #include "core/cuda/check.hpp"
+#include "core/cuda/device.hpp"
 #include "core/cuda/stream.hpp"
 
 namespace lm::model::cuda {
@@ -443,7 +443,7 @@ double sum_squares(const float* x, int64_t n, void* stream) {
   cudaStream_t t = st(stream);
   constexpr int kBlocks = 1024;
   double* part = nullptr;
-  check(::lm::cu::malloc_async(&part, sizeof(double) * (kBlocks + 1), t), "sum_squares alloc");
+  check(cu::malloc_async(&part, sizeof(double) * (kBlocks + 1), t), "sum_squares alloc");
   sumsq_kernel<<<kBlocks, 256, 0, t>>>(x, n, part);
   sum_parts_kernel<<<1, 32, 0, t>>>(part, kBlocks);
   launched("sum_squares");

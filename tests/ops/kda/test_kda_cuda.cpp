@@ -6,7 +6,6 @@
 // same rounded values in fp32, so the comparison measures the kernels' own precision.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>

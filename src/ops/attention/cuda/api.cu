@@ -144,7 +144,7 @@ void attention_backward(const AttnShape& s_in, const void* q, const void* k, con
   // dQ accumulator [H, rows + 64, Dk] (+64 rows: a tile's bulk reductions stay inside its head's block).
   const size_t nstat = size_t(s.H * rows + 64 + 3) & ~size_t(3), nacc = size_t(s.H * (rows + 64) * s.Dk);  // 16-byte aligned
   void* base = nullptr;
-  check(::lm::cu::malloc_async(&base, (2 * nstat + nacc) * sizeof(float), st), "scratch allocation");
+  check(cu::malloc_async(&base, (2 * nstat + nacc) * sizeof(float), st), "scratch allocation");
   float* lse2 = static_cast<float*>(base);
   float* D = lse2 + nstat;
   float* acc = D + nstat;
@@ -189,7 +189,7 @@ void mla_decode(const DecodeShape& s, const void* q_lat, const void* q_rope, con
   p.scale_log2 = (s.scale > 0 ? s.scale : float(1.0 / std::sqrt(192.0))) * 1.4426950408889634f;
   void* base = nullptr;
   const size_t n_o = size_t(splits) * s.H * 512, n_ml = size_t(splits) * 2 * s.H;
-  check(::lm::cu::malloc_async(&base, (n_o + n_ml) * sizeof(float), st), "decode scratch");
+  check(cu::malloc_async(&base, (n_o + n_ml) * sizeof(float), st), "decode scratch");
   p.part_o = static_cast<float*>(base);
   p.part_ml = p.part_o + n_o;
   detail::launch_decode(p, st);

@@ -859,7 +859,7 @@ bool backward_impl(const float* const* v, int64_t N, int64_t T, int64_t d, const
   }
   float* part = nullptr;  // dq partials [nblk, d], then (nb) the norm gain's [nblk, d]
   const size_t part_floats = size_t(nblk) * d * ((want_dq ? 1 : 0) + (nb ? 1 : 0));
-  if (part_floats) check(::lm::cu::malloc_async(&part, part_floats * sizeof(float), s), "scratch");
+  if (part_floats) check(cu::malloc_async(&part, part_floats * sizeof(float), s), "scratch");
   float* dq_part = want_dq ? part : nullptr;
   NormBwd nbv = nb ? *nb : NormBwd{};
   if (nb) nbv.dgn_part = part + (want_dq ? size_t(nblk) * d : 0);
@@ -959,7 +959,7 @@ void attnres_norm_forward(const float* const* v, int64_t N, int64_t T, int64_t d
   if (forward_impl(v, N, T, d, w, gamma, eps, h, &nf, s)) return;
   // Loop path: the two ops in turn through h (a scratch one when the caller does not want it).
   float* hh = h;
-  if (!hh) check(::lm::cu::malloc_async(&hh, size_t(T) * d * sizeof(float), s), "scratch");
+  if (!hh) check(cu::malloc_async(&hh, size_t(T) * d * sizeof(float), s), "scratch");
   forward_impl(v, N, T, d, w, gamma, eps, hh, nullptr, s);
   rmsnorm_forward(hh, DType::F32, gn, y, rstd, T, d, eps_n, 0, 0, stream);
   if (!h) check(cudaFreeAsync(hh, s), "scratch");
@@ -988,7 +988,7 @@ void attnres_norm_backward(const float* const* v, int64_t N, int64_t T, int64_t 
   // Loop path: rebuild h, the norm's backward into a scratch dh, then the read's backward.
   const size_t n = size_t(T) * d;
   float* scratch = nullptr;
-  check(::lm::cu::malloc_async(&scratch, 2 * n * sizeof(float), s), "scratch");
+  check(cu::malloc_async(&scratch, 2 * n * sizeof(float), s), "scratch");
   float *h = scratch, *dh = scratch + n;
   forward_impl(v, N, T, d, w, gamma, eps, h, nullptr, s);
   rmsnorm_backward(h, DType::F32, gn, rstd, dy, DType::F32, dh, DType::F32, dgn, T, d, eps_n, 0, 0, false, 0, stream);

@@ -19,8 +19,8 @@
 #include <cstdint>
 #include <string>
 
-#include "core/cuda/device.hpp"
 #include "core/cuda/check.hpp"
+#include "core/cuda/device.hpp"
 #include "core/cuda/stream.hpp"
 #include "ops/cross_entropy/cuda/cross_entropy_cuda.hpp"
 #include "ops/gemm/cuda/gemm_cuda.hpp"
@@ -190,7 +190,7 @@ CeResult run(const void* h, const void* W, const int32_t* targets, int64_t T, in
   const size_t loss_off = logits_b + (g_b + 255) / 256 * 256;
   const size_t sums_off = loss_off + (size_t(T) * 4 + 255) / 256 * 256;
   void* base = nullptr;
-  check(::lm::cu::malloc_async(&base, sums_off + sizeof(Sums), s), "scratch alloc");
+  check(cu::malloc_async(&base, sums_off + sizeof(Sums), s), "scratch alloc");
   char* b = static_cast<char*>(base);
   auto* logits = reinterpret_cast<float*>(b);
   auto* G = reinterpret_cast<bf16*>(b + logits_b);

@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "core/cuda/device.hpp"
 #include "core/cuda/check.hpp"
+#include "core/cuda/device.hpp"
 #include "core/cuda/stream.hpp"
 #include "ops/embedding/cuda/embedding_cuda.hpp"
 
@@ -130,7 +130,7 @@ void embedding_backward(const int32_t* host_ids, int64_t T, const float* dout, i
 
   auto s = lm::cu::stream(stream);
   int32_t* dbuf = nullptr;
-  check(::lm::cu::malloc_async(&dbuf, bytes, s), "backward scratch");
+  check(cu::malloc_async(&dbuf, bytes, s), "backward scratch");
   // Pageable source: the copy is staged before cudaMemcpyAsync returns, so `buf` may go out of scope.
   cudaError_t err = cudaMemcpyAsync(dbuf, buf.data(), bytes, cudaMemcpyHostToDevice, s);
   if (err == cudaSuccess) {

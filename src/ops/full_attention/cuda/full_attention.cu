@@ -26,8 +26,8 @@
 #include <limits>
 #include <string>
 
-#include "core/cuda/device.hpp"
 #include "core/cuda/check.hpp"
+#include "core/cuda/device.hpp"
 #include "core/cuda/reduce.cuh"
 #include "core/cuda/stream.hpp"
 #include "ops/full_attention/cuda/full_attention_cuda.hpp"
@@ -514,7 +514,7 @@ void full_attention_backward(const FullAttnShape& s, const void* q, const void* 
   const auto* O = static_cast<const bf16*>(o);
   const auto* dO = static_cast<const bf16*>(do_);
   float* delta = nullptr;
-  check(::lm::cu::malloc_async(&delta, size_t(c.rows) * c.H * sizeof(float), st), "delta alloc");
+  check(cu::malloc_async(&delta, size_t(c.rows) * c.H * sizeof(float), st), "delta alloc");
   const int64_t items = c.rows * c.H;
   const int grid = int(std::max<int64_t>(1, std::min<int64_t>((items + 7) / 8, 132 * 32)));  // 8 warps a block
   delta_kernel<<<grid, kThreads, 0, st>>>(O, dO, delta, c.rows, c.H, c.Dh, c.ldo);

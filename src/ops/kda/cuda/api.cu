@@ -178,7 +178,7 @@ void upload_tables(const Plan& pl, const OpParams& op, cudaStream_t s) {
 
 char* alloc_async(size_t bytes, cudaStream_t s) {
   void* p = nullptr;
-  check(::lm::cu::malloc_async(&p, std::max<size_t>(bytes, 256), s), "workspace allocation");
+  check(cu::malloc_async(&p, std::max<size_t>(bytes, 256), s), "workspace allocation");
   return static_cast<char*>(p);
 }
 

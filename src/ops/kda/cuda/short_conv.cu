@@ -25,8 +25,8 @@
 #include <cstdint>
 #include <string>
 
-#include "core/cuda/device.hpp"
 #include "core/cuda/check.hpp"
+#include "core/cuda/device.hpp"
 #include "core/cuda/stream.hpp"
 #include "ops/kda/cuda/short_conv_cuda.hpp"
 
@@ -320,7 +320,7 @@ int64_t* upload_cu(const ConvShape& s, cudaStream_t st) {
   if (!s.cu_seqlens) return nullptr;
   void* p = nullptr;
   const size_t bytes = size_t(s.N + 1) * sizeof(int64_t);
-  check(::lm::cu::malloc_async(&p, bytes, st), "cu_seqlens alloc");
+  check(cu::malloc_async(&p, bytes, st), "cu_seqlens alloc");
   // Pageable source: the call returns once the host array has been consumed.
   check(cudaMemcpyAsync(p, s.cu_seqlens, bytes, cudaMemcpyHostToDevice, st), "cu_seqlens copy");
   return static_cast<int64_t*>(p);
@@ -505,7 +505,7 @@ void short_conv_backward(const void* x, const float* w, const void* dy, void* dx
   const int64_t CW = s.C * s.W;
   int64_t* cu = upload_cu(s, st);
   float* partial = nullptr;
-  if (dw) check(::lm::cu::malloc_async(&partial, size_t(grid.y) * CW * sizeof(float), st),
+  if (dw) check(cu::malloc_async(&partial, size_t(grid.y) * CW * sizeof(float), st),
                 "dw partial alloc");
   const int W = int(s.W);
   LM_CONV_DISPATCH(launch_bwd, W, vec, static_cast<const bf16*>(x), w, static_cast<const bf16*>(dy),

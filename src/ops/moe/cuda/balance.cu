@@ -11,8 +11,8 @@
 #include <cub/device/device_segmented_radix_sort.cuh>
 #include <string>
 
-#include "core/cuda/device.hpp"
 #include "core/cuda/check.hpp"
+#include "core/cuda/device.hpp"
 #include "core/cuda/stream.hpp"
 #include "ops/moe/cuda/moe_cuda.hpp"
 
@@ -66,9 +66,9 @@ void qb_update(const float* s, const float* alpha, float* b_new, int64_t m, int6
   int* off = nullptr;
   void* tmp = nullptr;
   size_t tmp_bytes = 0;
-  qb_check(::lm::cu::malloc_async(&r, sizeof(float) * m * n, t), "qb alloc");
-  qb_check(::lm::cu::malloc_async(&sorted, sizeof(float) * m * n, t), "qb alloc");
-  qb_check(::lm::cu::malloc_async(&off, sizeof(int) * (n + 1), t), "qb alloc");
+  qb_check(cu::malloc_async(&r, sizeof(float) * m * n, t), "qb alloc");
+  qb_check(cu::malloc_async(&sorted, sizeof(float) * m * n, t), "qb alloc");
+  qb_check(cu::malloc_async(&off, sizeof(int) * (n + 1), t), "qb alloc");
   const int64_t blocks = (m * n + 255) / 256;  // of 256 threads, at most 65535 · 16 (a grid-stride loop)
   const unsigned grid = static_cast<unsigned>(blocks < 65535 * 16 ? blocks : 65535 * 16);
   qb_residual_kernel<<<grid, 256, 0, t>>>(s, alpha, r, m, n);
@@ -76,7 +76,7 @@ void qb_update(const float* s, const float* alpha, float* b_new, int64_t m, int6
   qb_check(cudaGetLastError(), "qb_update");
   cub::DeviceSegmentedRadixSort::SortKeysDescending(nullptr, tmp_bytes, r, sorted, int(m * n), int(n), off, off + 1, 0,
                                                     32, t);
-  qb_check(::lm::cu::malloc_async(&tmp, tmp_bytes, t), "qb alloc");
+  qb_check(cu::malloc_async(&tmp, tmp_bytes, t), "qb alloc");
   qb_check(cub::DeviceSegmentedRadixSort::SortKeysDescending(tmp, tmp_bytes, r, sorted, int(m * n), int(n), off,
                                                              off + 1, 0, 32, t),
            "qb sort");

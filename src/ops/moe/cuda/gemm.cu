@@ -303,7 +303,7 @@ void moe_expert_ffn(const void* xs, const void* w13, const void* w2, void* eo, c
   if (M == 0) return;
   auto s = lm::cu::stream(stream);
   void* hbuf = h;
-  if (!hbuf) detail::check(::lm::cu::malloc_async(&hbuf, size_t(M) * I * 2, s), "expert ffn scratch");
+  if (!hbuf) detail::check(cu::malloc_async(&hbuf, size_t(M) * I * 2, s), "expert ffn scratch");
   grouped_gemm_glu(xs, w13, hbuf, nullptr, offsets, M, I, d, E, g, stream);
   grouped_gemm(hbuf, w2, eo, offsets, M, d, I, E, stream);
   if (!h) detail::check(cudaFreeAsync(hbuf, s), "expert ffn scratch free");

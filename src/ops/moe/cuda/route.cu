@@ -17,8 +17,8 @@
 #include <cub/device/device_radix_sort.cuh>
 #include <string>
 
-#include "core/cuda/device.hpp"
 #include "core/cuda/check.hpp"
+#include "core/cuda/device.hpp"
 #include "core/cuda/stream.hpp"
 #include "ops/moe/cuda/moe_cuda.hpp"
 
@@ -226,7 +226,7 @@ void moe_permute(const int32_t* topk_idx, int64_t m, int64_t k, int64_t n, int32
                                   static_cast<const int*>(nullptr), static_cast<int*>(nullptr), int(M), 0, end_bit, s);
   void* base = nullptr;
   const size_t ints = size_t(2 * M + 64);
-  check(::lm::cu::malloc_async(&base, ints * 4 + temp, s), "permute scratch");
+  check(cu::malloc_async(&base, ints * 4 + temp, s), "permute scratch");
   int* keys_out = static_cast<int*>(base);
   int* vals_in = keys_out + M + 32;
   void* tmp = vals_in + M + 32;

@@ -26,8 +26,8 @@
 #include <string>
 #include <type_traits>
 
-#include "core/cuda/device.hpp"
 #include "core/cuda/check.hpp"
+#include "core/cuda/device.hpp"
 #include "core/cuda/stream.hpp"
 #include "core/cuda/reduce.cuh"
 #include "ops/rmsnorm/cuda/rmsnorm_cuda.hpp"
@@ -471,7 +471,7 @@ void launch_backward(BwdArgs a, float* dw, bool vec, cudaStream_t s) {
   const int tpr = plan.vpt ? plan.tpr : pick_tpr(a.D), R = plan.vpt ? plan.rows : kThreads / tpr;
   const int64_t nb = std::min<int64_t>((a.rows + R - 1) / R, kMaxBlocks);
   float* part = nullptr;
-  if (dw) check(::lm::cu::malloc_async(&part, size_t(nb) * a.D * sizeof(float), s), "dw scratch");
+  if (dw) check(cu::malloc_async(&part, size_t(nb) * a.D * sizeof(float), s), "dw scratch");
   a.part = part;
   cudaError_t err = cudaSuccess;
   if (plan.vpt) {
