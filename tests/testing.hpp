@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -17,6 +18,23 @@
 #include "core/tensor.hpp"
 
 namespace lm::testing {
+
+// A folder of one test's own under gtest's temp dir, named `name` and the process id: two suites at once on one
+// machine (a local run beside CI) would otherwise remove each other's runs. Empty at the start; removed at the end
+// unless the test failed (then kept to look at). Not for MPI tests, whose ranks share one folder.
+struct ScratchDir {
+  std::filesystem::path path;
+  explicit ScratchDir(const std::string& name)
+      : path(std::filesystem::path(::testing::TempDir()) / (name + "_" + std::to_string(::getpid()))) {
+    std::filesystem::remove_all(path);
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    if (!::testing::Test::HasFailure()) std::filesystem::remove_all(path, ec);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+};
 
 // `longmoe ARGS` (the built binary, after `prefix`: environment, a timeout): its stdout and stderr together and its
 // exit status (128 + the signal when one ended it).

@@ -71,7 +71,8 @@ void write_fashion(const fs::path& dir, const std::string& split, uint32_t n) {
 int label_of_pixel(float v) { return static_cast<int>(std::lround(((v * 0.5 + 0.5) * 255.0 - 30.0) / 20.0)); }
 
 struct Fixture {
-  fs::path root = fs::path(::testing::TempDir()) / "lm_captions";
+  const lm::testing::ScratchDir scratch{"lm_captions"};
+  const fs::path& root = scratch.path;
   io::Tokenizer tok;
   model::ModelConfig cfg;
   Fixture() : tok(make_tok()) {
@@ -164,8 +165,8 @@ TEST(Captions, BatchHoldsWholeCaptionedDocuments) {
 // A tiny joint run: the tower's weights move (its gradient arrives through the splice), the checkpoint is the
 // multimodal layout with the tokenizer's <|image|> as placeholder, and a resumed run repeats the losses exactly.
 TEST(Captions, JointRunTrainsTheTowerAndResumesExactly) {
-  const fs::path root = fs::path(::testing::TempDir()) / "lm_captions_run";
-  fs::remove_all(root);
+  const lm::testing::ScratchDir scratch("lm_captions_run");
+  const fs::path& root = scratch.path;
   fs::create_directories(root);
   write_fashion(root / "fm", "train", 50);
   std::ofstream(root / "mm.json") << multimodal_model().dump();

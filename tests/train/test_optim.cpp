@@ -450,7 +450,8 @@ TEST(Optim, NonFiniteGradientNamesTheParameter) {
 
 TEST(Optim, StateRoundTripIsBitIdentical) {
   const ModelConfig c = micro();
-  const std::string dir = ::testing::TempDir() + "/optim_state";
+  const lm::testing::ScratchDir scratch("optim_state");
+  const std::string dir = scratch.path.string();
   std::filesystem::create_directories(dir);
   for (const char* kind : {"muon", "adamw"}) {
     OptimConfig oc;

@@ -11,6 +11,7 @@
 #include "core/error.hpp"
 #include "io/json.hpp"
 #include "model/cuda/gpu_model.hpp"
+#include "testing.hpp"
 #include "train/tiny_run.hpp"
 #include "train/trainer.hpp"
 
@@ -24,8 +25,8 @@ using tiny::tiny_gpu_run;
 
 TEST(TrainCuda, LossFallsResumesAndContinuesOnTheCpu) {
   if (!lm::model::cuda::available()) GTEST_SKIP() << "no CUDA device";
-  const fs::path root = fs::path(::testing::TempDir()) / "lm_train_cuda";
-  fs::remove_all(root);
+  const lm::testing::ScratchDir scratch("lm_train_cuda");
+  const fs::path& root = scratch.path;
   TrainOptions gpu;
   gpu.quiet = true, gpu.device = "cuda";
   const TrainResult full = lm::train::train(tiny_gpu_run(root, (root / "full").string()), gpu);

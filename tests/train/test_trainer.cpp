@@ -20,6 +20,7 @@
 #include "model/cuda/gpu_model.hpp"
 #include "train/run_dir.hpp"
 #include "train/trainer.hpp"
+#include "testing.hpp"
 #include "train/tiny_run.hpp"
 
 namespace fs = std::filesystem;
@@ -68,8 +69,8 @@ RunConfig tiny_passkey_run(const fs::path& root, const std::string& out, double 
 // --device is checked before anything is written: an unknown device, Muon on the GPU (AdamW only there), and,
 // on a machine without a GPU, cuda itself.
 TEST(Trainer, DeviceChecksComeFirst) {
-  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_device";
-  fs::remove_all(root);
+  const lm::testing::ScratchDir scratch("lm_trainer_device");
+  const fs::path& root = scratch.path;
   TrainOptions o;
   o.quiet = true;
   o.device = "tpu";
@@ -88,8 +89,8 @@ TEST(Trainer, DeviceChecksComeFirst) {
 }
 
 TEST(Trainer, LossFallsAndResumeIsExact) {
-  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer";
-  fs::remove_all(root);
+  const lm::testing::ScratchDir scratch("lm_trainer");
+  const fs::path& root = scratch.path;
   TrainOptions quiet;
   quiet.quiet = true;
   const RunConfig full_cfg = tiny_run(root, (root / "full").string());
@@ -131,8 +132,8 @@ TEST(Trainer, LossFallsAndResumeIsExact) {
 // (whose position is still in the previous stage's stream) and across a stage switch; the synthetic
 // share is as configured; the held-out side (unigram baseline) is the corpus' alone.
 TEST(Trainer, PasskeyDocumentsResumeExactly) {
-  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_passkey";
-  fs::remove_all(root);
+  const lm::testing::ScratchDir scratch("lm_trainer_passkey");
+  const fs::path& root = scratch.path;
   TrainOptions quiet;
   quiet.quiet = true;
   const double f = 0.2;
@@ -204,8 +205,8 @@ TEST(Trainer, PasskeyDocumentsResumeExactly) {
 // from inside a stage and across the stage switch, its summary names the share, and resuming with another share is
 // refused.
 TEST(Trainer, MultiNeedleSequencesResumeExactly) {
-  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_multi_needle";
-  fs::remove_all(root);
+  const lm::testing::ScratchDir scratch("lm_trainer_multi_needle");
+  const fs::path& root = scratch.path;
   auto run = [&](const std::string& out, double multi, double passkey = 0.2, double answer_weight = 20) {
     RunConfig c = tiny_passkey_run(root, (root / out).string(), passkey);
     c.stages[0].seq_len = 512, c.stages[0].tokens = 4096, c.stages[0].batch_seqs = 4;
@@ -254,8 +255,8 @@ TEST(Trainer, MultiNeedleSequencesResumeExactly) {
 }
 
 TEST(Trainer, KillDuringSaveKeepsThePreviousCheckpoint) {
-  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_kill";
-  fs::remove_all(root);
+  const lm::testing::ScratchDir scratch("lm_trainer_kill");
+  const fs::path& root = scratch.path;
   RunConfig cfg = tiny_run(root, (root / "run").string());
   io::write_file_atomic((root / "run.json").string(), cfg.to_json().dump());
   // The child dies inside the save at step 8 (the save at step 4 completed).
@@ -276,8 +277,8 @@ TEST(Trainer, KillDuringSaveKeepsThePreviousCheckpoint) {
 // "eval_retrieval": when training ends, each stage's checkpoint is measured and its results written beside it
 // (stage-<i>/retrieval.jsonl); a resumed run measures only the stages that have none yet.
 TEST(Trainer, RetrievalOfEveryStageIsWrittenBesideIt) {
-  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_retrieval";
-  fs::remove_all(root);
+  const lm::testing::ScratchDir scratch("lm_trainer_retrieval");
+  const fs::path& root = scratch.path;
   RunConfig cfg = tiny_run(root, (root / "run").string());
   io::json j = cfg.to_json();
   j["eval_retrieval"] = {{"passkey", {512}}, {"multi_needle", {512}}, {"trials", 2}, {"needles", 2}};
@@ -400,8 +401,8 @@ TEST(Trainer, AKillAtEverySyscallOfASaveResumes) {
   GTEST_SKIP() << "too slow under the sanitizers (one process pair per syscall)";
 #endif
   if (std::system("strace -V > /dev/null 2>&1") != 0) GTEST_SKIP() << "strace is not installed (scripts/deps.sh)";
-  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_strace";
-  fs::remove_all(root);
+  const lm::testing::ScratchDir scratch("lm_trainer_strace");
+  const fs::path& root = scratch.path;
   RunConfig cfg = tiny_run(root, (root / "run").string());
   cfg.max_steps = 4;
   TrainOptions quiet;
@@ -434,8 +435,8 @@ TEST(Trainer, AKillInTheFirstSaveOrInTheLastStagesLinksResumes) {
   GTEST_SKIP() << "too slow under the sanitizers (one process pair per syscall)";
 #endif
   if (std::system("strace -V > /dev/null 2>&1") != 0) GTEST_SKIP() << "strace is not installed (scripts/deps.sh)";
-  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_strace_ends";
-  fs::remove_all(root);
+  const lm::testing::ScratchDir scratch("lm_trainer_strace_ends");
+  const fs::path& root = scratch.path;
   const fs::path run = root / "run";
   RunConfig cfg = tiny_run(root, run.string());
   const std::string train = std::string(LONGMOE_BINARY) + " train --quiet --config " + (root / "run.json").string();
@@ -479,8 +480,8 @@ TEST(Trainer, AKillInTheFirstSaveOrInTheLastStagesLinksResumes) {
 // A run folder belongs to one run (the older run's step numbers sorted after the new ones, so pruning by name once
 // deleted each new checkpoint right after saving it).
 TEST(Trainer, AnOlderRunsFolderIsRefusedOrOverwritten) {
-  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_older";
-  fs::remove_all(root);
+  const lm::testing::ScratchDir scratch("lm_trainer_older");
+  const fs::path& root = scratch.path;
   fs::create_directories(root / "run" / "ckpt" / "step-00000100");
   fs::create_directories(root / "run" / "ckpt" / "step-00000200");
   fs::create_directories(root / "run" / "stage-1");  // a stage the new run does not reach
@@ -510,8 +511,8 @@ TEST(Trainer, AnOlderRunsFolderIsRefusedOrOverwritten) {
 // names: step folders an older run left with later numbers (here beside a resumed run) once made every new
 // checkpoint vanish right after its save, leaving `latest` dangling.
 TEST(Trainer, PruningNeverRemovesTheCheckpointJustWritten) {
-  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_prune";
-  fs::remove_all(root);
+  const lm::testing::ScratchDir scratch("lm_trainer_prune");
+  const fs::path& root = scratch.path;
   RunConfig cfg = tiny_run(root, (root / "run").string());
   cfg.max_steps = 4;
   TrainOptions o;
@@ -535,7 +536,8 @@ TEST(Trainer, PruningNeverRemovesTheCheckpointJustWritten) {
 }
 
 TEST(Trainer, BadRunConfigsAreClearErrors) {
-  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_bad";
+  const lm::testing::ScratchDir scratch("lm_trainer_bad");
+  const fs::path& root = scratch.path;
   io::json j = tiny_run(root, (root / "x").string()).to_json();
   auto expect_error = [&](io::json bad, const std::string& needle) {
     try {
@@ -654,8 +656,8 @@ TEST(Trainer, TrainerStateFieldsAreRangeChecked) {
 // held-out figures of the finished weights) instead of saying there is nothing to resume; with the summary
 // there, there is nothing to resume.
 TEST(Trainer, ResumeFinishesARunWhoseSummaryIsMissing) {
-  const fs::path root = fs::path(::testing::TempDir()) / "lm_trainer_summary";
-  fs::remove_all(root);
+  const lm::testing::ScratchDir scratch("lm_trainer_summary");
+  const fs::path& root = scratch.path;
   RunConfig cfg = tiny_run(root, (root / "run").string());
   cfg.stages.resize(1);
   cfg.stages[0].tokens = 3 * 8 * 32;  // 3 steps
