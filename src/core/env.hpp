@@ -33,6 +33,9 @@ inline constexpr const char* kGgOrder = "LONGMOE_GG_ORDER";
 inline constexpr const char* kGgEpi = "LONGMOE_GG_EPI";
 inline constexpr const char* kGgBn = "LONGMOE_GG_BN";
 inline constexpr const char* kMoeFewRows = "LONGMOE_MOE_FEW_ROWS";
+inline constexpr const char* kGemmFewRows = "LONGMOE_GEMM_FEW_ROWS";
+inline constexpr const char* kPdl = "LONGMOE_PDL";
+inline constexpr const char* kPoisonScratch = "LONGMOE_POISON_SCRATCH";
 inline constexpr const char* kCrashInSaveAtStep = "LONGMOE_CRASH_IN_SAVE_AT_STEP";
 inline constexpr const char* kNccl = "LONGMOE_NCCL";
 inline constexpr const char* kDpBucketMb = "LONGMOE_DP_BUCKET_MB";
@@ -109,6 +112,17 @@ inline bool gg_bn256() { return detail::int_or(kGgBn, 0) == 256; }
 // LONGMOE_MOE_FEW_ROWS=0: the GPU model's decode steps take the wgmma expert GEMMs (ops/moe/cuda/gemm.cu)
 // instead of the few-row ones (few_rows.cu; benchmarks). Read when a decode step is built. Default on.
 inline bool moe_few_rows() { return !detail::first_is(kMoeFewRows, '0'); }
+// LONGMOE_GEMM_FEW_ROWS=N (0..8): dense products x · Wᵀ of at most N rows go to the few-row kernel
+// (ops/gemm/cuda/few_rows.cu), the others to cuBLAS; 0: cuBLAS for all. Default 1: a batch-1 decode step (48B shape,
+// H100: +5% tokens/s at batch 1, equal at 2, -10% at 4 and -19% at 8, where its CUDA-core products fall behind).
+// With 8 a row's bits do not depend on the batch (1..8) it is decoded in.
+inline int gemm_few_rows() { return detail::int_or(kGemmFewRows, 1); }
+// LONGMOE_PDL=0: kernels that support programmatic dependent launch (core/cuda/pdl.cuh) are launched plainly, each
+// starting only after the previous kernel on its stream has ended. Default on.
+inline bool pdl() { return !detail::first_is(kPdl, '0'); }
+// LONGMOE_POISON_SCRATCH=1: every stream-ordered scratch block (cu::malloc_async, core/cuda/device.hpp) is filled
+// with 0xFF bytes before use, so a kernel reading scratch it did not write shows up (a debugging aid). Default off.
+inline bool poison_scratch() { return detail::first_is(kPoisonScratch, '1'); }
 
 // ---- training (train/trainer.cpp) -------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "core/env.hpp"
+
 namespace lm::cu {
 
 // CUDA devices visible to this process; 0 (with the sticky "no device" error cleared) without a device or driver.
@@ -35,10 +37,7 @@ inline int sm_count() {
 // reading whatever the pool's last user left there (a debugging aid; off by default).
 template <class T>
 inline cudaError_t malloc_async(T** p, size_t bytes, cudaStream_t s) {
-  static const bool poison = [] {
-    const char* e = std::getenv("LONGMOE_POISON_SCRATCH");
-    return e && *e && *e != '0';
-  }();
+  static const bool poison = env::poison_scratch();
   const cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(p), bytes, s);
   if (e != cudaSuccess || !poison || bytes == 0) return e;
   return cudaMemsetAsync(*p, 0xFF, bytes, s);

@@ -40,6 +40,30 @@ __device__ __forceinline__ uint32_t tf32(float x) {
   return r;
 }
 
+// ---- streamed weights (the few-row products of decode steps: ops/gemm/cuda, ops/moe/cuda) --------------------
+// 16 bytes read once: past L1, which keeps what the block reads again (the rows of x).
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+// Asks L2 for `bytes` (a multiple of 16, from a 16-byte aligned p) in one bulk request: weights fetched before
+// the kernel waits for its inputs (programmatic dependent launch, core/cuda/pdl.cuh).
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+}
+// acc += Σ_j w_j · x_j over the eight bf16 of w, in order, and the eight floats of x[0..3].
+__device__ __forceinline__ void fma8_bf16(float& acc, const uint4& w, const float2* x) {
+  const uint32_t wu[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 wf = unpack_bf16(wu[j]);
+    acc = fmaf(wf.x, x[j].x, acc), acc = fmaf(wf.y, x[j].y, acc);
+  }
+}
+
 // ---- shared memory, ldmatrix, mma ----------------------------------------------------------------------
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));

@@ -15,6 +15,7 @@
 #include "model/cuda/glue_cuda.hpp"
 #include "core/cuda/check.hpp"
 #include "core/cuda/device.hpp"
+#include "core/cuda/pdl.cuh"
 #include "core/cuda/stream.hpp"
 
 namespace lm::model::cuda {
@@ -75,6 +76,7 @@ __global__ void cast_kernel(const float* x, bf16* y, int64_t n, int64_t nv) {
   for (int64_t i = 8 * nv + t; i < n; i += step) y[i] = __float2bfloat16(x[i]);
 }
 __global__ void add_bf16_kernel(float* y, const float* base, const bf16* x, int64_t n) {
+  lm::cu::pdl_launch_dependents();  // the next projection may start streaming its weights (core/cuda/pdl.cuh)
   const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = t; i < n; i += step) y[i] = base[i] + __bfloat162float(x[i]);
 }
@@ -216,6 +218,7 @@ __device__ __forceinline__ void gate_bwd1(float o, float g, float d, bf16& d_o, 
   d_g = __float2bfloat16(d * o * s * (1.f - s));
 }
 __global__ void gate_fwd_kernel(const bf16* o, const bf16* g, bf16* og, int64_t n, int64_t nv) {
+  lm::cu::pdl_launch_dependents();  // the next projection may start streaming its weights (core/cuda/pdl.cuh)
   const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = t; i < nv; i += step) {
     const V8 a = ld8(o + 8 * i), b = ld8(g + 8 * i);

@@ -87,7 +87,7 @@ void GpuModel::Impl::moe_forward(int64_t i, const void* yn, float* y, const floa
   if (inf.mode == InferState::Mode::Decode && few_rows && Mr <= kFewRowsDecode) {
     sec.emplace(section("moe.experts.fwd"));
     oc::grouped_gemm_glu_few_rows(z, W(X + "w1.weight"), h, nullptr, off, Mr, I, l, E, ga, nullptr, prow, k, ldz);
-    oc::grouped_gemm_few_rows(h, W(X + "w2.weight"), eo, off, Mr, l, I, E);
+    oc::grouped_gemm_few_rows(h, W(X + "w2.weight"), eo, off, Mr, l, I, E, nullptr, true);
   } else {
     void *xs = grow(a.xs, size_t(Mr) * l * 2), *ab = grow(a.eab, size_t(Mr) * 2 * I * 2);
     oc::moe_gather(z, prow, xs, n, k, l, nullptr, ldz);

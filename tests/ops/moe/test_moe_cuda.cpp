@@ -270,6 +270,18 @@ TEST(MoeCuda, FewRowsKernels) {
     EXPECT_LE(e_ref, 5e-3);
     EXPECT_LE(e_mma, 5e-3);
     EXPECT_TRUE(same_rows(gy, gy1, N)) << "a row differs when its expert has other rows";
+    {  // A decode step's chain: the GLU product, then the plain one on its output launched early (offsets_ready,
+       // programmatic dependent launch), bit-equal to the plain one launched after a synchronisation.
+      const int64_t N2 = 2 * K;  // the weights read as [E, 2K, I]
+      Dev gh2(size_t(M * I) * 2), gz_early(size_t(M * N2) * 2), gz_plain(size_t(M * N2) * 2);
+      oc::grouped_gemm_glu_few_rows(gx.p, gw.p, gh2.p, nullptr, go.i(), M, I, K, E, oc::GluArgs{});
+      oc::grouped_gemm_few_rows(gh2.p, gw.p, gz_early.p, go.i(), M, N2, I, E, nullptr, true);
+      kc::synchronize();
+      oc::grouped_gemm_few_rows(gh2.p, gw.p, gz_plain.p, go.i(), M, N2, I, E);
+      kc::synchronize();
+      EXPECT_EQ(down<uint16_t>(gz_early, size_t(M * N2)), down<uint16_t>(gz_plain, size_t(M * N2)))
+          << "the early-launched product differs";
+    }
     // GLU product (W13 = the same weights read as [E, 2I, K]) with the pre-activations kept.
     for (const bool swiglu : {false, true}) {
       const ops::GluParams gp = swiglu ? ops::GluParams::swiglu() : ops::GluParams::situ(4.0, 25.0);

@@ -1,4 +1,5 @@
 // Dense bf16 GEMMs through cuBLAS (row-major wrapper): the model's linear layers and the chunked LM head.
+// x · Wᵀ of one row (a batch-1 decode step; LONGMOE_GEMM_FEW_ROWS up to 8) goes to the few-row kernel (few_rows.cu).
 // On the calling thread's main handle the product goes through cuBLASLt with the algorithm picked per problem
 // (shape, strides, transposes, output type, beta = 0 or not, operand alignments) by timing cuBLASLt's top
 // heuristic candidates once, on a scratch output; cublasGemmEx's default choice trailed the best candidate on
@@ -61,6 +62,11 @@ cublasHandle_t side_handle(void* stream) {
 
 bool use_lt() {
   static const bool v = !env::gemm_cublas();
+  return v;
+}
+
+int64_t few_rows_max() {
+  static const int64_t v = std::clamp<int64_t>(env::gemm_few_rows(), 0, kFewRowsMax);
   return v;
 }
 
@@ -214,6 +220,9 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
     if (beta == 1.f) return;
     check.fail("K == 0 with beta other than 0 or 1");
   }
+  if (!ta && tb && M <= few_rows_max() &&
+      gemm_bf16_few_rows(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, c_type, stream, c_src))
+    return;
   if (use_lt() && !side_handle(stream)) {
     thread_local Lt lt;
     uint32_t ac = alignment(C, ldc * int64_t(esz));

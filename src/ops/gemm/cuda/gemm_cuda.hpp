@@ -18,6 +18,16 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
                const void* B, int64_t ldb, float beta, void* C, int64_t ldc, DType c_type, void* stream = nullptr,
                const void* c_src = nullptr);
 
+// The few-row product (few_rows.cu) that gemm_bf16 takes for x · Wᵀ of one row (a batch-1 decode step; up to
+// kFewRowsMax rows with LONGMOE_GEMM_FEW_ROWS, core/env.hpp):
+//   y [M, N] = alpha · x [M, K] · W [N, K]ᵀ + beta · base   (base: nullable, then y itself; unread at beta 0)
+// Launched for programmatic dependent launch (core/cuda/pdl.cuh). Returns false, doing nothing, where it does not
+// apply (M outside 1..kFewRowsMax, K or a row stride not a multiple of 8, x or W not 16-byte aligned).
+constexpr int64_t kFewRowsMax = 8;
+bool gemm_bf16_few_rows(int64_t M, int64_t N, int64_t K, float alpha, const void* x, int64_t ldx, const void* W,
+                        int64_t ldw, float beta, void* y, int64_t ldy, DType y_type, void* stream = nullptr,
+                        const void* base = nullptr);
+
 // Grouped: C_g = alpha · op(A_g) · op(B_g) + beta · C_g for every group g, each with its own sizes and pointers
 // (row-major, strides as above; same transposes, alpha, beta and C dtype for all). One product per group, spread
 // over a few side streams that the caller's stream then waits for; groups with M, N or K of 0 are skipped.

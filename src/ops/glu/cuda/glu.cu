@@ -14,6 +14,7 @@
 #include <string>
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/pdl.cuh"
 #include "core/cuda/stream.hpp"
 #include "ops/glu/cuda/glu_cuda.hpp"
 
@@ -98,6 +99,7 @@ __device__ __forceinline__ float to_f(float v) { return v; }
 // VEC 8 or 1 columns per work item; items = rows · I / VEC, grid-stride.
 template <int MODE, int VEC>
 __global__ void glu_fwd_kernel(const bf16* ab, bf16* h, int64_t rows, int64_t I, int64_t lda, Consts c) {
+  lm::cu::pdl_launch_dependents();  // the next projection may start streaming its weights (core/cuda/pdl.cuh)
   const int64_t per_row = I / VEC, n = rows * per_row;
   for (int64_t it = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; it < n; it += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = it / per_row, j = (it - r * per_row) * VEC;

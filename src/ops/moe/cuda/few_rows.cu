@@ -19,6 +19,7 @@
 
 #include "core/cuda/check.hpp"
 #include "core/cuda/mma.cuh"
+#include "core/cuda/pdl.cuh"
 #include "core/cuda/stream.hpp"
 #include "ops/moe/cuda/glu_epilogue.cuh"
 #include "ops/moe/cuda/moe_cuda.hpp"
@@ -38,25 +39,8 @@ struct FewRowsParams {
   bf16* ab;             // GLU only, nullable: the pre-activations [M, 2I], a then b columns
   int E, N, K, Nw;      // Nw weight rows per expert (N, or 2I for GLU)
   GluConsts glu;
+  bool early;           // plain product only: launched for programmatic dependent launch, offsets ready
 };
-
-// The weights are read once: past L1 (it keeps the rows of x, which every warp of the block reads).
-__device__ __forceinline__ uint4 load_stream(const bf16* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-// acc += Σ w_j · x_j over the eight bf16 of w (in order) and eight floats of x.
-__device__ __forceinline__ void fma8(float& acc, const uint4& w, const float2* x) {
-  const uint32_t wu[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 wf = lm::cu::unpack_bf16(wu[j]);
-    acc = fmaf(wf.x, x[j].x, acc), acc = fmaf(wf.y, x[j].y, acc);
-  }
-}
 
 // The s-th expert (in expert order) that has rows, or −1: a block-wide count over the offsets, 256 experts at a
 // time. Every thread returns the same value.
@@ -85,11 +69,18 @@ __device__ int slot_expert(const int32_t* offsets, int E, int s) {
 template <bool GLU>
 __global__ void __launch_bounds__(kThreads, 2) few_rows_kernel(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                                                 const FewRowsParams p) {
+  if (GLU) lm::cu::pdl_launch_dependents();  // the down product may start (below)
+  // With offsets_ready the plain product (the down projection, right after the GLU one) starts while the kernel
+  // before it runs: the offsets were complete before that kernel started, so it reads them and asks L2 for its
+  // weight rows at once, and waits only for x.
   const int e = slot_expert(p.offsets, p.E, blockIdx.y);
-  if (e < 0) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   constexpr int kCols = GLU ? WR / 2 : WR;  // output columns per warp
   const int col0 = (blockIdx.x * kWarps + warp) * kCols;
+  if (!GLU && e >= 0 && col0 < p.N && lane < WR)
+    lm::cu::prefetch_l2(w + (int64_t(e) * p.Nw + col0 + lane) * p.K, uint32_t(p.K) * 2u);
+  if (!GLU) lm::cu::pdl_wait();  // (every thread, before any exit; a no-op when launched plainly)
+  if (e < 0) return;
   if (col0 >= p.N) return;  // (N is a multiple of 8, so a warp's columns are all inside or all outside)
   const bf16* wr[WR];
 #pragma unroll
@@ -115,7 +106,7 @@ __global__ void __launch_bounds__(kThreads, 2) few_rows_kernel(const bf16* __res
     for (int k = lane * 8; k < p.K; k += 256) {
       uint4 wv[WR];
 #pragma unroll
-      for (int i = 0; i < WR; ++i) wv[i] = load_stream(wr[i] + k);
+      for (int i = 0; i < WR; ++i) wv[i] = lm::cu::ld_stream16(wr[i] + k);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (r >= nr) break;
@@ -123,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 2) few_rows_kernel(const bf16* __res
         const float2 xf[4] = {lm::cu::unpack_bf16(xv.x), lm::cu::unpack_bf16(xv.y), lm::cu::unpack_bf16(xv.z),
                               lm::cu::unpack_bf16(xv.w)};
 #pragma unroll
-        for (int i = 0; i < WR; ++i) fma8(acc[r][i], wv[i], xf);
+        for (int i = 0; i < WR; ++i) lm::cu::fma8_bf16(acc[r][i], wv[i], xf);
       }
     }
 #pragma unroll
@@ -170,6 +161,7 @@ void launch(const void* x, const void* w, FewRowsParams p, int64_t M, bool glu, 
   const auto* wb = static_cast<const bf16*>(w);
   const cudaStream_t s = lm::cu::stream(stream);
   if (glu) few_rows_kernel<true><<<grid, kThreads, 0, s>>>(xb, wb, p);
+  else if (p.early) check(lm::cu::launch_pdl(few_rows_kernel<false>, grid, dim3(kThreads), 0, s, xb, wb, p), "launch");
   else few_rows_kernel<false><<<grid, kThreads, 0, s>>>(xb, wb, p);
   check(cudaGetLastError(), "few-row grouped gemm launch");
 }
@@ -180,9 +172,9 @@ void launch(const void* x, const void* w, FewRowsParams p, int64_t M, bool glu, 
 namespace lm::ops::cuda {
 
 void grouped_gemm_few_rows(const void* x, const void* w, void* y, const int32_t* offsets, int64_t M, int64_t N,
-                           int64_t K, int64_t E, void* stream) {
+                           int64_t K, int64_t E, void* stream, bool offsets_ready) {
   detail::FewRowsParams p{offsets, nullptr, 1, 0, static_cast<__nv_bfloat16*>(y), nullptr, int(E), int(N), int(K),
-                          int(N), {}};
+                          int(N), {}, offsets_ready};
   detail::launch(x, w, p, M, false, stream);
 }
 
@@ -192,7 +184,7 @@ void grouped_gemm_glu_few_rows(const void* x, const void* w13, void* h, void* ab
   if (rows && k < 1) detail::check.fail("few-row grouped gemm: k must be positive");
   detail::FewRowsParams p{offsets, rows, int(rows ? k : 1), ldx, static_cast<__nv_bfloat16*>(h),
                           static_cast<__nv_bfloat16*>(ab), int(E), int(I), int(K), int(2 * I),
-                          detail::glu_consts(g.swiglu, g.beta1, g.beta2)};
+                          detail::glu_consts(g.swiglu, g.beta1, g.beta2), false};
   detail::launch(x, w13, p, M, true, stream);
 }
 

@@ -30,11 +30,15 @@ void grouped_gemm_glu(const void* x, const void* w13, void* h, void* ab, const i
 
 // Decode steps (a few rows per expert): the same two products by the few-row kernel (few_rows.cu), which streams
 // each selected expert's weight rows once over all SMs instead of 128-row tensor-core tiles. As with the above, a
-// row's bits do not depend on the other rows, but they are not grouped_gemm's bits: a caller takes one or the other for a kind of step (GpuModel: decode steps), never both for
-// the same rows. The GLU variant can read its rows through the permutation (the gather fused): with `rows`, row r
-// is x[rows[r] / k] of x [m, ldx] (ldx: 0 = K; a multiple of 8).
+// row's bits do not depend on the other rows, but they are not grouped_gemm's bits: a caller takes one or the
+// other for a kind of step (GpuModel: decode steps), never both for the same rows. The GLU variant can read its
+// rows through the permutation (the gather fused): with `rows`, row r is x[rows[r] / k] of x [m, ldx] (ldx: 0 = K;
+// a multiple of 8). offsets_ready: the offsets were complete when the kernel before this one on the stream started
+// (a decode step: the GLU product runs in between); the plain product then starts while that kernel still runs
+// (programmatic dependent launch, core/cuda/pdl.cuh), reads the offsets and asks L2 for its weight rows, and waits
+// only for x.
 void grouped_gemm_few_rows(const void* x, const void* w, void* y, const int32_t* offsets, int64_t M, int64_t N,
-                           int64_t K, int64_t E, void* stream = nullptr);
+                           int64_t K, int64_t E, void* stream = nullptr, bool offsets_ready = false);
 void grouped_gemm_glu_few_rows(const void* x, const void* w13, void* h, void* ab, const int32_t* offsets, int64_t M,
                                int64_t I, int64_t K, int64_t E, const GluArgs& g = {}, void* stream = nullptr,
                                const int32_t* rows = nullptr, int64_t k = 1, int64_t ldx = 0);

@@ -19,6 +19,7 @@
 
 #include "core/cuda/check.hpp"
 #include "core/cuda/device.hpp"
+#include "core/cuda/pdl.cuh"
 #include "core/cuda/stream.hpp"
 #include "ops/moe/cuda/moe_cuda.hpp"
 
@@ -164,6 +165,7 @@ __global__ void gather_kernel(const bf16* x, const int* rows, bf16* xs, int64_t 
 }
 
 __global__ void combine_kernel(const bf16* eo, const float* w, const int* pos, bf16* y, int64_t m, int k, int d) {
+  lm::cu::pdl_launch_dependents();  // the next projection may start streaming its weights (core/cuda/pdl.cuh)
   const int v8 = d / 8;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < m * v8; idx += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i = idx / v8;

@@ -28,6 +28,7 @@
 
 #include "core/cuda/check.hpp"
 #include "core/cuda/device.hpp"
+#include "core/cuda/pdl.cuh"
 #include "core/cuda/stream.hpp"
 #include "core/cuda/reduce.cuh"
 #include "ops/rmsnorm/cuda/rmsnorm_cuda.hpp"
@@ -118,6 +119,7 @@ template <int TPR, int V, bool GATED>
 __global__ void __launch_bounds__(kThreads) fwd_kernel(const void* x, bool xbf, const bf16* gate, const float* w,
                                                        bf16* y, float* rstd, int64_t rows, int D, int64_t ldx,
                                                        int64_t ldy, float eps) {
+  lm::cu::pdl_launch_dependents();  // the next projection may start streaming its weights (core/cuda/pdl.cuh)
   __shared__ float2 red[kThreads / 32];
   constexpr int R = kThreads / TPR;
   const int lane = threadIdx.x % TPR;
