@@ -34,6 +34,7 @@ inline constexpr const char* kGgEpi = "LONGMOE_GG_EPI";
 inline constexpr const char* kGgBn = "LONGMOE_GG_BN";
 inline constexpr const char* kMoeFewRows = "LONGMOE_MOE_FEW_ROWS";
 inline constexpr const char* kGemmFewRows = "LONGMOE_GEMM_FEW_ROWS";
+inline constexpr const char* kGemmFewRowsMma = "LONGMOE_GEMM_FEW_ROWS_MMA";
 inline constexpr const char* kPdl = "LONGMOE_PDL";
 inline constexpr const char* kPoisonScratch = "LONGMOE_POISON_SCRATCH";
 inline constexpr const char* kCrashInSaveAtStep = "LONGMOE_CRASH_IN_SAVE_AT_STEP";
@@ -117,6 +118,10 @@ inline bool moe_few_rows() { return !detail::first_is(kMoeFewRows, '0'); }
 // H100: +5% tokens/s at batch 1, equal at 2, -10% at 4 and -19% at 8, where its CUDA-core products fall behind).
 // With 8 a row's bits do not depend on the batch (1..8) it is decoded in.
 inline int gemm_few_rows() { return detail::int_or(kGemmFewRows, 1); }
+// LONGMOE_GEMM_FEW_ROWS_MMA=1: the few-row product runs on tensor cores (mma.sync over 16 weight rows × the rows of
+// x) instead of CUDA cores (ops/gemm/cuda/few_rows.cu; read at every launch, so a test can take both). Default off
+// until measured.
+inline bool gemm_few_rows_mma() { return detail::first_is(kGemmFewRowsMma, '1'); }
 // LONGMOE_PDL=0: kernels that support programmatic dependent launch (core/cuda/pdl.cuh) are launched plainly, each
 // starting only after the previous kernel on its stream has ended. Default on.
 inline bool pdl() { return !detail::first_is(kPdl, '0'); }

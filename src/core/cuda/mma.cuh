@@ -41,10 +41,11 @@ __device__ __forceinline__ uint32_t tf32(float x) {
 }
 
 // ---- streamed weights (the few-row products of decode steps: ops/gemm/cuda, ops/moe/cuda) --------------------
-// 16 bytes read once: past L1, which keeps what the block reads again (the rows of x).
+// 16 bytes read once: past L1, which keeps what the block reads again (the rows of x). A plain (not .nc) load:
+// ptxas sinks read-only .nc loads down to their first use, past a __syncwarp, which leaves few of a batch in flight.
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <vector>
 
@@ -177,60 +178,65 @@ TEST(GemmCuda, FewRowsAgainstDoubleReferenceAndRowCountInvariant) {
   struct FR {
     int64_t N, K, pad;
   };
-  uint64_t seed = 500;
-  for (const FR& c : {FR{4100, 2304, 0}, FR{36, 1064, 8}, FR{8, 8, 0}, FR{520, 4104, 16}}) {
-    const int64_t ldx = c.K + c.pad, ldw = c.K + c.pad, ldy = c.N + 3;
-    const Vec X = round_bf16(lm::testing::randn<float>(size_t(8 * ldx), seed += 7));
-    const Vec W = round_bf16(lm::testing::randn<float>(size_t(c.N * ldw), seed += 7));
-    const Vec B0 = round_bf16(lm::testing::randn<float>(size_t(8 * ldy), seed += 7));
-    std::vector<double> dot(size_t(8 * c.N));  // x_i · w_j in double, once per case
-    for (int64_t i = 0; i < 8; ++i)
-      for (int64_t j = 0; j < c.N; ++j)
-        for (int64_t k = 0; k < c.K; ++k)
-          dot[size_t(i * c.N + j)] += double(X[size_t(i * ldx + k)]) * W[size_t(j * ldw + k)];
-    Dev dX(X.size() * 2), dW(W.size() * 2);
-    up_bf16(dX, X), up_bf16(dW, W);
-    for (const DType ct : {DType::F32, DType::BF16}) {
-      const size_t es = ct == DType::F32 ? 4 : 2;
-      auto up_c = [&](Dev& d, const Vec& v) { ct == DType::F32 ? up(d, v) : up_bf16(d, v); };
-      auto down_c = [&](const Dev& d) {
-        return ct == DType::F32 ? down<float>(d, B0.size()) : down_bf16(d, B0.size());
-      };
-      Vec row0_alone;
-      for (int64_t M = 1; M <= oc::kFewRowsMax; ++M)
-        for (int mode = 0; mode < 3; ++mode) {  // y = x·Wᵀ; y += 0.5·x·Wᵀ (in place); y = base + x·Wᵀ
-          const float alpha = mode == 1 ? 0.5f : 1.f, beta = mode == 0 ? 0.f : 1.f;
-          Dev dY(B0.size() * es), dBase(B0.size() * es);
-          Vec start(B0.size(), 3.f);
-          if (mode == 1) start = B0;
-          up_c(dY, start), up_c(dBase, B0);
-          ASSERT_TRUE(oc::gemm_bf16_few_rows(M, c.N, c.K, alpha, dX.p, ldx, dW.p, ldw, beta, dY.p, ldy, ct, nullptr,
-                                             mode == 2 ? dBase.p : nullptr));
-          const Vec out = down_c(dY);
-          Vec ref, got;
-          for (int64_t i = 0; i < M; ++i)
-            for (int64_t j = 0; j < c.N; ++j) {
-              const double acc = dot[size_t(i * c.N + j)];
-              ref.push_back(float(alpha * acc + (beta != 0.f ? B0[size_t(i * ldy + j)] : 0.0)));
-              got.push_back(out[size_t(i * ldy + j)]);
-            }
-          for (int64_t i = 0; i < 8; ++i)  // rows past M and columns past N are not written
-            for (int64_t j = 0; j < ldy; ++j)
-              if (i >= M || j >= c.N) {
-                ASSERT_EQ(out[size_t(i * ldy + j)], start[size_t(i * ldy + j)]) << "wrote " << i << "," << j;
+  for (const char* mma : {"0", "1"}) {  // CUDA cores, then tensor cores (read at every launch)
+    ::setenv(env::kGemmFewRowsMma, mma, 1);
+    uint64_t seed = 500;
+    for (const FR& c : {FR{4100, 2304, 0}, FR{36, 1064, 8}, FR{8, 8, 0}, FR{520, 4104, 16}}) {
+      const int64_t ldx = c.K + c.pad, ldw = c.K + c.pad, ldy = c.N + 3;
+      const Vec X = round_bf16(lm::testing::randn<float>(size_t(8 * ldx), seed += 7));
+      const Vec W = round_bf16(lm::testing::randn<float>(size_t(c.N * ldw), seed += 7));
+      const Vec B0 = round_bf16(lm::testing::randn<float>(size_t(8 * ldy), seed += 7));
+      std::vector<double> dot(size_t(8 * c.N));  // x_i · w_j in double, once per case
+      for (int64_t i = 0; i < 8; ++i)
+        for (int64_t j = 0; j < c.N; ++j)
+          for (int64_t k = 0; k < c.K; ++k)
+            dot[size_t(i * c.N + j)] += double(X[size_t(i * ldx + k)]) * W[size_t(j * ldw + k)];
+      Dev dX(X.size() * 2), dW(W.size() * 2);
+      up_bf16(dX, X), up_bf16(dW, W);
+      for (const DType ct : {DType::F32, DType::BF16}) {
+        const size_t es = ct == DType::F32 ? 4 : 2;
+        auto up_c = [&](Dev& d, const Vec& v) { ct == DType::F32 ? up(d, v) : up_bf16(d, v); };
+        auto down_c = [&](const Dev& d) {
+          return ct == DType::F32 ? down<float>(d, B0.size()) : down_bf16(d, B0.size());
+        };
+        Vec row0_alone;
+        for (int64_t M = 1; M <= oc::kFewRowsMax; ++M)
+          for (int mode = 0; mode < 3; ++mode) {  // y = x·Wᵀ; y += 0.5·x·Wᵀ (in place); y = base + x·Wᵀ
+            const float alpha = mode == 1 ? 0.5f : 1.f, beta = mode == 0 ? 0.f : 1.f;
+            Dev dY(B0.size() * es), dBase(B0.size() * es);
+            Vec start(B0.size(), 3.f);
+            if (mode == 1) start = B0;
+            up_c(dY, start), up_c(dBase, B0);
+            ASSERT_TRUE(oc::gemm_bf16_few_rows(M, c.N, c.K, alpha, dX.p, ldx, dW.p, ldw, beta, dY.p, ldy, ct, nullptr,
+                                               mode == 2 ? dBase.p : nullptr));
+            const Vec out = down_c(dY);
+            Vec ref, got;
+            for (int64_t i = 0; i < M; ++i)
+              for (int64_t j = 0; j < c.N; ++j) {
+                const double acc = dot[size_t(i * c.N + j)];
+                ref.push_back(float(alpha * acc + (beta != 0.f ? B0[size_t(i * ldy + j)] : 0.0)));
+                got.push_back(out[size_t(i * ldy + j)]);
               }
-          const double e = err(ref, got);
-          EXPECT_LT(e, ct == DType::F32 ? 1e-5 : 5e-3) << "M " << M << " N " << c.N << " K " << c.K << " mode " << mode;
-          if (mode == 0) {
-            const Vec row0(got.begin(), got.begin() + c.N);
-            if (M == 1) row0_alone = row0;
-            else ASSERT_EQ(row0, row0_alone) << "row 0 changed with " << M << " rows (N " << c.N << ")";
+            for (int64_t i = 0; i < 8; ++i)  // rows past M and columns past N are not written
+              for (int64_t j = 0; j < ldy; ++j)
+                if (i >= M || j >= c.N) {
+                  ASSERT_EQ(out[size_t(i * ldy + j)], start[size_t(i * ldy + j)]) << "wrote " << i << "," << j;
+                }
+            const double e = err(ref, got);
+            EXPECT_LT(e, ct == DType::F32 ? 1e-5 : 5e-3)
+                << mma << " M " << M << " N " << c.N << " K " << c.K << " mode " << mode;
+            if (mode == 0) {
+              const Vec row0(got.begin(), got.begin() + c.N);
+              if (M == 1) row0_alone = row0;
+              else ASSERT_EQ(row0, row0_alone) << "row 0 changed with " << M << " rows (N " << c.N << ")";
+            }
           }
-        }
-      std::printf("few rows N%lld K%lld pad%lld %s: M 1..8 x 3 modes checked\n", (long long)c.N, (long long)c.K,
-                  (long long)c.pad, ct == DType::F32 ? "f32" : "bf16");
+        std::printf("few rows (%s) N%lld K%lld pad%lld %s: M 1..8 x 3 modes checked\n", *mma == '1' ? "mma" : "fma",
+                    (long long)c.N, (long long)c.K, (long long)c.pad, ct == DType::F32 ? "f32" : "bf16");
+      }
     }
   }
+  ::unsetenv(env::kGemmFewRowsMma);
   // Where it does not apply it declines (gemm_bf16 then takes cuBLAS): 9 rows, K or a stride not a multiple of 8.
   Dev d(1 << 16);
   EXPECT_FALSE(oc::gemm_bf16_few_rows(9, 16, 64, 1.f, d.p, 64, d.p, 64, 0.f, d.p, 16, DType::F32));

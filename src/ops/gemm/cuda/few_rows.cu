@@ -52,6 +52,19 @@ struct Params {
   bool f32;  // y and base are fp32 (else bf16)
 };
 
+// y[r, n] = alpha · acc + beta · base[r, n].
+__device__ __forceinline__ void store(const Params& p, int r, int n, float acc) {
+  const int64_t at = r * p.ldy + n;
+  float v = p.alpha * acc;
+  if (p.f32) {
+    if (p.beta != 0.f) v += p.beta * static_cast<const float*>(p.base)[at];
+    static_cast<float*>(p.y)[at] = v;
+  } else {
+    if (p.beta != 0.f) v += p.beta * __bfloat162float(static_cast<const bf16*>(p.base)[at]);
+    static_cast<bf16*>(p.y)[at] = __float2bfloat16(v);
+  }
+}
+
 template <int R>
 __global__ void __launch_bounds__(kThreads) few_rows_kernel(const Params p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -82,11 +95,16 @@ __global__ void __launch_bounds__(kThreads) few_rows_kernel(const Params p) {
       uint4 wv[U][WR];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const int k = (st + u) * kStep + lane * 8;
-        const bool in = st + u < st1 && k < p.K;
+        // (past the split's end or K: a valid address, read and zeroed, so that no load waits behind a branch)
+        const bool in = st + u < st1 && (st + u) * kStep + lane * 8 < p.K;
+        const int k = in ? (st + u) * kStep + lane * 8 : 0;
 #pragma unroll
-        for (int i = 0; i < WR; ++i) wv[u][i] = in ? lm::cu::ld_stream16(wr[i] + k) : make_uint4(0, 0, 0, 0);
+        for (int i = 0; i < WR; ++i) wv[u][i] = lm::cu::ld_stream16(wr[i] + k);
+        if (!in)
+#pragma unroll
+          for (int i = 0; i < WR; ++i) wv[u][i] = make_uint4(0, 0, 0, 0);
       }
+      __syncwarp();  // a fence to the compiler's scheduler too: every load above is issued before the first use
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int k = (st + u) * kStep + lane * 8;
@@ -132,18 +150,76 @@ __global__ void __launch_bounds__(kThreads) few_rows_kernel(const Params p) {
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int i = 0; i < WR; ++i) {
-      if (lane != r * WR + i || r >= p.M || n0 + i >= p.N) continue;
-      const int64_t at = r * p.ldy + n0 + i;
-      float v = p.alpha * acc[r][i];
-      if (p.f32) {
-        if (p.beta != 0.f) v += p.beta * static_cast<const float*>(p.base)[at];
-        static_cast<float*>(p.y)[at] = v;
-      } else {
-        if (p.beta != 0.f) v += p.beta * __bfloat162float(static_cast<const bf16*>(p.base)[at]);
-        static_cast<bf16*>(p.y)[at] = __float2bfloat16(v);
+    for (int i = 0; i < WR; ++i)
+      if (lane == r * WR + i && r < p.M && n0 + i < p.N) store(p, r, n0 + i, acc[r][i]);
+}
+
+// The same product on tensor cores (LONGMOE_GEMM_FEW_ROWS_MMA=1): a warp owns 16 weight rows; per 32 k, lane
+// (g = lane / 4, t = lane % 4) loads k 8t..8t+7 of weight rows g and g + 8 and of x row g (16 bytes each) and two
+// m16n8k16 MMAs take them whole. The MMA reads A and B at the same k positions for each of its 16 "logical" k, so
+// any fixed assignment of physical k to them gives the same sum: logical k {2t, 2t+1, 2t+8, 2t+9} are physical
+// 8t..8t+3 in the first MMA and 8t+4..8t+7 in the second. x's rows are the MMA's 8 columns (rows past M repeat
+// the last and are not stored); an output column depends on its x row alone, so rows keep their bits whatever M.
+// C fragment: lane (g, t) holds weight rows g, g + 8 × x rows 2t, 2t + 1.
+constexpr int kMmaRows = 16, kMmaChunks = 8;  // weight rows per warp; 32-k chunks loaded before any is used
+
+__global__ void __launch_bounds__(kThreads) few_rows_mma_kernel(const Params p) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int G = kWarps / p.S, grp = warp / p.S, s = warp % p.S;
+  const int n0 = (blockIdx.x * G + grp) * kMmaRows;
+  const int chunks = (p.K + 31) / 32, c0 = s * chunks / p.S, c1 = (s + 1) * chunks / p.S;
+  const bool active = n0 < p.N;
+  const bf16* wa = p.w + int64_t(min(n0 + g, p.N - 1)) * p.ldw + 8 * t;
+  const bf16* wb = p.w + int64_t(min(n0 + g + 8, p.N - 1)) * p.ldw + 8 * t;
+  if (active && lane < kMmaRows && n0 + lane < p.N) {
+    const int kb = c0 * 32, ke = min(c1 * 32, p.K);
+    if (ke > kb) lm::cu::prefetch_l2(p.w + int64_t(n0 + lane) * p.ldw + kb, uint32_t(ke - kb) * 2u);
+  }
+  lm::cu::pdl_launch_dependents();
+  lm::cu::pdl_wait();  // x (and base) come from the kernels before this one
+
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  if (active) {
+    const bf16* xr = p.x + int64_t(min(g, p.M - 1)) * p.ldx + 8 * t;
+    for (int c = c0; c < c1; c += kMmaChunks) {
+      uint4 va[kMmaChunks], vb[kMmaChunks], vx[kMmaChunks];
+#pragma unroll
+      for (int u = 0; u < kMmaChunks; ++u) {
+        // (past the split's end or K: a valid address, read and zeroed, so that no load waits behind a branch)
+        const bool in = c + u < c1 && (c + u) * 32 + 8 * t < p.K;
+        const int k = in ? (c + u) * 32 : -8 * t;  // (the rows' first 8 k otherwise)
+        va[u] = lm::cu::ld_stream16(wa + k), vb[u] = lm::cu::ld_stream16(wb + k);
+        vx[u] = __ldg(reinterpret_cast<const uint4*>(xr + k));
+        if (!in) va[u] = vb[u] = vx[u] = make_uint4(0, 0, 0, 0);
+      }
+      __syncwarp();  // a fence to the compiler's scheduler too: every load above is issued before the first MMA
+#pragma unroll
+      for (int u = 0; u < kMmaChunks; ++u) {
+        const uint32_t a0[4] = {va[u].x, vb[u].x, va[u].y, vb[u].y}, a1[4] = {va[u].z, vb[u].z, va[u].w, vb[u].w};
+        lm::cu::mma_bf16(acc, a0, vx[u].x, vx[u].y);
+        lm::cu::mma_bf16(acc, a1, vx[u].z, vx[u].w);
       }
     }
+  }
+  if (p.S > 1) {  // the K splits' sums, added in split order by the group's first warp
+    __shared__ float part[kWarps][32][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) part[warp][lane][j] = acc[j];
+    __syncthreads();
+    if (s != 0) return;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float v = part[warp][lane][j];
+      for (int q = 1; q < p.S; ++q) v += part[warp + q][lane][j];
+      acc[j] = v;
+    }
+  }
+  if (!active) return;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int n = n0 + g + (j >= 2 ? 8 : 0), r = 2 * t + (j & 1);
+    if (r < p.M && n < p.N) store(p, r, n, acc[j]);
+  }
 }
 
 bool aligned16(const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; }
@@ -157,17 +233,20 @@ bool gemm_bf16_few_rows(int64_t M, int64_t N, int64_t K, float alpha, const void
       !aligned16(x) || !aligned16(W) || N >= (int64_t(1) << 31) || K >= (int64_t(1) << 30) ||
       (y_type != DType::F32 && y_type != DType::BF16))
     return false;
-  const int64_t per_split = (N + WR - 1) / WR;  // blocks when one warp takes all of K per WR rows, times kWarps
+  const bool mma = env::gemm_few_rows_mma();
+  const int64_t rows_per_warp = mma ? kMmaRows : WR;
+  const int64_t per_split = (N + rows_per_warp - 1) / rows_per_warp;  // warps' tasks when one warp takes all of K
   const int64_t want = 2 * lm::cu::sm_count();
   int S = 1;
   while (S < kWarps && per_split * S / kWarps < want) S *= 2;
-  const int G = kWarps / S;
+  const int64_t G = kWarps / S;
   Params p{static_cast<const bf16*>(x), static_cast<const bf16*>(W), y, base ? base : y, ldx, ldw, ldy,
            int(M), int(N), int(K), S, alpha, beta, y_type == DType::F32};
-  const dim3 grid(unsigned((N + int64_t(G) * WR - 1) / (int64_t(G) * WR)));
+  const dim3 grid(unsigned((N + G * rows_per_warp - 1) / (G * rows_per_warp)));
   const cudaStream_t st = lm::cu::stream(stream);
   cudaError_t e;
-  if (M == 1) e = lm::cu::launch_pdl(few_rows_kernel<1>, grid, dim3(kThreads), 0, st, p);
+  if (mma) e = lm::cu::launch_pdl(few_rows_mma_kernel, grid, dim3(kThreads), 0, st, p);
+  else if (M == 1) e = lm::cu::launch_pdl(few_rows_kernel<1>, grid, dim3(kThreads), 0, st, p);
   else if (M == 2) e = lm::cu::launch_pdl(few_rows_kernel<2>, grid, dim3(kThreads), 0, st, p);
   else if (M <= 4) e = lm::cu::launch_pdl(few_rows_kernel<4>, grid, dim3(kThreads), 0, st, p);
   else e = lm::cu::launch_pdl(few_rows_kernel<8>, grid, dim3(kThreads), 0, st, p);
