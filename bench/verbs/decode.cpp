@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "bench/verbs/bench.hpp"
+#include "core/env.hpp"
 #include "core/error.hpp"
 #include "core/parallel.hpp"
 #include "core/rng.hpp"
@@ -66,6 +67,9 @@ int run_cuda(const Args& a, const model::ModelConfig& cfg, const model::Model<fl
               static_cast<long>(a.batch), weight_gib, g.cache_bytes() / 1048576.0, static_cast<long>(1 + a.batch),
               static_cast<long>(max_tokens));
   std::printf("device copy bandwidth (read + write) %.2f TB/s, measured in this run\n", bw / 1e12);
+  std::printf("dense products of up to %d row(s) on the few-row kernel (%s cores), programmatic dependent launch %s "
+              "(LONGMOE_GEMM_FEW_ROWS, LONGMOE_GEMM_FEW_ROWS_MMA, LONGMOE_PDL)\n",
+              env::gemm_few_rows(), env::gemm_few_rows_mma() ? "tensor" : "CUDA", env::pdl() ? "on" : "off");
   std::printf("%9s %11s %11s %8s %9s %9s %7s %10s %6s | %s\n", "context", "prefill t/s", "decode t/s", "ms/step",
               "GB/step", "TB/s", "of copy", "eager t/s", "ratio", "eager synchronised ms/step: kda mla ffn attnres");
   using Clock = std::chrono::steady_clock;
