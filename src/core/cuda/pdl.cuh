@@ -2,7 +2,8 @@
 // Programmatic dependent launch (Hopper): a kernel launched by launch_pdl may start while the kernel before it on
 // the stream is still running, and do what does not depend on it (a decode step's weight loads: the weights are
 // not written by the step) before it waits. Without it every kernel of a small step pays its ramp-up and its
-// predecessor's tail: a few microseconds each, a third of a batch-1 decode step of ~170 kernels.
+// predecessor's tail (a batch-1 decode step runs ~160 kernels; on the few-row products alone it gave +3.6%
+// tokens/s, session 44, H100).
 //
 // The contract, on both sides:
 //   - a kernel launched by launch_pdl calls pdl_wait() in every thread before it reads anything an earlier kernel
