@@ -4,7 +4,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "core/env.hpp"
 

@@ -55,6 +55,10 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
 }
+// The eight bf16 of v as four float pairs, in order.
+__device__ __forceinline__ void unpack8_bf16(const uint4& v, float2 (&f)[4]) {
+  f[0] = unpack_bf16(v.x), f[1] = unpack_bf16(v.y), f[2] = unpack_bf16(v.z), f[3] = unpack_bf16(v.w);
+}
 // acc += Σ_j w_j · x_j over the eight bf16 of w, in order, and the eight floats of x[0..3].
 __device__ __forceinline__ void fma8_bf16(float& acc, const uint4& w, const float2* x) {
   const uint32_t wu[4] = {w.x, w.y, w.z, w.w};

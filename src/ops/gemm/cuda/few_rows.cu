@@ -30,6 +30,7 @@
 #include "core/cuda/device.hpp"
 #include "core/cuda/mma.cuh"
 #include "core/cuda/pdl.cuh"
+#include "core/cuda/reduce.cuh"
 #include "core/cuda/stream.hpp"
 #include "core/env.hpp"
 #include "ops/gemm/cuda/gemm_cuda.hpp"
@@ -113,8 +114,8 @@ __global__ void __launch_bounds__(kThreads) few_rows_kernel(const Params p) {
         for (int r = 0; r < R; ++r) {
           if (r >= p.M) break;
           const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xr[r] + k));
-          const float2 xf[4] = {lm::cu::unpack_bf16(xv.x), lm::cu::unpack_bf16(xv.y), lm::cu::unpack_bf16(xv.z),
-                                lm::cu::unpack_bf16(xv.w)};
+          float2 xf[4];
+          lm::cu::unpack8_bf16(xv, xf);
 #pragma unroll
           for (int i = 0; i < WR; ++i) lm::cu::fma8_bf16(acc[r][i], wv[u][i], xf);
         }
@@ -125,8 +126,7 @@ __global__ void __launch_bounds__(kThreads) few_rows_kernel(const Params p) {
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int i = 0; i < WR; ++i)
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc[r][i] += __shfl_xor_sync(0xffffffffu, acc[r][i], off);
+      acc[r][i] = lm::cu::warp_sum(acc[r][i]);
   if (p.S > 1) {  // the K splits' sums, added in split order by the group's first warp
     __shared__ float part[kWarps][R][WR];
     if (lane == 0)

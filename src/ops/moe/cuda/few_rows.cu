@@ -20,6 +20,7 @@
 #include "core/cuda/check.hpp"
 #include "core/cuda/mma.cuh"
 #include "core/cuda/pdl.cuh"
+#include "core/cuda/reduce.cuh"
 #include "core/cuda/stream.hpp"
 #include "ops/moe/cuda/glu_epilogue.cuh"
 #include "ops/moe/cuda/moe_cuda.hpp"
@@ -111,8 +112,8 @@ __global__ void __launch_bounds__(kThreads, 2) few_rows_kernel(const bf16* __res
       for (int r = 0; r < R; ++r) {
         if (r >= nr) break;
         const uint4 xv = __ldg(reinterpret_cast<const uint4*>(xr[r] + k));
-        const float2 xf[4] = {lm::cu::unpack_bf16(xv.x), lm::cu::unpack_bf16(xv.y), lm::cu::unpack_bf16(xv.z),
-                              lm::cu::unpack_bf16(xv.w)};
+        float2 xf[4];
+        lm::cu::unpack8_bf16(xv, xf);
 #pragma unroll
         for (int i = 0; i < WR; ++i) lm::cu::fma8_bf16(acc[r][i], wv[i], xf);
       }
@@ -121,8 +122,7 @@ __global__ void __launch_bounds__(kThreads, 2) few_rows_kernel(const bf16* __res
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int i = 0; i < WR; ++i)
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc[r][i] += __shfl_xor_sync(0xffffffffu, acc[r][i], off);
+        acc[r][i] = lm::cu::warp_sum(acc[r][i]);
     // Lane r·WR + i writes row rb + r, weight row i (GLU: lanes i < 2, output column col0 + i).
 #pragma unroll
     for (int r = 0; r < R; ++r)
